@@ -1,0 +1,3 @@
+from cactus_cli.cli import main
+
+main()

@@ -1,0 +1,45 @@
+"""The Typer app. Commands live in cactus_cli/commands/, one module each; heavy imports
+(torch, transformers) happen inside the commands so `cactus --help` answers at once."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from cactus_cli import __version__
+
+app = typer.Typer(
+    name="cactus",
+    help="Speculative decoding with the Cactus acceptance rule: a small draft model proposes, "
+    "a large verifier checks, and a divergence budget (delta) trades fidelity for speed.",
+    no_args_is_help=True,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"cactus {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        Optional[bool],
+        typer.Option("--version", "-V", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = None,
+) -> None:
+    """Speculative decoding with the Cactus acceptance rule."""
+
+
+from cactus_cli.commands import register  # noqa: E402  (commands need `app` defined)
+
+register(app)
+
+
+def main() -> None:
+    app()

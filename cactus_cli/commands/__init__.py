@@ -1,0 +1,31 @@
+"""One module per command; each exposes ``register(app)``. Keep these imports light."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+import typer
+
+from cactus_cli.errors import CactusError
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """The CLI edge: a CactusError becomes one line on stderr and exit code 2, never a traceback."""
+    try:
+        yield
+    except CactusError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(err.exit_code) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(130) from None
+
+
+def register(app: typer.Typer) -> None:
+    from cactus_cli.commands import generate, profiles
+
+    for module in (generate, profiles):
+        module.register(app)

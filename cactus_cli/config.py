@@ -1,0 +1,248 @@
+"""Settings: the one place defaults live, YAML profiles, and precedence
+(built-in defaults < profile file < command-line flags), resolved once.
+
+A profile is a YAML mapping whose keys are the fields of ``Settings`` (see profiles/*.yaml).
+Unknown keys and wrong types are errors naming the file, the line and the key.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from cactus_cli.errors import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+RULE_PARAM_KEYS = ("divergence", "epsilon", "alpha", "topk")  # rule parameters other than delta
+
+
+@dataclass
+class Settings:
+    """Everything a run needs besides the prompt. Field defaults are the built-in defaults."""
+
+    description: str = ""
+    verifier: str | None = None  # model source: hub id, local folder, .gguf file, or "embedded:NAME"
+    draft: str | None = None  # None: the verifier alone (autoregressive)
+    tokenizer: str | None = None  # tokenizer source for both models (default: the verifier's)
+    rule: str = "cactus"
+    delta: float = 1.0  # divergence budget, for cactus and cactus-exact
+    rule_params: dict[str, Any] = field(default_factory=dict)  # divergence, epsilon, alpha, topk
+    num_draft_tokens: int = 4
+    temperature: float = 0.6
+    top_k: int = 20
+    top_p: float = 0.95
+    max_tokens: int = 256
+    seed: int | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    chat_template: bool | None = None  # None: use the tokenizer's chat template when it has one
+    system: str | None = None
+    stop: list[str] = field(default_factory=list)
+    calibration: dict[str, Any] | None = None  # written by `cactus calibrate`
+
+    def rule_kwargs(self) -> dict[str, Any]:
+        """The validated parameters of ``self.rule`` (delta only for the rules that take it)."""
+        from cactus_cli.acceptance import RULES, resolve_params
+
+        spec = RULES.get(self.rule)
+        if spec is None:
+            raise ConfigError(f"unknown rule {self.rule!r}; choose one of: {', '.join(RULES)}")
+        names = spec.param_names()
+        kwargs = {k: v for k, v in self.rule_params.items() if k in names}
+        if "delta" in names:
+            kwargs["delta"] = self.delta
+        try:
+            return resolve_params(self.rule, kwargs)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "description": (str,),
+    "verifier": (str, type(None)),
+    "draft": (str, type(None)),
+    "tokenizer": (str, type(None)),
+    "rule": (str,),
+    "delta": (int, float),
+    "rule_params": (dict,),
+    "num_draft_tokens": (int,),
+    "temperature": (int, float),
+    "top_k": (int,),
+    "top_p": (int, float),
+    "max_tokens": (int,),
+    "seed": (int, type(None)),
+    "device": (str,),
+    "dtype": (str,),
+    "chat_template": (bool, type(None)),
+    "system": (str, type(None)),
+    "stop": (list,),
+    "calibration": (dict, type(None)),
+}
+assert set(_TYPES) == {f.name for f in fields(Settings)}
+
+
+def _type_name(types: tuple[type, ...]) -> str:
+    names = {str: "a string", int: "an integer", float: "a number", bool: "true/false", dict: "a mapping",
+             list: "a list", type(None): "null"}
+    return " or ".join(dict.fromkeys(names[t] for t in types if not (t is int and float in types)))
+
+
+def check_value(key: str, value: Any) -> str | None:
+    """Why ``value`` is not valid for ``key``, or None. Types first, then ranges."""
+    types = _TYPES[key]
+    if isinstance(value, bool) and bool not in types:
+        return f"must be {_type_name(types)}, got {value!r}"
+    if not isinstance(value, types):
+        return f"must be {_type_name(types)}, got {value!r}"
+    if value is None:
+        return None
+    if key == "delta" and not (math.isfinite(value) and value >= 0):
+        return f"must be a finite number >= 0, got {value!r}"
+    if key == "num_draft_tokens" and not 1 <= value <= 64:
+        return f"must be an integer in 1..64, got {value!r}"
+    if key == "temperature" and not (math.isfinite(value) and value >= 0):
+        return f"must be a number >= 0 (0 = greedy), got {value!r}"
+    if key == "top_k" and value < 0:
+        return f"must be an integer >= 0 (0 = off), got {value!r}"
+    if key == "top_p" and not 0 < value <= 1:
+        return f"must be a number in (0, 1], got {value!r}"
+    if key == "max_tokens" and value < 1:
+        return f"must be an integer >= 1, got {value!r}"
+    if key == "device" and value not in DEVICES and not value.startswith("cuda:"):
+        return f"must be one of {', '.join(DEVICES)} or cuda:N, got {value!r}"
+    if key == "dtype" and value not in DTYPES:
+        return f"must be one of {', '.join(DTYPES)}, got {value!r}"
+    if key == "rule":
+        from cactus_cli.acceptance import RULES
+
+        if value not in RULES:
+            return f"must be one of {', '.join(RULES)}, got {value!r}"
+    if key == "rule_params":
+        unknown = sorted(set(value) - set(RULE_PARAM_KEYS))
+        if unknown:
+            return f"has unknown parameter {unknown[0]!r} (known: {', '.join(RULE_PARAM_KEYS)})"
+    if key == "stop" and not all(isinstance(s, str) and s for s in value):
+        return "must be a list of non-empty strings"
+    return None
+
+
+def build_settings(*layers: dict[str, Any], origin: str = "settings") -> Settings:
+    """Defaults, then each layer in order (later wins). Keys with value ``...`` are skipped."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if value is ...:
+                continue
+            if key == "rule_params":
+                merged[key] = {**merged.get(key, {}), **value}
+            else:
+                merged[key] = value
+    for key, value in merged.items():
+        if key not in _TYPES:
+            raise ConfigError(f"{origin}: unknown key {key!r}")
+        problem = check_value(key, value)
+        if problem:
+            raise ConfigError(f"{origin}: {key} {problem}")
+    settings = Settings(**merged)
+    if isinstance(settings.delta, int):
+        settings.delta = float(settings.delta)
+    settings.rule_kwargs()  # validates the rule's parameters now, not mid-generation
+    return settings
+
+
+# --------------------------------------------------------------------------- profiles
+
+
+def cactus_home() -> Path | None:
+    home = os.environ.get("CACTUS_HOME")
+    return Path(home).expanduser() if home else None
+
+
+def user_profile_dir() -> Path:
+    home = cactus_home()
+    return home / "profiles" if home else Path("~/.config/cactus/profiles").expanduser()
+
+
+def builtin_profile_dir() -> Path:
+    """profiles/ beside the package in a checkout; share/cactus/profiles in an installed wheel."""
+    here = Path(__file__).resolve().parent.parent / "profiles"
+    if here.is_dir():
+        return here
+    return Path(sys.prefix) / "share" / "cactus" / "profiles"
+
+
+def list_profiles() -> list[tuple[str, Path, str]]:
+    """(name, path, origin) for every profile; a user profile shadows a built-in of the same name."""
+    found: dict[str, tuple[str, Path, str]] = {}
+    for origin, folder in (("built-in", builtin_profile_dir()), ("user", user_profile_dir())):
+        if folder.is_dir():
+            for path in sorted(folder.glob("*.yaml")):
+                found[path.stem] = (path.stem, path, origin)
+    return sorted(found.values())
+
+
+def find_profile(name_or_path: str) -> Path:
+    path = Path(name_or_path).expanduser()
+    if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
+        if not path.is_file():
+            raise ConfigError(f"profile file {name_or_path} does not exist")
+        return path
+    for name, p, _ in list_profiles():
+        if name == name_or_path:
+            return p
+    names = ", ".join(n for n, _, _ in list_profiles()) or "none"
+    raise ConfigError(
+        f"unknown profile {name_or_path!r} (available: {names}; user profiles live in {user_profile_dir()})"
+    )
+
+
+def load_profile(name_or_path: str) -> tuple[dict[str, Any], Path]:
+    """Read and check a profile file: a mapping of known keys with valid values, nothing else."""
+    import yaml
+
+    path = find_profile(name_or_path)
+    text = path.read_text(encoding="utf-8")
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+    if data is None:
+        return {}, path
+    if not isinstance(data, dict) or node is None:
+        raise ConfigError(f"{path}: a profile must be a YAML mapping of settings")
+    lines = {k.value: k.start_mark.line + 1 for k, _ in node.value if hasattr(k, "value")}
+    for key, value in data.items():
+        where = f"{path}:{lines.get(key, '?')}"
+        if key not in _TYPES:
+            raise ConfigError(f"{where}: unknown key {key!r} (known keys: {', '.join(_TYPES)})")
+        problem = check_value(key, value)
+        if problem:
+            raise ConfigError(f"{where}: {key} {problem}")
+    return data, path
+
+
+def resolve_settings(profile: str | None, flags: dict[str, Any]) -> Settings:
+    """Built-in defaults < profile (``default`` when none is named and it exists) < flags.
+    ``flags`` maps Settings keys to values; ``...`` (Ellipsis) means not given."""
+    layers: list[dict[str, Any]] = []
+    origin = "command line"
+    name = profile
+    if name is None and any(n == "default" for n, _, _ in list_profiles()):
+        name = "default"
+    if name is not None:
+        data, path = load_profile(name)
+        layers.append(data)
+        origin = f"{path} + command line"
+    layers.append(flags)
+    return build_settings(*layers, origin=origin)

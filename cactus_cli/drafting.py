@@ -1,0 +1,128 @@
+"""Drafting behind a small interface: propose k tokens with their probabilities, then be told
+how many were accepted. The draft model is the first implementation; prompt lookup or
+early-exit drafters would implement the same three methods."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from cactus_cli.models import LoadedModel
+from cactus_cli.sampling import SamplingParams, probs_from_logits, sample
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [k] int64, on the drafter's device
+    probs: torch.Tensor | None  # [k, V] float32 draft probabilities; None when greedy
+
+
+class Drafter(Protocol):
+    forward_passes: int
+
+    def start(self, prefix: list[int]) -> None:
+        """Begin a sequence; ``prefix`` is every token so far (the prompt)."""
+
+    def propose(self, k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        """Draft k tokens continuing the sequence."""
+
+    def accept(self, num_accepted: int, new_tokens: list[int]) -> None:
+        """The verifier kept ``num_accepted`` of the last proposal; ``new_tokens`` is everything
+        the sequence grew by (the accepted drafts and the correction or bonus token)."""
+
+
+class CachedLM:
+    """A causal LM and its KV cache: feed new tokens, read logits, crop back. The one place
+    a model is called, so forward passes are counted here."""
+
+    def __init__(self, lm: LoadedModel, vocab_size: int):
+        self.lm = lm
+        self.vocab_size = vocab_size
+        self.cache = None
+        self.forward_passes = 0
+        # transformers 5 renamed past_key_values to cache (argument and output alike)
+        self._cache_arg = "cache" if "cache" in inspect.signature(lm.model.forward).parameters else "past_key_values"
+
+    def reset(self) -> None:
+        self.cache = None
+
+    @property
+    def cache_len(self) -> int:
+        return 0 if self.cache is None else int(self.cache.get_seq_length())
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor | list[int], keep: int) -> torch.Tensor:
+        """Append ``ids`` [L] to the cache; return the last ``keep`` logits rows [keep, V]."""
+        ids = torch.as_tensor(ids, dtype=torch.int64, device=self.lm.device).view(1, -1)
+        out = self.lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{self._cache_arg: self.cache})
+        self.cache = out[self._cache_arg]
+        self.forward_passes += 1
+        return out.logits[0, -keep:, : self.vocab_size]  # padded embedding rows are never tokens
+
+    def crop(self, length: int) -> None:
+        extra = self.cache_len - length
+        if extra > 0:
+            self.cache.crop(-extra)  # negative: remove from the end (transformers 4.x and 5.x alike)
+
+
+class DraftModelDrafter:
+    """Drafts with a small causal LM sharing the verifier's tokenizer.
+
+    Its cache holds the sequence minus ``pending`` tokens; the next proposal feeds ``pending``
+    (1 token, or 2 after a full acceptance: the last draft and the bonus) in its first
+    forward, so no forward pass is spent only on catching up."""
+
+    def __init__(self, lm: LoadedModel, vocab_size: int):
+        self.runner = CachedLM(lm, vocab_size)
+        self.pending: list[int] = []  # sequence tokens not yet in the cache
+        self.seq_len = 0  # length of the sequence so far
+        self._k = 0  # size of the last proposal
+
+    @property
+    def forward_passes(self) -> int:
+        return self.runner.forward_passes
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.lm.device
+
+    def start(self, prefix: list[int]) -> None:
+        self.runner.reset()
+        if len(prefix) > 1:
+            self.runner.forward(prefix[:-1], keep=1)
+        self.pending = prefix[-1:]
+        self.seq_len = len(prefix)
+
+    @torch.inference_mode()
+    def propose(self, k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        self._k = k
+        tokens, probs = [], []
+        feed: torch.Tensor | list[int] = self.pending
+        for _ in range(k):
+            logits = self.runner.forward(feed, keep=1)[-1]  # [V]
+            if sp.greedy:
+                tok = logits.argmax(-1, keepdim=True)  # [1]
+            else:
+                p = probs_from_logits(logits, sp)  # [V]
+                tok = sample(p.unsqueeze(0), generator)  # [1]
+                probs.append(p)
+            tokens.append(tok)
+            feed = tok  # the last drafted token is never fed: the verifier decides what follows
+        if not tokens:
+            return Proposal(torch.zeros(0, dtype=torch.int64, device=self.device), None)
+        self.pending = []
+        return Proposal(torch.cat(tokens), torch.stack(probs) if probs else None)
+
+    def accept(self, num_accepted: int, new_tokens: list[int]) -> None:
+        if self._k == 0:  # nothing was fed this step
+            self.pending = self.pending + new_tokens
+        else:
+            # the cache holds the old sequence + the first k-1 drafts; keep the ones that stayed
+            fed = min(num_accepted, self._k - 1)
+            self.runner.crop(self.seq_len + fed)
+            self.pending = new_tokens[fed:]
+        self.seq_len += len(new_tokens)
+        self._k = 0

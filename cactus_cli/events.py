@@ -1,0 +1,40 @@
+"""The step event: one record per verification step, the only thing commands see of the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+ExtraKind = Literal["correction", "bonus", "verifier"]  # verifier: autoregressive step, no drafts
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A piece of emitted text and where its token came from."""
+
+    text: str
+    kind: Literal["accepted", "correction", "bonus", "verifier"]
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    num_drafted: int  # k for this step (may shrink near max_tokens or the context limit)
+    accepted: tuple[int, ...]  # draft tokens the verifier kept
+    rejected: tuple[int, ...]  # draft tokens thrown away
+    extra: int  # the correction (after a rejection), the bonus (all accepted), or the verifier's token
+    extra_kind: ExtraKind
+    emitted: tuple[int, ...]  # tokens added to the output (accepted + extra, cut at EOS/stop/max_tokens)
+    pieces: tuple[Piece, ...]  # the text those tokens added, one piece per token
+    rejected_text: tuple[str, ...]  # the rejected drafts as text, for the live view
+    draft_seconds: float
+    verify_seconds: float
+    prefill_seconds: float  # non-zero on the first step only
+    elapsed: float  # seconds since generation started, at the end of this step
+    draft_forward_passes: int  # model calls this step (prefill counted on the first step)
+    verifier_forward_passes: int
+    prompt_tokens: int
+    finish_reason: str | None = None  # "eos", "stop", "length", "context" on the last step
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.pieces)

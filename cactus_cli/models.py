@@ -1,0 +1,189 @@
+"""Model sources: resolve a name (hub id, local folder, .gguf file, embedded pair), load it with
+transformers, pick device and dtype, and check that draft and verifier share a tokenizer."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cactus_cli.errors import ModelError
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers PreTrainedModel, in eval mode
+    source: str  # what the user named
+    path: str  # what was loaded
+    device: torch.device
+    dtype: torch.dtype
+    context_length: int  # max positions the model supports
+    logits_width: int  # rows of the output embedding (may exceed the tokenizer: padded rows)
+    load_seconds: float = 0.0
+
+
+@dataclass
+class ModelPair:
+    verifier: LoadedModel
+    draft: LoadedModel | None
+    tokenizer: Any
+    vocab_size: int  # len(tokenizer): logits are cut to this many columns
+
+
+# --------------------------------------------------------------------------- device and dtype
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError(f"--device {name}: CUDA is not available on this machine (use --device cpu or auto)")
+    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ModelError("--device mps: MPS is not available on this machine (use --device cpu or auto)")
+    return torch.device(name)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """bfloat16 matmuls are fast on CPUs with AVX-512 BF16 or AMX; elsewhere float32 wins."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+# --------------------------------------------------------------------------- sources
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str  # "folder", "gguf", "hub", "embedded"
+    location: str  # folder path, gguf file path, hub id, or embedded model name
+    tokenizer: str | None = None  # where its tokenizer comes from, when not from location
+
+
+def resolve_source(name: str) -> Source:
+    """Decide what ``name`` refers to, without loading it. Missing files are errors here."""
+    if name.startswith("embedded:"):
+        from cactus_cli import embedded
+
+        return embedded.source(name.split(":", 1)[1])
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return Source("folder", str(path))
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"model file {name} does not exist")
+        return Source("gguf", str(path))
+    if path.exists():
+        raise ModelError(f"{name} is neither a model folder nor a .gguf file")
+    looks_like_path = name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1]
+    if looks_like_path or name.count("/") > 1:
+        raise ModelError(f"model folder {name} does not exist")
+    return Source("hub", name)
+
+
+def _from_pretrained(loader, src: Source, what: str, **kwargs):
+    """Call a transformers from_pretrained, turning 'not found / offline' into one clear line."""
+    location = src.location
+    if src.kind == "gguf":
+        kwargs["gguf_file"] = Path(location).name
+        location = str(Path(location).parent)
+    try:
+        return loader.from_pretrained(location, **kwargs)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if src.kind == "hub":
+            offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+            hint = (
+                "HF_HUB_OFFLINE=1 is set, so only the local Hugging Face cache was searched"
+                if offline
+                else "it is not in the local Hugging Face cache and the hub could not be reached"
+            )
+            raise ModelError(
+                f"could not load {what} {src.location!r} from the Hugging Face hub: {hint}; "
+                f"download it with `huggingface-cli download {src.location}` or pass a local folder ({first})"
+            ) from None
+        raise ModelError(f"could not load {what} from {src.location}: {first}") from None
+
+
+def load_tokenizer(src: Source):
+    from transformers import AutoTokenizer
+
+    if src.tokenizer is not None:
+        return _from_pretrained(AutoTokenizer, resolve_source(src.tokenizer), "tokenizer")
+    return _from_pretrained(AutoTokenizer, src, "tokenizer")
+
+
+def load_model(name: str, device: torch.device, dtype: torch.dtype, role: str = "model") -> LoadedModel:
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_source(name)
+    t0 = time.perf_counter()
+    model = _from_pretrained(AutoModelForCausalLM, src, f"{role} model", dtype=dtype)
+    model.to(device)
+    model.eval()
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    ctx = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 1 << 30
+    width = int(model.get_output_embeddings().weight.shape[0])
+    return LoadedModel(model, name, src.location, device, dtype, ctx, width, time.perf_counter() - t0)
+
+
+def check_same_vocab(verifier_tok, draft_tok, verifier: str, draft: str) -> None:
+    """Draft and verifier must map every token string to the same id."""
+    v, d = verifier_tok.get_vocab(), draft_tok.get_vocab()
+    if v == d:
+        return
+    only_v = sorted(set(v) - set(d), key=v.get)[:3]
+    only_d = sorted(set(d) - set(v), key=d.get)[:3]
+    moved = [t for t in v if t in d and v[t] != d[t]][:3]
+    detail = (
+        f"{len(v)} vs {len(d)} tokens"
+        + (f"; only in verifier: {only_v}" if only_v else "")
+        + (f"; only in draft: {only_d}" if only_d else "")
+        + (f"; different ids for: {moved}" if moved else "")
+    )
+    raise ModelError(
+        f"draft {draft!r} and verifier {verifier!r} do not share a tokenizer ({detail}); "
+        "speculative decoding needs one vocabulary: pick a draft from the verifier's model family"
+    )
+
+
+def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, device: str, dtype: str) -> ModelPair:
+    if not verifier:
+        raise ModelError("no verifier model: pass --verifier (hub id, folder or .gguf) or use a --profile that names one")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    vsrc = resolve_source(verifier)
+    tok = load_tokenizer(resolve_source(tokenizer) if tokenizer else vsrc)
+    if draft is not None and tokenizer is None:
+        dsrc = resolve_source(draft)
+        if dsrc.kind != "gguf" or dsrc.tokenizer is not None:  # a bare .gguf uses the verifier's tokenizer
+            check_same_vocab(tok, load_tokenizer(dsrc), verifier, draft)
+    vm = load_model(verifier, dev, dt, "verifier")
+    dm = load_model(draft, dev, dt, "draft") if draft is not None else None
+    vocab = len(tok)
+    for lm, role in ((vm, "verifier"), (dm, "draft")):
+        if lm is not None and lm.logits_width < vocab:
+            raise ModelError(
+                f"{role} {lm.source!r} has {lm.logits_width} output rows but the tokenizer has {vocab} tokens; "
+                "the tokenizer does not belong to this model"
+            )
+    return ModelPair(vm, dm, tok, vocab)

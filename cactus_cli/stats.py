@@ -1,0 +1,127 @@
+"""Counters over step events, with vLLM's speculative-decoding metric names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cactus_cli.events import StepEvent
+
+
+@dataclass
+class SpecStats:
+    prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_steps: int = 0
+    num_drafts: int = 0  # steps that drafted at least one token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    acceptance_histogram: list[int] = field(default_factory=list)  # [j]: drafts with j accepted
+    position_drafted: list[int] = field(default_factory=list)  # [i]: drafts that reached position i
+    position_accepted: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+    verifier_forward_passes: int = 0
+    draft_forward_passes: int = 0
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    time_to_first_token: float | None = None
+    total_seconds: float = 0.0
+    finish_reason: str | None = None
+
+    def update(self, ev: StepEvent) -> None:
+        self.num_steps += 1
+        self.num_output_tokens += len(ev.emitted)
+        self.verifier_forward_passes += ev.verifier_forward_passes
+        self.draft_forward_passes += ev.draft_forward_passes
+        self.prefill_seconds += ev.prefill_seconds
+        self.draft_seconds += ev.draft_seconds
+        self.verify_seconds += ev.verify_seconds
+        if self.time_to_first_token is None and ev.emitted:
+            self.time_to_first_token = ev.elapsed
+        self.total_seconds = ev.elapsed
+        self.prompt_tokens = max(self.prompt_tokens, ev.prompt_tokens)
+        if ev.finish_reason:
+            self.finish_reason = ev.finish_reason
+        k, m = ev.num_drafted, len(ev.accepted)
+        if k == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += k
+        self.num_accepted_tokens += m
+        _grow(self.acceptance_histogram, k + 1)
+        _grow(self.position_drafted, k)
+        _grow(self.position_accepted, k)
+        self.acceptance_histogram[m] += 1
+        for i in range(k):
+            self.position_drafted[i] += 1
+        for i in range(m):
+            self.position_accepted[i] += 1
+
+    def merge(self, other: SpecStats) -> None:
+        """Add another run's counters (for totals over prompts or chat turns)."""
+        for name in ("prompt_tokens", "num_output_tokens", "num_steps", "num_drafts", "num_draft_tokens",
+                     "num_accepted_tokens", "verifier_forward_passes", "draft_forward_passes",
+                     "prefill_seconds", "draft_seconds", "verify_seconds", "total_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("acceptance_histogram", "position_drafted", "position_accepted"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            _grow(mine, len(theirs))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+        if other.time_to_first_token is not None:
+            self.time_to_first_token = (self.time_to_first_token or 0.0) + other.time_to_first_token
+        self.finish_reason = other.finish_reason
+
+    # derived figures ----------------------------------------------------------------
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """vLLM's definition: 1 + accepted / drafts (tokens emitted per verifier step)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    @property
+    def mean_accepted_tokens_per_step(self) -> float | None:
+        """The paper's AL: accepted draft tokens per step, the bonus/correction not counted."""
+        return self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    @property
+    def per_position_acceptance_rate(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.num_output_tokens / self.total_seconds if self.total_seconds > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out_tokens = max(self.num_output_tokens, 1)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "draft_acceptance_rate": self.draft_acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "mean_accepted_tokens_per_step": self.mean_accepted_tokens_per_step,
+            "acceptance_histogram": list(self.acceptance_histogram),
+            "per_position_acceptance_rate": self.per_position_acceptance_rate,
+            "tokens_per_second": self.tokens_per_second,
+            "time_to_first_token": self.time_to_first_token,
+            "total_seconds": self.total_seconds,
+            "prefill_seconds": self.prefill_seconds,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "verifier_forward_passes": self.verifier_forward_passes,
+            "draft_forward_passes": self.draft_forward_passes,
+            "verifier_forward_passes_per_token": self.verifier_forward_passes / out_tokens,
+            "draft_forward_passes_per_token": self.draft_forward_passes / out_tokens,
+            "finish_reason": self.finish_reason,
+        }
+
+
+def _grow(xs: list[int], n: int) -> None:
+    xs.extend([0] * (n - len(xs)))

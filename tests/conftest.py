@@ -1,0 +1,97 @@
+"""Tiny model pairs built in-process (random weights from small Llama/Qwen2 configs) and a tiny
+word-level tokenizer, saved to temp folders so the real loading path runs. User directories
+are isolated through CACTUS_HOME."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+WORDS = (
+    "the a cat dog sat on mat ran fast slow and then it was very happy sad big small red blue green "
+    "tree house car road sun moon star sky sea fish bird sang flew swam ate drank slept woke up down "
+    "left right one two three four five six seven eight nine ten"
+).split()
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> assistant {% endif %}"
+)
+
+
+def make_tokenizer(folder: Path, extra_words: tuple[str, ...] = (), chat_template: bool = True):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(SPECIALS + list(WORDS) + list(extra_words))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def make_model(folder: Path, family: str, seed: int, vocab: int, layers: int = 2, max_pos: int = 512) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_pos,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        initializer_range=0.3,  # peaky logits: no near-ties to flip argmax between cached and full passes
+    )
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    with torch.no_grad():  # EOS logit pinned to 0, so random models rarely stop at once
+        model.lm_head.weight[2].zero_()
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> dict[str, str]:
+    """Folders: verifier (Llama), draft (Qwen2, other weights: disagrees often), draft_padded
+    (more output rows than tokens, like Qwen pairs), odd_vocab (a different tokenizer)."""
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    vocab = len(SPECIALS) + len(WORDS)
+    for name, family, seed, rows in (("verifier", "llama", 0, vocab), ("draft", "qwen2", 1, vocab),
+                                     ("draft_padded", "qwen2", 2, vocab + 12)):
+        folder = root / name
+        make_model(folder, family, seed, rows)
+        make_tokenizer(folder)
+        out[name] = str(folder)
+    odd = root / "odd_vocab"
+    make_model(odd, "qwen2", 3, vocab + 2)
+    make_tokenizer(odd, extra_words=("zebra", "yak"))
+    out["odd_vocab"] = str(odd)
+    short = root / "short_context"
+    make_model(short, "llama", 0, vocab, max_pos=16)
+    make_tokenizer(short)
+    out["short_context"] = str(short)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("CACTUS_HOME", str(tmp_path / "cactus_home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return tmp_path / "cactus_home"
