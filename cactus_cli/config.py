@@ -134,10 +134,24 @@ def check_value(key: str, value: Any) -> str | None:
     return None
 
 
-def build_settings(*layers: dict[str, Any], origin: str = "settings") -> Settings:
-    """Defaults, then each layer in order (later wins). Keys with value ``...`` are skipped."""
+def check_layer(layer: dict[str, Any], origin: str) -> None:
+    """Every key known, every value valid; errors name the origin and the key (or flag)."""
+    for key, value in layer.items():
+        if value is ...:
+            continue
+        name = "--" + key.replace("_", "-") if origin == "command line" else key
+        if key not in _TYPES:
+            raise ConfigError(f"{origin}: unknown key {key!r}")
+        problem = check_value(key, value)
+        if problem:
+            raise ConfigError(f"{origin}: {name} {problem}")
+
+
+def build_settings(*layers: tuple[dict[str, Any], str]) -> Settings:
+    """Defaults, then each (layer, origin) in order, later winning. Values ``...`` are skipped."""
     merged: dict[str, Any] = {}
-    for layer in layers:
+    for layer, origin in layers:
+        check_layer(layer, origin)
         for key, value in layer.items():
             if value is ...:
                 continue
@@ -145,12 +159,6 @@ def build_settings(*layers: dict[str, Any], origin: str = "settings") -> Setting
                 merged[key] = {**merged.get(key, {}), **value}
             else:
                 merged[key] = value
-    for key, value in merged.items():
-        if key not in _TYPES:
-            raise ConfigError(f"{origin}: unknown key {key!r}")
-        problem = check_value(key, value)
-        if problem:
-            raise ConfigError(f"{origin}: {key} {problem}")
     settings = Settings(**merged)
     if isinstance(settings.delta, int):
         settings.delta = float(settings.delta)
@@ -235,14 +243,12 @@ def load_profile(name_or_path: str) -> tuple[dict[str, Any], Path]:
 def resolve_settings(profile: str | None, flags: dict[str, Any]) -> Settings:
     """Built-in defaults < profile (``default`` when none is named and it exists) < flags.
     ``flags`` maps Settings keys to values; ``...`` (Ellipsis) means not given."""
-    layers: list[dict[str, Any]] = []
-    origin = "command line"
+    layers: list[tuple[dict[str, Any], str]] = []
     name = profile
     if name is None and any(n == "default" for n, _, _ in list_profiles()):
         name = "default"
     if name is not None:
         data, path = load_profile(name)
-        layers.append(data)
-        origin = f"{path} + command line"
-    layers.append(flags)
-    return build_settings(*layers, origin=origin)
+        layers.append((data, str(path)))
+    layers.append((flags, "command line"))
+    return build_settings(*layers)

@@ -74,7 +74,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class Source:
     kind: str  # "folder", "gguf", "hub", "embedded"
     location: str  # folder path, gguf file path, hub id, or embedded model name
-    tokenizer: str | None = None  # where its tokenizer comes from, when not from location
 
 
 def resolve_source(name: str) -> Source:
@@ -82,7 +81,7 @@ def resolve_source(name: str) -> Source:
     if name.startswith("embedded:"):
         from cactus_cli import embedded
 
-        return embedded.source(name.split(":", 1)[1])
+        return Source("embedded", embedded.get(name.split(":", 1)[1]).name)
     path = Path(name).expanduser()
     if path.is_dir():
         return Source("folder", str(path))
@@ -98,12 +97,21 @@ def resolve_source(name: str) -> Source:
     return Source("hub", name)
 
 
+def materialize(src: Source, reporter=None) -> Source:
+    """Embedded models and .gguf files are converted once to a cached safetensors folder;
+    everything else is loaded as it is."""
+    from cactus_cli import embedded
+
+    if src.kind == "embedded":
+        return Source("folder", str(embedded.prepare_embedded(src.location, reporter)))
+    if src.kind == "gguf":
+        return Source("folder", str(embedded.prepare_gguf(src.location, reporter)))
+    return src
+
+
 def _from_pretrained(loader, src: Source, what: str, **kwargs):
     """Call a transformers from_pretrained, turning 'not found / offline' into one clear line."""
     location = src.location
-    if src.kind == "gguf":
-        kwargs["gguf_file"] = Path(location).name
-        location = str(Path(location).parent)
     try:
         return loader.from_pretrained(location, **kwargs)
     except (OSError, ValueError) as err:
@@ -125,17 +133,18 @@ def _from_pretrained(loader, src: Source, what: str, **kwargs):
 def load_tokenizer(src: Source):
     from transformers import AutoTokenizer
 
-    if src.tokenizer is not None:
-        return _from_pretrained(AutoTokenizer, resolve_source(src.tokenizer), "tokenizer")
     return _from_pretrained(AutoTokenizer, src, "tokenizer")
 
 
-def load_model(name: str, device: torch.device, dtype: torch.dtype, role: str = "model") -> LoadedModel:
+def load_model(name: str, device: torch.device, dtype: torch.dtype, role: str = "model", reporter=None) -> LoadedModel:
     import time
 
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    src = resolve_source(name)
+    hf_logging.disable_progress_bar()  # our own progress display says what is loading
+    hf_logging.set_verbosity_error()
+    src = materialize(resolve_source(name), reporter)
     t0 = time.perf_counter()
     model = _from_pretrained(AutoModelForCausalLM, src, f"{role} model", dtype=dtype)
     model.to(device)
@@ -166,19 +175,33 @@ def check_same_vocab(verifier_tok, draft_tok, verifier: str, draft: str) -> None
     )
 
 
-def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, device: str, dtype: str) -> ModelPair:
+def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, device: str, dtype: str,
+              reporter=None) -> ModelPair:
+    """Load verifier, optional draft and the shared tokenizer (the verifier's unless ``tokenizer``
+    names another source). Sources are all resolved first, so a missing one fails before any load."""
     if not verifier:
         raise ModelError("no verifier model: pass --verifier (hub id, folder or .gguf) or use a --profile that names one")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     vsrc = resolve_source(verifier)
-    tok = load_tokenizer(resolve_source(tokenizer) if tokenizer else vsrc)
-    if draft is not None and tokenizer is None:
-        dsrc = resolve_source(draft)
-        if dsrc.kind != "gguf" or dsrc.tokenizer is not None:  # a bare .gguf uses the verifier's tokenizer
+    dsrc = resolve_source(draft) if draft is not None else None
+    tsrc = resolve_source(tokenizer) if tokenizer else None
+    if reporter is not None:
+        reporter.task(f"loading verifier {verifier}")
+    vsrc = materialize(vsrc, reporter)
+    tok = load_tokenizer(materialize(tsrc, reporter) if tsrc else vsrc)
+    if dsrc is not None:
+        if reporter is not None:
+            reporter.task(f"loading draft {draft}")
+        dsrc = materialize(dsrc, reporter)
+        if tsrc is None:
             check_same_vocab(tok, load_tokenizer(dsrc), verifier, draft)
-    vm = load_model(verifier, dev, dt, "verifier")
-    dm = load_model(draft, dev, dt, "draft") if draft is not None else None
+    vm = load_model(vsrc.location, dev, dt, "verifier")
+    vm.source = verifier
+    dm = None
+    if dsrc is not None:
+        dm = load_model(dsrc.location, dev, dt, "draft")
+        dm.source = draft
     vocab = len(tok)
     for lm, role in ((vm, "verifier"), (dm, "draft")):
         if lm is not None and lm.logits_width < vocab:

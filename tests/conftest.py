@@ -37,7 +37,8 @@ def make_tokenizer(folder: Path, extra_words: tuple[str, ...] = (), chat_templat
     return fast
 
 
-def make_model(folder: Path, family: str, seed: int, vocab: int, layers: int = 2, max_pos: int = 512) -> Path:
+def make_model(folder: Path, family: str, seed: int, vocab: int, layers: int = 2, max_pos: int = 512,
+               noise: float = 0.0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -59,8 +60,12 @@ def make_model(folder: Path, family: str, seed: int, vocab: int, layers: int = 2
         model = LlamaForCausalLM(LlamaConfig(**common))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
-    with torch.no_grad():  # EOS logit pinned to 0, so random models rarely stop at once
-        model.lm_head.weight[2].zero_()
+    with torch.no_grad():
+        if noise:  # a perturbed copy: agrees with the original often, not always
+            gen = torch.Generator().manual_seed(seed + 1000)
+            for prm in model.parameters():
+                prm.add_(noise * prm.std() * torch.randn(prm.shape, generator=gen))
+        model.lm_head.weight[2].zero_()  # EOS logit pinned to 0, so random models rarely stop at once
     model.generation_config.eos_token_id = 2
     model.save_pretrained(folder)
     return folder
@@ -68,8 +73,9 @@ def make_model(folder: Path, family: str, seed: int, vocab: int, layers: int = 2
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> dict[str, str]:
-    """Folders: verifier (Llama), draft (Qwen2, other weights: disagrees often), draft_padded
-    (more output rows than tokens, like Qwen pairs), odd_vocab (a different tokenizer)."""
+    """Folders: verifier (Llama), draft (Qwen2, other weights: disagrees often), draft_close (the
+    verifier with noise: agrees often), draft_padded (more output rows than tokens, like Qwen pairs),
+    odd_vocab (a different tokenizer), short_context (16 positions)."""
     root = tmp_path_factory.mktemp("tiny")
     out = {}
     vocab = len(SPECIALS) + len(WORDS)
@@ -79,6 +85,10 @@ def tiny(tmp_path_factory) -> dict[str, str]:
         make_model(folder, family, seed, rows)
         make_tokenizer(folder)
         out[name] = str(folder)
+    close = root / "draft_close"
+    make_model(close, "llama", 0, vocab, noise=0.03)
+    make_tokenizer(close)
+    out["draft_close"] = str(close)
     odd = root / "odd_vocab"
     make_model(odd, "qwen2", 3, vocab + 2)
     make_tokenizer(odd, extra_words=("zebra", "yak"))

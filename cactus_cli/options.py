@@ -1,0 +1,76 @@
+"""Options shared by generate, chat, bench and calibrate, declared once. Every option defaults
+to None, meaning "not given", so the profile underneath keeps its value (defaults < profile < flags)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import typer
+
+from cactus_cli.errors import ConfigError
+
+MODEL = "Models"
+DECODING = "Speculative decoding"
+SAMPLING = "Sampling"
+RUNTIME = "Runtime"
+
+Profile = Annotated[Optional[str], typer.Option("--profile", "-p", help="Profile name (see `cactus profiles list`) or path to a YAML file. Default: the `default` profile.", rich_help_panel=MODEL)]
+Verifier = Annotated[Optional[str], typer.Option("--verifier", help="Verifier (large) model: hub id, local folder, .gguf file, or embedded:NAME.", rich_help_panel=MODEL)]
+Draft = Annotated[Optional[str], typer.Option("--draft", help="Draft (small) model, same sources as --verifier; `none` runs the verifier alone.", rich_help_panel=MODEL)]
+Tokenizer = Annotated[Optional[str], typer.Option("--tokenizer", help="Tokenizer for both models (default: the verifier's; needed for a bare .gguf).", rich_help_panel=MODEL)]
+Rule = Annotated[Optional[str], typer.Option("--rule", "-r", help="Acceptance rule: sps, cactus, cactus-exact, tas, topk, interp.", rich_help_panel=DECODING)]
+Delta = Annotated[Optional[float], typer.Option("--delta", "-d", help="Divergence budget for cactus / cactus-exact (0 = lossless SpS).", rich_help_panel=DECODING)]
+Param = Annotated[Optional[list[str]], typer.Option("--param", help="Other rule parameter as KEY=VALUE (divergence, epsilon, alpha, topk); repeatable.", rich_help_panel=DECODING)]
+NumDraft = Annotated[Optional[int], typer.Option("--num-draft-tokens", "-k", help="Draft tokens per verification step (k).", rich_help_panel=DECODING)]
+Temperature = Annotated[Optional[float], typer.Option("--temperature", "-t", help="Sampling temperature; 0 = greedy.", rich_help_panel=SAMPLING)]
+TopK = Annotated[Optional[int], typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).", rich_help_panel=SAMPLING)]
+TopP = Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass (1 = off).", rich_help_panel=SAMPLING)]
+MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="Stop after this many new tokens.", rich_help_panel=SAMPLING)]
+Seed = Annotated[Optional[int], typer.Option("--seed", "-s", help="Random seed (same seed, same device: same text).", rich_help_panel=SAMPLING)]
+Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this string appears; repeatable.", rich_help_panel=SAMPLING)]
+Device = Annotated[Optional[str], typer.Option("--device", help="auto (CUDA if present), cpu, cuda, cuda:N, mps.", rich_help_panel=RUNTIME)]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help="auto, float32, float16, bfloat16.", rich_help_panel=RUNTIME)]
+ChatTemplate = Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Wrap the prompt in the model's chat template (default: when the tokenizer has one).", rich_help_panel=RUNTIME)]
+NoColor = Annotated[bool, typer.Option("--no-color", help="No colours in the live view (NO_COLOR is honoured too).", rich_help_panel=RUNTIME)]
+
+
+def parse_params(items: list[str] | None) -> dict[str, Any]:
+    """--param KEY=VALUE pairs; values parsed as YAML scalars (numbers, strings)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--param {item!r}: expected KEY=VALUE, e.g. --param divergence=chi2")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def flags_to_settings(**flags: Any) -> dict[str, Any]:
+    """Command-line values to Settings keys; None (not given) becomes ... so lower layers show."""
+    out: dict[str, Any] = {k: (... if v is None else v) for k, v in flags.items()}
+    if out.get("draft") is not ... and str(out["draft"]).lower() == "none":
+        out["draft"] = None
+    if "rule_params" in out and out["rule_params"] is not ...:
+        out["rule_params"] = parse_params(out["rule_params"]) or ...
+    if out.get("stop") == []:
+        out["stop"] = ...
+    return out
+
+
+def check_flags_apply(settings, flags: dict[str, Any]) -> None:
+    """A flag that would do nothing is an error, not a silent no-op."""
+    from cactus_cli.acceptance import RULES
+
+    takes = RULES[settings.rule].param_names()
+    if flags.get("delta", ...) is not ... and "delta" not in takes:
+        raise ConfigError(f"--delta has no effect with rule {settings.rule!r}; use --rule cactus or cactus-exact")
+    for key in (flags.get("rule_params") if flags.get("rule_params", ...) is not ... else {}):
+        if key not in takes:
+            raise ConfigError(
+                f"--param {key}: rule {settings.rule!r} has no parameter {key!r} "
+                f"(it takes: {', '.join(takes) or 'no parameters'})"
+            )
+    if settings.draft is None and flags.get("num_draft_tokens", ...) is not ...:
+        raise ConfigError("-k/--num-draft-tokens has no effect without a draft model; pass --draft")

@@ -1,0 +1,56 @@
+"""From resolved Settings to a ready engine: load the pair, build generation parameters,
+encode prompts. Shared by every command, so they all behave the same."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from cactus_cli.config import Settings
+from cactus_cli.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.errors import ConfigError
+from cactus_cli.models import ModelPair, load_pair
+from cactus_cli.sampling import SamplingParams
+
+
+def load_engine(settings: Settings, reporter=None) -> SpeculativeEngine:
+    pair: ModelPair = load_pair(settings.verifier, settings.draft, settings.tokenizer, settings.device,
+                                settings.dtype, reporter)
+    return SpeculativeEngine(pair)
+
+
+def fill_seed(settings: Settings) -> Settings:
+    """A run without --seed still gets one, reported in --json, so any run can be replayed."""
+    if settings.seed is None:
+        settings.seed = secrets.randbelow(2**31)
+    return settings
+
+
+def generation_params(settings: Settings, ignore_eos: bool = False) -> GenerationParams:
+    return GenerationParams(
+        sampling=SamplingParams(float(settings.temperature), int(settings.top_k), float(settings.top_p)),
+        rule=settings.rule,
+        rule_kwargs=settings.rule_kwargs(),
+        num_draft_tokens=settings.num_draft_tokens if settings.draft else 0,
+        max_tokens=settings.max_tokens,
+        stop=tuple(settings.stop),
+        ignore_eos=ignore_eos,
+        seed=int(settings.seed or 0),
+    )
+
+
+def encode(tokenizer: Any, messages: list[dict[str, str]] | str, use_template: bool | None) -> list[int]:
+    """Token ids for a plain prompt or a chat. ``use_template`` None: use the chat template
+    when the tokenizer has one; True without one is an error."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if use_template and not has_template:
+        raise ConfigError("--chat-template: this tokenizer has no chat template; use --no-chat-template")
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if (use_template is None and has_template) or use_template:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    text = "\n\n".join(m["content"] for m in messages if m["role"] != "system")
+    return list(tokenizer(text)["input_ids"])

@@ -1,0 +1,151 @@
+"""The CLI through Typer's CliRunner: --json, profile precedence, one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from typer.testing import CliRunner
+
+from cactus_cli import __version__
+from cactus_cli.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args, input=None):
+    return runner.invoke(app, [str(a) for a in args], input=input)
+
+
+def pair_args(tiny, draft="draft"):
+    return ["--verifier", tiny["verifier"], "--draft", tiny[draft], "--device", "cpu", "--dtype", "float32"]
+
+
+def assert_one_line_error(result, needle):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = [ln for ln in result.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert needle in lines[0], lines[0]
+
+
+def test_version_and_help():
+    assert invoke("--version").output.strip() == f"cactus {__version__}"
+    out = invoke("--help").output
+    assert "generate" in out and "profiles" in out
+    gen_help = invoke("generate", "--help").output
+    for flag in ("--profile", "--verifier", "--draft", "--rule", "--delta", "--num-draft-tokens", "--temperature",
+                 "--top-k", "--top-p", "--max-tokens", "--seed", "--device", "--dtype", "--chat-template", "--json"):
+        assert flag in gen_help, flag
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from cactus_cli.cli import app; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_generate_json(tiny):
+    r = invoke("generate", "the cat sat", *pair_args(tiny, "draft_close"), "-n", 12, "--seed", 3, "-k", 3,
+               "--rule", "cactus", "--delta", 0.5, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["settings"]["rule"] == "cactus" and doc["settings"]["delta"] == 0.5
+    assert doc["settings"]["num_draft_tokens"] == 3 and doc["settings"]["seed"] == 3
+    stats = doc["stats"]
+    assert stats["num_output_tokens"] == 12 or stats["finish_reason"] in ("eos", "stop")
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "draft_acceptance_rate",
+                "mean_acceptance_length", "acceptance_histogram", "per_position_acceptance_rate",
+                "tokens_per_second", "verifier_forward_passes", "draft_forward_passes", "time_to_first_token"):
+        assert key in stats, key
+    assert len(stats["acceptance_histogram"]) == 4
+    assert isinstance(doc["text"], str) and doc["text"]
+
+
+def test_generate_plain_is_reproducible_and_reads_stdin(tiny):
+    args = ["generate", "-", *pair_args(tiny), "-n", 10, "--seed", 7]
+    a = invoke(*args, input="the dog ran")
+    b = invoke("generate", "the dog ran", *pair_args(tiny), "-n", 10, "--seed", 7, "--plain")
+    assert a.exit_code == 0 and a.output == b.output and a.output.strip()
+
+
+def test_profile_precedence(tiny, tmp_path):
+    # defaults < profile < flags: the profile sets rule and k; a flag overrides k only
+    profile = tmp_path / "mine.yaml"
+    profile.write_text(textwrap.dedent(f"""
+        verifier: {tiny['verifier']}
+        draft: {tiny['draft']}
+        rule: cactus-exact
+        rule_params: {{divergence: chi2}}
+        num_draft_tokens: 5
+        max_tokens: 8
+        dtype: float32
+    """))
+    doc = json.loads(invoke("generate", "hi", "--profile", profile, "-k", 2, "--json", "--seed", 1).output)
+    s = doc["settings"]
+    assert (s["rule"], s["rule_params"], s["num_draft_tokens"], s["max_tokens"]) == ("cactus-exact", {"divergence": "chi2"}, 2, 8)
+    assert s["temperature"] == 0.6  # built-in default, untouched by either
+
+
+def test_user_profile_by_name(tiny, isolated_home):
+    folder = isolated_home / "profiles"
+    folder.mkdir(parents=True)
+    (folder / "tiny.yaml").write_text(f"verifier: {tiny['verifier']}\ndraft: {tiny['draft']}\nmax_tokens: 5\n")
+    r = invoke("generate", "hi", "--profile", "tiny", "--json", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["settings"]["max_tokens"] == 5
+    listing = invoke("profiles", "list")
+    assert "tiny" in listing.output and "user" in listing.output and "qwen3-14b" in listing.output
+    shown = invoke("profiles", "show", "tiny")
+    assert "max_tokens: 5" in shown.output
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--profile", "nope"], "unknown profile 'nope'"),
+        (["--delta", "-1"], "--delta must be a finite number >= 0"),
+        (["-k", "0"], "--num-draft-tokens must be an integer in 1..64"),
+        (["--rule", "magic"], "--rule must be one of sps, cactus"),
+        (["--rule", "sps", "--delta", "0.5"], "--delta has no effect with rule 'sps'"),
+        (["--param", "topk=3"], "rule 'cactus' has no parameter 'topk'"),
+        (["--param", "nonsense"], "expected KEY=VALUE"),
+        (["--rule", "interp", "--param", "alpha=2"], "parameter 'alpha' must be a number in [0, 1]"),
+        (["--top-p", "0"], "--top-p must be a number in (0, 1]"),
+        (["--dtype", "int8"], "--dtype must be one of"),
+    ],
+)
+def test_bad_inputs_are_one_line_errors(tiny, extra, needle):
+    assert_one_line_error(invoke("generate", "hi", *pair_args(tiny), *extra), needle)
+
+
+def test_mismatched_vocabularies_one_line_error(tiny):
+    assert_one_line_error(invoke("generate", "hi", *pair_args(tiny, "odd_vocab")), "do not share a tokenizer")
+
+
+def test_missing_model_one_line_error(tmp_path):
+    r = invoke("generate", "hi", "--verifier", tmp_path / "absent", "--draft", "none")
+    assert_one_line_error(r, "does not exist")
+
+
+def test_bad_profile_file_names_file_line_and_key(tiny, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"verifier: {tiny['verifier']}\nrule: cactus\ndleta: 0.3\n")
+    assert_one_line_error(invoke("generate", "hi", "--profile", bad), f"{bad}:3: unknown key 'dleta'")
+    bad.write_text("num_draft_tokens: four\n")
+    assert_one_line_error(invoke("generate", "hi", "--profile", bad), f"{bad}:1: num_draft_tokens must be an integer")
+    bad.write_text("rule: [unclosed\n")
+    assert_one_line_error(invoke("generate", "hi", "--profile", bad), "not valid YAML")
+
+
+def test_empty_prompt_and_missing_template(tiny):
+    assert_one_line_error(invoke("generate", "  ", *pair_args(tiny)), "the prompt is empty")
+
+
+def test_installed_entry_point_exits_2_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "cactus_cli", "generate", "hi", "--verifier", str(tmp_path / "x")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("error: ")

@@ -1,0 +1,191 @@
+"""The engine on tiny model pairs: greedy equality with the verifier's own generate(), lossless
+SpS end to end, cache bookkeeping, forward-pass counts, stops."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from cactus_cli.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.errors import ContextLimitError, ModelError
+from cactus_cli.models import load_pair
+from cactus_cli.sampling import SamplingParams, probs_from_logits
+from cactus_cli.stats import SpecStats
+from tests.stats_helpers import assert_matches
+
+GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny):
+    def load(draft):
+        return load_pair(tiny["verifier"], tiny[draft] if draft else None, None, "cpu", "float32")
+
+    return {"disagree": load("draft"), "close": load("draft_close"), "padded": load("draft_padded"),
+            "self": load("verifier"), "alone": load(None)}
+
+
+def prompt_ids(pair, text="the cat sat on the mat and then"):
+    return pair.tokenizer(text)["input_ids"]
+
+
+def run(engine, ids, params):
+    stats, tokens, events = SpecStats(), [], []
+    for ev in engine.generate(ids, params):
+        stats.update(ev)
+        tokens += ev.emitted
+        events.append(ev)
+    return tokens, stats, events
+
+
+def hf_greedy(pair, ids, n):
+    out = pair.verifier.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                       pad_token_id=3)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("draft", ["disagree", "close", "padded", "self", "alone"])
+def test_greedy_speculative_equals_verifier_generate(pairs, k, draft):
+    pair = pairs[draft]
+    ids = prompt_ids(pair)
+    n = 40
+    params = GenerationParams(sampling=GREEDY, rule="cactus", rule_kwargs={"delta": 1.0},
+                              num_draft_tokens=k if pair.draft else 0, max_tokens=n, ignore_eos=True)
+    tokens, stats, _ = run(SpeculativeEngine(pair), ids, params)
+    assert tokens == hf_greedy(pair, ids, n)
+    assert stats.num_output_tokens == n
+
+
+def test_draft_equal_to_verifier_accepts_every_draft(pairs):
+    pair = pairs["self"]
+    params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, max_tokens=41, ignore_eos=True)
+    _, stats, _ = run(SpeculativeEngine(pair), prompt_ids(pair), params)
+    assert stats.draft_acceptance_rate == 1.0
+    assert stats.mean_acceptance_length == 5.0
+    # sampling: p and q agree up to float rounding, so acceptance is (almost surely) total
+    params = GenerationParams(sampling=SamplingParams(1.0, 0, 1.0), rule="sps", num_draft_tokens=4,
+                              max_tokens=41, ignore_eos=True, seed=5)
+    _, stats, _ = run(SpeculativeEngine(pair), prompt_ids(pair), params)
+    assert stats.draft_acceptance_rate >= 0.99
+
+
+def test_test_drafts_cover_rejection_and_partial_acceptance(pairs):
+    params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, max_tokens=60, ignore_eos=True)
+    _, stats, _ = run(SpeculativeEngine(pairs["disagree"]), prompt_ids(pairs["disagree"]), params)
+    assert stats.draft_acceptance_rate < 0.5
+    _, stats, _ = run(SpeculativeEngine(pairs["close"]), prompt_ids(pairs["close"]), params)
+    assert 0.2 < stats.draft_acceptance_rate < 0.95  # so crops land mid-proposal
+    assert sum(stats.acceptance_histogram[1:4]) > 0
+
+
+def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs):
+    # The first two generated tokens' joint distribution over many seeds must equal the verifier's
+    # exact one (top-k 3 sampling: 9 cells). N = 1500 runs; L1 bound at false-failure odds 1e-4.
+    pair = pairs["disagree"]
+    sp = SamplingParams(temperature=1.5, top_k=3, top_p=1.0)
+    ids = prompt_ids(pair, "the dog")
+    model = pair.verifier.model
+    with torch.no_grad():
+        q1 = probs_from_logits(model(torch.tensor([ids])).logits[0, -1, : pair.vocab_size], sp).double()
+        first = q1.nonzero().flatten().tolist()
+        exact = {}
+        for t1 in first:
+            q2 = probs_from_logits(model(torch.tensor([ids + [t1]])).logits[0, -1, : pair.vocab_size], sp).double()
+            for t2 in q2.nonzero().flatten().tolist():
+                exact[(t1, t2)] = (q1[t1] * q2[t2]).item()
+    cells = sorted(exact)
+    index = {c: i for i, c in enumerate(cells)}
+    engine = SpeculativeEngine(pair)
+    samples = []
+    for seed in range(1500):
+        params = GenerationParams(sampling=sp, rule="sps", num_draft_tokens=2, max_tokens=2, ignore_eos=True,
+                                  seed=seed)
+        tokens, _, _ = run(engine, ids, params)
+        samples.append(index[tuple(tokens[:2])])  # KeyError = a token the verifier cannot emit
+    assert_matches(torch.tensor(samples), torch.tensor([exact[c] for c in cells]), false_failure_odds=1e-4)
+
+
+@pytest.mark.parametrize("draft,k,temperature", [("disagree", 3, 1.0), ("self", 4, 0.7), ("close", 4, 0.8), ("close", 3, 0.0), ("padded", 2, 0.0)])
+def test_caches_track_the_sequence_after_every_step(pairs, draft, k, temperature):
+    pair = pairs[draft]
+    engine = SpeculativeEngine(pair)
+    ids = prompt_ids(pair)
+    params = GenerationParams(sampling=SamplingParams(temperature, 0, 1.0), rule="cactus", rule_kwargs={"delta": 0.5},
+                              num_draft_tokens=k, max_tokens=30, ignore_eos=True, seed=1)
+    emitted = 0
+    for ev in engine.generate(ids, params):
+        emitted += len(ev.emitted)
+        lengths = engine.cache_lengths()
+        assert lengths["sequence"] == len(ids) + emitted
+        assert lengths["verifier"] == lengths["sequence"] - 1  # all but the token the next step feeds
+        assert lengths["draft"] + lengths["draft_pending"] == lengths["sequence"]
+        assert 1 <= lengths["draft_pending"] <= 2  # never more than the bonus and the last draft
+
+
+def test_forward_passes_one_verifier_call_per_step(pairs):
+    pair = pairs["disagree"]
+    k = 4
+    params = GenerationParams(sampling=GREEDY, num_draft_tokens=k, max_tokens=40, ignore_eos=True)
+    _, stats, events = run(SpeculativeEngine(pair), prompt_ids(pair), params)
+    assert stats.verifier_forward_passes == 1 + stats.num_steps  # prefill + one per step
+    assert stats.draft_forward_passes == 1 + sum(ev.num_drafted for ev in events)  # prefill + k per step
+    assert all(ev.verifier_forward_passes == 1 for ev in events[1:])
+
+
+def test_stop_conditions(pairs):
+    pair = pairs["disagree"]
+    engine = SpeculativeEngine(pair)
+    ids = prompt_ids(pair)
+    base = GenerationParams(sampling=GREEDY, num_draft_tokens=3, max_tokens=30, ignore_eos=True)
+    tokens, stats, events = run(engine, ids, base)
+    assert len(tokens) == 30 and stats.finish_reason == "length"
+    text = "".join(ev.text for ev in events)
+    # a stop string cuts the text where it starts
+    word = text.split()[5]
+    stop = GenerationParams(**{**base.__dict__, "stop": (" " + word,)})
+    _, stats, events = run(engine, ids, stop)
+    assert stats.finish_reason == "stop"
+    assert "".join(ev.text for ev in events) == text[: text.index(" " + word)]
+    # EOS: make the 4th greedy token the end-of-sequence token
+    engine.eos = {tokens[3]}
+    eos = GenerationParams(**{**base.__dict__, "ignore_eos": False})
+    got, stats, _ = run(engine, ids, eos)
+    assert stats.finish_reason == "eos" and got == tokens[: tokens.index(tokens[3]) + 1]
+
+
+def test_context_limit(tiny):
+    pair = load_pair(tiny["short_context"], tiny["draft"], None, "cpu", "float32")  # 16 positions
+    engine = SpeculativeEngine(pair)
+    ids = pair.tokenizer("the cat sat on the mat")["input_ids"]
+    tokens, stats, _ = run(engine, ids, GenerationParams(sampling=GREEDY, num_draft_tokens=4, max_tokens=100,
+                                                         ignore_eos=True))
+    assert stats.finish_reason == "context" and len(ids) + len(tokens) == 16
+    with pytest.raises(ContextLimitError, match="context window is 16"):
+        engine.generate(list(itertools.islice(itertools.cycle(ids), 16)), GenerationParams())
+
+
+def test_same_seed_same_text(pairs):
+    pair = pairs["disagree"]
+    engine = SpeculativeEngine(pair)
+    params = GenerationParams(sampling=SamplingParams(1.0, 10, 0.9), rule="cactus-exact",
+                              rule_kwargs={"delta": 0.5, "divergence": "kl"}, num_draft_tokens=3, max_tokens=25,
+                              ignore_eos=True, seed=11)
+    a, _, _ = run(engine, prompt_ids(pair), params)
+    b, _, _ = run(engine, prompt_ids(pair), params)
+    c, _, _ = run(engine, prompt_ids(pair), GenerationParams(**{**params.__dict__, "seed": 12}))
+    assert a == b and a != c
+
+
+def test_mismatched_vocabularies_are_refused(tiny):
+    with pytest.raises(ModelError, match="do not share a tokenizer"):
+        load_pair(tiny["verifier"], tiny["odd_vocab"], None, "cpu", "float32")
+
+
+def test_missing_models_are_clear_errors(tmp_path):
+    with pytest.raises(ModelError, match="does not exist"):
+        load_pair(str(tmp_path / "nope"), None, None, "cpu", "float32")
+    with pytest.raises(ModelError, match="HF_HUB_OFFLINE=1"):
+        load_pair("someone/some-model-that-is-not-cached", None, None, "cpu", "float32")
