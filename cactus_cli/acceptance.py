@@ -178,21 +178,25 @@ def cactus_target_prob(q_n: torch.Tensor, delta: float, divergence: str | None =
 
 
 def _kl_root(x: torch.Tensor, delta: float) -> torch.Tensor:
-    """Largest g in [x, 1] with KL_bern(g || x) <= delta, by float64 bisection (monotone there)."""
+    """Largest g in [x, 1] with KL_bern(g || x) <= delta, by float64 bisection (KL is monotone
+    there). Bisection keeps the feasible end, so the budget holds exactly; the result is rounded
+    down, never up, when cast back to float32."""
     xd = x.double()
     inner = (xd > 0) & (xd < 1)
     xs = torch.where(inner, xd, torch.full_like(xd, 0.5))  # keep logs finite off the interior
+    log_x, log_1mx = torch.log(xs), torch.log1p(-xs)
     lo, hi = xs.clone(), torch.ones_like(xs)
-    for _ in range(_BISECTION_STEPS):
+    # float32 needs 2^-32 of the unit interval, float64 2^-60
+    for _ in range(_BISECTION_STEPS if x.dtype == torch.float64 else 32):
         mid = 0.5 * (lo + hi)
-        kl = mid * torch.log(mid / xs) + (1 - mid) * torch.log((1 - mid) / (1 - xs))
+        kl = mid * (torch.log(mid) - log_x) + (1 - mid) * (torch.log1p(-mid) - log_1mx)
         ok = kl <= delta
         lo = torch.where(ok, mid, lo)
         hi = torch.where(ok, hi, mid)
-    # KL(1 || x) = -log x: the whole boost fits in the budget
-    g = torch.where(-torch.log(xs) <= delta, torch.ones_like(xs), lo)
+    g = torch.where(-log_x <= delta, torch.ones_like(xs), lo)  # KL(1 || x) = -log x fits: boost to 1
     g = torch.where(inner, g, xd)  # x = 0: any mass on n is infinite KL; x = 1: already 1
-    return g.to(x.dtype)
+    out = g.to(x.dtype)
+    return torch.where(out.double() > g, torch.nextafter(out, torch.zeros_like(out)), out)
 
 
 # --------------------------------------------------------------------------- rules as (accept, residual)

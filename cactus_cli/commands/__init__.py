@@ -25,7 +25,7 @@ def user_errors() -> Iterator[None]:
 
 
 def register(app: typer.Typer) -> None:
-    from cactus_cli.commands import generate, profiles
+    from cactus_cli.commands import generate, models, profiles
 
-    for module in (generate, profiles):
+    for module in (generate, profiles, models):
         module.register(app)

