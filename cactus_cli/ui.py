@@ -180,3 +180,81 @@ class LoadProgress:
 
     def done(self, description: str) -> None:
         self.console.print(f"[green]✓[/] {description}")
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def bench_progress(console: Console, total: int):
+    """A progress bar over (configuration, prompt) pairs; yields advance(n, label)."""
+    from contextlib import contextmanager
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    @contextmanager
+    def cm():
+        progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True,
+                            disable=not console.is_terminal)
+        with progress:
+            tid = progress.add_task("warming up", total=total)
+            yield lambda n, label: progress.update(tid, advance=n, description=label)
+
+    return cm()
+
+
+_BENCH_COLUMNS = [  # (key, header, format, better)
+    ("mean_accepted_tokens_per_step", "AL", "{:.2f}", max),
+    ("draft_acceptance_rate", "accept", "{:.1%}", max),
+    ("mean_acceptance_length", "MAL", "{:.2f}", max),
+    ("tokens_per_second", "tok/s", "{:.2f}", max),
+    ("ms_per_output_token", "ms/tok", "{:.0f}", min),
+    ("speedup", "speedup", "{:.2f}x", max),
+    ("tokens_per_second_vs_hf", "vs HF", "{:.2f}x", max),
+    ("verifier_forward_passes_per_token", "V pass/tok", "{:.3f}", min),
+]
+
+
+def print_bench(console: Console, doc: dict) -> None:
+    """The results table, best value per column in bold green; then speedup by category."""
+    from rich.table import Table
+
+    rows = doc["results"]
+    env = doc["environment"]
+    cols = [c for c in _BENCH_COLUMNS if any(r.get(c[0]) is not None for r in rows)]
+    title = (f"{env['verifier']} / {env['draft']} · {env['device']} {env['dtype']} · "
+             f"{len(doc['prompts'])} prompts · T={doc['settings']['temperature']}")
+    table = Table(title=title, title_justify="left", caption="AL: accepted draft tokens per step; MAL: 1 + AL "
+                  "(vLLM); speedup over the verifier alone", caption_justify="left")
+    table.add_column("config", no_wrap=True)
+    for _, header, _, _ in cols:
+        table.add_column(header, justify="right")
+    best = {}
+    for key, _, _, better in cols:
+        values = [r[key] for r in rows if r.get(key) is not None and r["kind"] != "autoregressive"]
+        if values:
+            best[key] = better(values)
+    for r in rows:
+        cells = []
+        for key, _, fmt, _ in cols:
+            v = r.get(key)
+            text = "-" if v is None else fmt.format(v)
+            cells.append(Text(text, style="bold green" if v is not None and v == best.get(key) else ""))
+        table.add_row(r["config"], *cells)
+    console.print(table)
+    cats = sorted({c for r in rows for c in r["by_category"]})
+    if len(cats) > 1:
+        t2 = Table(title="speedup (and AL) by category", title_justify="left")
+        t2.add_column("config", no_wrap=True)
+        for c in cats:
+            t2.add_column(c, justify="right")
+        for r in rows:
+            if r["kind"] == "autoregressive":
+                continue
+            cells = []
+            for c in cats:
+                m = r["by_category"].get(c, {})
+                sp, al = m.get("speedup"), m.get("mean_accepted_tokens_per_step")
+                cells.append("-" if sp is None else f"{sp:.2f}x" + (f" ({al:.2f})" if al is not None else ""))
+            t2.add_row(r["config"], *cells)
+        console.print(t2)

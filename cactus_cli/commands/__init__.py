@@ -25,7 +25,7 @@ def user_errors() -> Iterator[None]:
 
 
 def register(app: typer.Typer) -> None:
-    from cactus_cli.commands import generate, models, profiles
+    from cactus_cli.commands import bench, generate, models, profiles
 
-    for module in (generate, profiles, models):
+    for module in (generate, bench, profiles, models):
         module.register(app)

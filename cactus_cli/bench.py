@@ -1,0 +1,254 @@
+"""Benchmark grid runner (no Rich here): rules x delta x k, the verifier-alone baseline on the
+same prompts, sampling and seeds, and optionally Hugging Face assisted generation."""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from cactus_cli.acceptance import RULES, resolve_params
+from cactus_cli.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.errors import ConfigError
+from cactus_cli.prompts import Prompt
+from cactus_cli.stats import SpecStats
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    kind: str  # "autoregressive", "speculative", "hf-assisted"
+    rule: str | None = None
+    k: int = 0
+    rule_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        if self.kind == "autoregressive":
+            return "verifier alone"
+        if self.kind == "hf-assisted":
+            return f"HF assisted k={self.k}"
+        # show delta always, other parameters only where they differ from the rule's defaults
+        defaults = resolve_params(self.rule)
+        extra = "".join(
+            f" {'δ' if n == 'delta' else n}={v:g}" if isinstance(v, float) else f" {n}={v}"
+            for n, v in self.rule_kwargs.items() if n == "delta" or v != defaults.get(n)
+        )
+        return f"{self.rule}{extra} k={self.k}"
+
+
+def parse_list(text: str, cast: Callable[[str], Any], flag: str) -> list[Any]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ConfigError(f"{flag}: give a comma-separated list, e.g. {flag} 1,2")
+    try:
+        return [cast(t) for t in items]
+    except ValueError:
+        raise ConfigError(f"{flag}: cannot read {text!r} as a comma-separated list of {cast.__name__}s") from None
+
+
+def build_grid(rules: list[str], deltas: list[float], ks: list[int], rule_params: dict[str, Any],
+               compare_hf: bool) -> list[BenchConfig]:
+    """The baseline first, then each rule (x delta where it takes one) x k, then HF rows."""
+    for k in ks:
+        if not 1 <= k <= 64:
+            raise ConfigError(f"-k: each value must be an integer in 1..64, got {k}")
+    grid = [BenchConfig("autoregressive")]
+    for rule in rules:
+        if rule not in RULES:
+            raise ConfigError(f"--rules: unknown rule {rule!r}; choose from {', '.join(RULES)}")
+        takes = RULES[rule].param_names()
+        own = {n: v for n, v in rule_params.items() if n in takes}
+        for delta in (deltas if "delta" in takes else [None]):
+            kwargs = dict(own, **({"delta": delta} if delta is not None else {}))
+            try:
+                kwargs = resolve_params(rule, kwargs)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+            for k in ks:
+                grid.append(BenchConfig("speculative", rule, k, kwargs))
+    if compare_hf:
+        grid += [BenchConfig("hf-assisted", None, k) for k in ks]
+    return grid
+
+
+@dataclass
+class ConfigResult:
+    config: BenchConfig
+    stats: SpecStats
+    by_category: dict[str, SpecStats]
+    prompts_done: int
+
+    def metrics(self, stats: SpecStats | None = None) -> dict[str, Any]:
+        s = stats or self.stats
+        tps = s.tokens_per_second
+        return {
+            "num_output_tokens": s.num_output_tokens,
+            "total_seconds": s.total_seconds,
+            "tokens_per_second": tps,
+            "ms_per_output_token": 1000 / tps if tps else None,
+            "mean_accepted_tokens_per_step": s.mean_accepted_tokens_per_step,
+            "mean_acceptance_length": s.mean_acceptance_length,
+            "draft_acceptance_rate": s.draft_acceptance_rate,
+            "acceptance_histogram": list(s.acceptance_histogram),
+            "per_position_acceptance_rate": s.per_position_acceptance_rate,
+            "verifier_forward_passes_per_token": (s.verifier_forward_passes / s.num_output_tokens
+                                                  if s.num_output_tokens and self.config.kind != "hf-assisted" else None),
+            "time_to_first_token": (s.time_to_first_token / max(self.prompts_done, 1)
+                                    if s.time_to_first_token is not None else None),
+        }
+
+
+def _sync(engine: SpeculativeEngine) -> None:
+    if engine.pair.verifier.device.type == "cuda":
+        torch.cuda.synchronize(engine.pair.verifier.device)
+
+
+def run_speculative(engine: SpeculativeEngine, cfg: BenchConfig, prompts: list[tuple[Prompt, list[int]]],
+                    base: GenerationParams, on_prompt: Callable[[], None], sink: list[ConfigResult]) -> None:
+    """Run one configuration over every prompt. The result goes into ``sink`` before the first
+    prompt, so an interrupted run keeps the prompts that finished."""
+    total, by_cat = SpecStats(), {}
+    result = ConfigResult(cfg, total, by_cat, 0)
+    sink.append(result)
+    for i, (prompt, ids) in enumerate(prompts):
+        params = GenerationParams(sampling=base.sampling, rule=cfg.rule or "sps", rule_kwargs=cfg.rule_kwargs,
+                                  num_draft_tokens=cfg.k, max_tokens=base.max_tokens, stop=base.stop,
+                                  seed=base.seed + i)
+        s = SpecStats()
+        for ev in engine.generate(ids, params):
+            s.update(ev)
+        total.merge(s)
+        by_cat.setdefault(prompt.category, SpecStats()).merge(s)
+        result.prompts_done += 1
+        on_prompt()
+
+
+def run_hf(engine: SpeculativeEngine, cfg: BenchConfig, prompts: list[tuple[Prompt, list[int]]],
+           base: GenerationParams, on_prompt: Callable[[], None], sink: list[ConfigResult]) -> None:
+    """transformers' assisted generation, like for like: a constant k draft tokens per step."""
+    pair = engine.pair
+    if pair.draft is None:
+        raise ConfigError("--compare-hf needs a draft model")
+    assistant = pair.draft.model
+    gc = assistant.generation_config
+    gc.num_assistant_tokens = cfg.k
+    gc.num_assistant_tokens_schedule = "constant"
+    gc.assistant_confidence_threshold = 0.0
+    sp = base.sampling
+    total, by_cat = SpecStats(), {}
+    result = ConfigResult(cfg, total, by_cat, 0)
+    sink.append(result)
+    dev = pair.verifier.device
+    for i, (prompt, ids) in enumerate(prompts):
+        torch.manual_seed(base.seed + i)
+        x = torch.tensor([ids], device=dev)
+        kwargs: dict[str, Any] = dict(max_new_tokens=base.max_tokens, assistant_model=assistant,
+                                      attention_mask=torch.ones_like(x), pad_token_id=pair.tokenizer.pad_token_id
+                                      or pair.tokenizer.eos_token_id)
+        if sp.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        else:
+            kwargs.update(do_sample=True, temperature=sp.temperature, top_k=sp.top_k or None, top_p=sp.top_p)
+        _sync(engine)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = pair.verifier.model.generate(x, **kwargs)
+        _sync(engine)
+        s = SpecStats(prompt_tokens=len(ids), num_output_tokens=int(out.shape[1] - len(ids)),
+                      total_seconds=time.perf_counter() - t0)
+        total.merge(s)
+        by_cat.setdefault(prompt.category, SpecStats()).merge(s)
+        result.prompts_done += 1
+        on_prompt()
+
+
+def warm_up(engine: SpeculativeEngine, ids: list[int], base: GenerationParams, k: int) -> None:
+    """One short run through every code path before anything is timed."""
+    for kk in ({0, k} if engine.drafter is not None else {0}):
+        params = GenerationParams(sampling=base.sampling, rule="sps", num_draft_tokens=kk, max_tokens=8, seed=0)
+        for _ in engine.generate(ids, params):
+            pass
+
+
+def environment(engine: SpeculativeEngine, settings: dict[str, Any]) -> dict[str, Any]:
+    import transformers
+
+    from cactus_cli import __version__
+
+    dev = engine.pair.verifier.device
+    return {
+        "cactus": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        "cpu_threads": torch.get_num_threads(),
+        "dtype": str(engine.pair.verifier.dtype).removeprefix("torch."),
+        "verifier": settings.get("verifier"),
+        "draft": settings.get("draft"),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[str, Any],
+             prompts: list[Prompt], interrupted: bool) -> dict[str, Any]:
+    """The --json document (schema_version 1): one row per configuration, baseline first."""
+    results = [r for r in results if r.prompts_done]
+    base = next((r for r in results if r.config.kind == "autoregressive"), None)
+    base_tps = base.stats.tokens_per_second if base else None
+    hf = {r.config.k: r.stats.tokens_per_second for r in results if r.config.kind == "hf-assisted"}
+    rows = []
+    for r in results:
+        m = r.metrics()
+        tps = m["tokens_per_second"]
+        row = {"config": r.config.label, "kind": r.config.kind, "rule": r.config.rule, "k": r.config.k,
+               "rule_params": r.config.rule_kwargs, "prompts": r.prompts_done, **m,
+               "speedup": tps / base_tps if tps and base_tps else None,
+               "tokens_per_second_vs_hf": (tps / hf[r.config.k] if r.config.kind == "speculative"
+                                           and hf.get(r.config.k) and tps else None),
+               "by_category": {}}
+        for cat, s in sorted(r.by_category.items()):
+            cm = r.metrics(s)
+            base_cat = base.by_category.get(cat) if base else None
+            btps = base_cat.tokens_per_second if base_cat else None
+            row["by_category"][cat] = {
+                "tokens_per_second": cm["tokens_per_second"],
+                "mean_accepted_tokens_per_step": cm["mean_accepted_tokens_per_step"],
+                "draft_acceptance_rate": cm["draft_acceptance_rate"],
+                "speedup": cm["tokens_per_second"] / btps if cm["tokens_per_second"] and btps else None,
+            }
+        rows.append(row)
+    return {"schema_version": SCHEMA_VERSION, "interrupted": interrupted, "environment": env,
+            "settings": settings, "prompts": [p.id for p in prompts], "results": rows}
+
+
+CSV_COLUMNS = ["config", "kind", "rule", "k", "prompts", "num_output_tokens", "total_seconds", "tokens_per_second",
+               "ms_per_output_token", "speedup", "tokens_per_second_vs_hf", "mean_accepted_tokens_per_step",
+               "mean_acceptance_length", "draft_acceptance_rate", "verifier_forward_passes_per_token",
+               "time_to_first_token", "rule_params", "acceptance_histogram", "per_position_acceptance_rate"]
+
+
+def write_csv(doc: dict[str, Any], path) -> None:
+    import csv
+    import json
+
+    from cactus_cli.fileio import atomic_write
+
+    def cell(v):
+        return json.dumps(v) if isinstance(v, (dict, list)) else ("" if v is None else v)
+
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(CSV_COLUMNS)
+    for row in doc["results"]:
+        w.writerow([cell(row.get(c)) for c in CSV_COLUMNS])
+    atomic_write(path, buf.getvalue())

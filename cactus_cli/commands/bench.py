@@ -1,0 +1,108 @@
+"""`cactus bench`: acceptance rules x delta x k side by side, against the verifier alone
+(and optionally Hugging Face assisted generation), for humans (a table) and scripts (JSON/CSV)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cactus_cli import options as o
+from cactus_cli.commands import user_errors
+
+
+def bench(
+    rules: Annotated[str, typer.Option("--rules", help="Comma list of rules: sps,cactus,cactus-exact,tas,topk,interp.", rich_help_panel=o.DECODING)] = "sps,cactus",
+    deltas: Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values for the rules that take one (default: the profile's).", rich_help_panel=o.DECODING)] = None,
+    ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of draft lengths (default: the profile's).", rich_help_panel=o.DECODING)] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL file with 'prompt' and optional 'id', 'category' (default: the built-in set).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="Use only the first N prompts (the built-in set is interleaved by category).")] = None,
+    compare_hf: Annotated[bool, typer.Option("--compare-hf", help="Also time transformers' assisted generation (constant k) on the same pair and prompts.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (schema_version 1) instead of the table.")] = False,
+    csv_path: Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per configuration to this file.")] = None,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Write bench.json, bench.csv and environment.json into this folder.")] = None,
+    profile: o.Profile = None,
+    verifier: o.Verifier = None,
+    draft: o.Draft = None,
+    tokenizer: o.Tokenizer = None,
+    param: o.Param = None,
+    temperature: o.Temperature = None,
+    top_k: o.TopK = None,
+    top_p: o.TopP = None,
+    max_tokens: o.MaxTokens = None,
+    seed: o.Seed = None,
+    device: o.Device = None,
+    dtype: o.Dtype = None,
+    chat_template: o.ChatTemplate = None,
+    no_color: o.NoColor = False,
+) -> None:
+    """Benchmark acceptance rules, delta and k on one model pair, with the verifier-alone
+    baseline always included (same prompts, sampling and seeds). Ctrl-C stops early and
+    still prints and saves what finished."""
+    with user_errors():
+        from cactus_cli import bench as b
+        from cactus_cli.config import resolve_settings
+        from cactus_cli.errors import ConfigError
+        from cactus_cli.prompts import load_prompts
+
+        flags = o.flags_to_settings(verifier=verifier, draft=draft, tokenizer=tokenizer, rule_params=param,
+                                    temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
+                                    seed=seed, device=device, dtype=dtype, chat_template=chat_template)
+        settings = resolve_settings(profile, flags)
+        if settings.draft is None:
+            raise ConfigError("bench compares speculative decoding with the verifier alone: it needs a --draft")
+        delta_list = b.parse_list(deltas, float, "--delta") if deltas else [settings.delta]
+        k_list = b.parse_list(ks, int, "-k") if ks else [settings.num_draft_tokens]
+        rule_list = b.parse_list(rules, str, "--rules")
+        grid = b.build_grid(rule_list, delta_list, k_list, settings.rule_params, compare_hf)
+        prompts = load_prompts(str(prompts_file) if prompts_file else None, limit)
+        if settings.seed is None:
+            settings.seed = 0  # a benchmark is reproducible by default
+
+        from cactus_cli import runtime, ui
+
+        err = ui.make_console(no_color=no_color, stderr=True)
+        with ui.LoadProgress(err) as progress:
+            engine = runtime.load_engine(settings, progress)
+        tok = engine.pair.tokenizer
+        encoded = [(p, runtime.encode(tok, p.prompt, settings.chat_template)) for p in prompts]
+        base = runtime.generation_params(settings)
+
+        results: list = []
+        interrupted = False
+        with ui.bench_progress(err, len(grid) * len(prompts)) as advance:
+            try:
+                b.warm_up(engine, encoded[0][1], base, k_list[0])
+                for cfg in grid:
+                    run = b.run_hf if cfg.kind == "hf-assisted" else b.run_speculative
+                    advance(0, cfg.label)
+                    run(engine, cfg, encoded, base, lambda: advance(1, cfg.label), results)
+            except KeyboardInterrupt:
+                interrupted = True
+        env = b.environment(engine, settings.to_dict())
+        doc = b.document(results, env, settings.to_dict(), prompts, interrupted)
+
+        if out_dir:
+            from cactus_cli.fileio import atomic_write
+
+            atomic_write(out_dir / "bench.json", json.dumps(doc, indent=2))
+            atomic_write(out_dir / "environment.json", json.dumps(env, indent=2))
+            b.write_csv(doc, out_dir / "bench.csv")
+        if csv_path:
+            b.write_csv(doc, csv_path)
+        if as_json:
+            typer.echo(json.dumps(doc, indent=2))
+        else:
+            console = ui.make_console(no_color=no_color)
+            ui.print_bench(console, doc)
+        if out_dir:
+            err.print(f"wrote {out_dir}/bench.json, bench.csv, environment.json", style="dim")
+        if interrupted:
+            err.print("interrupted: the results above cover what finished", style="yellow")
+            raise typer.Exit(130)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench")(bench)

@@ -1,0 +1,121 @@
+"""`cactus bench` on tiny pairs: the JSON schema, the baseline row, SpS with draft == verifier,
+outputs on disk, Ctrl-C, and bad inputs."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cactus_cli import bench as bench_mod
+from cactus_cli.cli import app
+from tests.test_cli import assert_one_line_error
+
+runner = CliRunner()
+
+
+def bench(tiny, *args, draft="draft_close"):
+    base = ["bench", "--verifier", tiny["verifier"], "--draft", tiny[draft], "--device", "cpu", "--dtype", "float32",
+            "--limit", "2", "-n", "8"]
+    return runner.invoke(app, base + [str(a) for a in args])
+
+
+def test_json_schema_and_baseline_row(tiny):
+    r = bench(tiny, "--rules", "sps,cactus,tas", "--delta", "0.5,1", "-k", "2,3", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["schema_version"] == 1 and doc["interrupted"] is False
+    for key in ("cactus", "torch", "transformers", "device", "dtype", "verifier", "draft"):
+        assert key in doc["environment"]
+    assert len(doc["prompts"]) == 2
+    rows = doc["results"]
+    assert [r["config"] for r in rows] == [
+        "verifier alone", "sps k=2", "sps k=3", "cactus δ=0.5 k=2", "cactus δ=0.5 k=3", "cactus δ=1 k=2",
+        "cactus δ=1 k=3", "tas k=2", "tas k=3"]
+    base = rows[0]
+    assert base["kind"] == "autoregressive" and base["speedup"] == 1.0 and base["draft_acceptance_rate"] is None
+    assert base["verifier_forward_passes_per_token"] > 1.0 - 1e-9  # one pass per token (+ prefill)
+    for row in rows[1:]:
+        for key in ("mean_accepted_tokens_per_step", "mean_acceptance_length", "draft_acceptance_rate",
+                    "acceptance_histogram", "per_position_acceptance_rate", "tokens_per_second",
+                    "ms_per_output_token", "speedup", "verifier_forward_passes_per_token", "by_category"):
+            assert row[key] is not None, key
+        assert row["mean_acceptance_length"] == pytest.approx(1 + row["mean_accepted_tokens_per_step"])
+        assert len(row["acceptance_histogram"]) == row["k"] + 1
+        assert set(row["by_category"]) == {"code", "math"}  # the built-in set interleaves categories
+
+
+def test_sps_with_draft_equal_to_verifier_accepts_everything(tiny):
+    # p and q agree up to float rounding: a rejection has probability ~1e-6 per token here,
+    # so the false-failure odds of this test are below 1e-4
+    r = bench(tiny, "--rules", "sps", "-k", "3", "--temperature", "0.8", "--json", draft="verifier")
+    assert r.exit_code == 0, r.output
+    row = json.loads(r.output)["results"][1]
+    assert row["draft_acceptance_rate"] == 1.0
+    assert row["mean_accepted_tokens_per_step"] == pytest.approx(3.0, abs=1.0)  # max_tokens cuts the last step
+
+
+def test_outputs_on_disk_and_hf_comparison(tiny, tmp_path):
+    out = tmp_path / "run"
+    r = bench(tiny, "--rules", "sps", "-k", "2", "--compare-hf", "--out", out, "--csv", tmp_path / "x.csv")
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "bench.json").read_text())
+    kinds = [row["kind"] for row in doc["results"]]
+    assert kinds == ["autoregressive", "speculative", "hf-assisted"]
+    assert doc["results"][1]["tokens_per_second_vs_hf"] > 0
+    assert json.loads((out / "environment.json").read_text())["device"] == "cpu"
+    rows = list(csv.DictReader((out / "bench.csv").open()))
+    assert [row["config"] for row in rows] == ["verifier alone", "sps k=2", "HF assisted k=2"]
+    assert (tmp_path / "x.csv").read_text() == (out / "bench.csv").read_text()
+    assert "sps k=2" in r.output and "speedup" in r.output  # the table
+
+
+def test_ctrl_c_keeps_what_finished(tiny, tmp_path, monkeypatch):
+    real = bench_mod.run_speculative
+    calls = []
+
+    def interrupted_after_one(*args, **kwargs):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_mod, "run_speculative", interrupted_after_one)
+    r = bench(tiny, "--rules", "sps,cactus", "-k", "2", "--out", tmp_path / "o")
+    assert r.exit_code == 130
+    doc = json.loads((tmp_path / "o" / "bench.json").read_text())
+    assert doc["interrupted"] is True
+    assert [row["config"] for row in doc["results"]] == ["verifier alone"]
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--rules", "sps,magic"], "unknown rule 'magic'"),
+        (["--rules", "cactus", "--delta", "0.5,-1"], "'delta' must be a finite number >= 0"),
+        (["-k", "2,0"], "-k: each value must be an integer in 1..64"),
+        (["-k", "two"], "-k: cannot read"),
+        (["--limit", "0"], "--limit must be >= 1"),
+        (["--prompts", "/nonexistent.jsonl"], "no such file"),
+    ],
+)
+def test_bad_inputs(tiny, args, needle):
+    assert_one_line_error(bench(tiny, *args), needle)
+
+
+def test_bad_prompts_file(tiny, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hi"}\n{"id": 3}\n')
+    assert_one_line_error(bench(tiny, "--prompts", f), f"{f}:2: each line must be an object")
+    f.write_text('{"prompt": "the cat", "category": "animals", "id": "c1"}\n')
+    r = bench(tiny, "--prompts", f, "--rules", "sps", "-k", "2", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["prompts"] == ["c1"] and set(doc["results"][1]["by_category"]) == {"animals"}
+
+
+def test_bench_needs_a_draft(tiny):
+    r = runner.invoke(app, ["bench", "--verifier", tiny["verifier"], "--draft", "none"])
+    assert_one_line_error(r, "needs a --draft")
