@@ -23,8 +23,12 @@ class Proposal:
 class Drafter(Protocol):
     forward_passes: int
 
-    def start(self, prefix: list[int]) -> None:
-        """Begin a sequence; ``prefix`` is every token so far (the prompt)."""
+    def reset(self) -> None:
+        """Forget everything cached."""
+
+    def start(self, prefix: list[int], reuse: bool = False) -> int:
+        """Begin a sequence; ``prefix`` is every token so far (the prompt). With ``reuse``, keep
+        what is cached of a shared prefix; return how many tokens were reused."""
 
     def propose(self, k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
         """Draft k tokens continuing the sequence."""
@@ -77,8 +81,8 @@ class DraftModelDrafter:
 
     def __init__(self, lm: LoadedModel, vocab_size: int):
         self.runner = CachedLM(lm, vocab_size)
-        self.pending: list[int] = []  # sequence tokens not yet in the cache
-        self.seq_len = 0  # length of the sequence so far
+        self.seq: list[int] = []  # the sequence so far; the cache holds seq[: cache_len]
+        self.pending: list[int] = []  # seq[cache_len:], fed by the next proposal
         self._k = 0  # size of the last proposal
 
     @property
@@ -89,12 +93,23 @@ class DraftModelDrafter:
     def device(self) -> torch.device:
         return self.runner.lm.device
 
-    def start(self, prefix: list[int]) -> None:
+    def reset(self) -> None:
         self.runner.reset()
-        if len(prefix) > 1:
-            self.runner.forward(prefix[:-1], keep=1)
+        self.seq, self.pending = [], []
+
+    def start(self, prefix: list[int], reuse: bool = False) -> int:
+        """Take ``prefix`` (all but its last token into the cache). With ``reuse``, the longest
+        cached prefix it shares with the previous sequence is kept. Returns tokens reused."""
+        keep = min(common_prefix(self.seq[: self.runner.cache_len], prefix), len(prefix) - 1) if reuse else 0
+        if keep:
+            self.runner.crop(keep)
+        else:
+            self.runner.reset()
+        if len(prefix) - 1 > keep:
+            self.runner.forward(prefix[keep:-1], keep=1)
+        self.seq = list(prefix)
         self.pending = prefix[-1:]
-        self.seq_len = len(prefix)
+        return keep
 
     @torch.inference_mode()
     def propose(self, k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
@@ -122,7 +137,16 @@ class DraftModelDrafter:
         else:
             # the cache holds the old sequence + the first k-1 drafts; keep the ones that stayed
             fed = min(num_accepted, self._k - 1)
-            self.runner.crop(self.seq_len + fed)
+            self.runner.crop(len(self.seq) + fed)
             self.pending = new_tokens[fed:]
-        self.seq_len += len(new_tokens)
+        self.seq += new_tokens
         self._k = 0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 
 from cactus_cli.acceptance import greedy_verify, verify
-from cactus_cli.drafting import CachedLM, DraftModelDrafter, Drafter
+from cactus_cli.drafting import CachedLM, DraftModelDrafter, Drafter, common_prefix
 from cactus_cli.errors import ContextLimitError
 from cactus_cli.events import Piece, StepEvent
 from cactus_cli.models import ModelPair
@@ -78,17 +78,26 @@ class SpeculativeEngine:
         self.eos = eos_ids(pair)
         limits = [pair.verifier.context_length] + ([pair.draft.context_length] if pair.draft else [])
         self.context_length = min(limits)
-        self.seq_len = 0
+        self.tokens: list[int] = []  # the verified sequence; the verifier cache holds tokens[: cache_len]
+
+    def reset(self) -> None:
+        """Forget both caches (the next generate prefills from scratch)."""
+        self.verifier.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+        self.tokens = []
 
     def cache_lengths(self) -> dict[str, int]:
         """For tests and diagnostics: the verifier cache always holds the sequence minus its last token."""
-        out = {"sequence": self.seq_len, "verifier": self.verifier.cache_len}
+        out = {"sequence": len(self.tokens), "verifier": self.verifier.cache_len}
         if isinstance(self.drafter, DraftModelDrafter):
             out["draft"] = self.drafter.runner.cache_len
             out["draft_pending"] = len(self.drafter.pending)
         return out
 
-    def generate(self, prompt_ids: list[int], params: GenerationParams) -> Iterator[StepEvent]:
+    def generate(self, prompt_ids: list[int], params: GenerationParams, reuse_cache: bool = False) -> Iterator[StepEvent]:
+        """Generate after ``prompt_ids``. With ``reuse_cache`` the KV caches keep the longest prefix
+        the prompt shares with the previous sequence (chat turns), so only the new tokens are encoded."""
         if not prompt_ids:
             raise ContextLimitError("the prompt is empty after tokenization; give the model something to continue")
         if len(prompt_ids) >= self.context_length:
@@ -96,120 +105,164 @@ class SpeculativeEngine:
                 f"the prompt is {len(prompt_ids)} tokens but the context window is {self.context_length}; "
                 "shorten the prompt"
             )
-        return self._run(list(prompt_ids), params)
+        return self._run(list(prompt_ids), params, reuse_cache)
+
+    def _run(self, prompt: list[int], params: GenerationParams, reuse: bool) -> Iterator[StepEvent]:
+        state = _RunState(self, prompt, params)
+        try:
+            state.prefill(reuse)
+        except BaseException:
+            self.reset()  # a half-done prefill leaves caches we cannot trust
+            raise
+        while True:
+            try:
+                event = state.step()
+            except BaseException:
+                # interrupted mid-step (Ctrl-C, OOM): caches may be half-updated; drop them, so the
+                # next call prefills from scratch instead of decoding from a corrupt cache
+                self.reset()
+                raise
+            yield event  # closing the generator here (GeneratorExit) leaves consistent caches
+            if event.finish_reason:
+                return
+
+
+class _RunState:
+    """The state of one generate() call; ``step`` is one draft/verify/crop round."""
+
+    def __init__(self, engine: SpeculativeEngine, prompt: list[int], params: GenerationParams):
+        self.e = engine
+        self.prompt = prompt
+        self.params = params
+        self.sp = params.sampling
+        self.vdev = engine.pair.verifier.device
+        self.vgen = torch.Generator(device=self.vdev).manual_seed(params.seed)
+        self.drafter = engine.drafter if params.num_draft_tokens > 0 else None
+        self.dgen = None
+        if self.drafter is not None:
+            ddev = engine.pair.draft.device
+            self.dgen = self.vgen if ddev == self.vdev else torch.Generator(device=ddev).manual_seed(params.seed + 1)
+        self.detok = Detokenizer(engine.pair.tokenizer)
+        self.produced = 0
+        self.text = ""
+        self.max_stop = max((len(s) for s in params.stop), default=0)
+        self.first = True
+        self.t_start = time.perf_counter()
+        self.prefill_seconds = 0.0
+        self.prefill_tokens = 0
+        self.reused_tokens = 0
+        self.v_passes = engine.verifier.forward_passes
+        self.d_passes = self.drafter.forward_passes if self.drafter else 0
 
     @torch.inference_mode()
-    def _run(self, prompt: list[int], params: GenerationParams) -> Iterator[StepEvent]:
-        sp = params.sampling
-        vdev = self.pair.verifier.device
-        vgen = torch.Generator(device=vdev).manual_seed(params.seed)
-        drafter = self.drafter if params.num_draft_tokens > 0 else None
-        dgen = None
+    def prefill(self, reuse: bool) -> None:
+        """Both caches take the prompt minus its last token, which the first step feeds."""
+        e, prompt = self.e, self.prompt
+        keep = 0
+        if reuse:
+            keep = min(common_prefix(e.tokens[: e.verifier.cache_len], prompt), len(prompt) - 1)
+        if keep:
+            e.verifier.crop(keep)
+        else:
+            e.verifier.reset()
+        if len(prompt) - 1 > keep:
+            e.verifier.forward(prompt[keep:-1], keep=1)
+        self.reused_tokens = keep
+        self.prefill_tokens = len(prompt) - 1 - keep
+        e.tokens = list(prompt)
+        if self.drafter is not None:
+            self.drafter.start(prompt, reuse)
+        _sync(self.vdev)
+        self.prefill_seconds = time.perf_counter() - self.t_start
+
+    @torch.inference_mode()
+    def step(self) -> StepEvent:
+        e, params, sp, vdev = self.e, self.params, self.sp, self.vdev
+        drafter = self.drafter
+        room = e.context_length - len(e.tokens)  # positions left for new tokens
+        k = 0 if drafter is None else max(0, min(params.num_draft_tokens, room - 1, params.max_tokens - self.produced - 1))
+
+        t0 = time.perf_counter()
+        proposal = drafter.propose(k, sp, self.dgen) if drafter is not None else None
+        if proposal is not None:
+            _sync(proposal.tokens.device)
+        t1 = time.perf_counter()
+
+        drafts = proposal.tokens.to(vdev) if k else torch.zeros(0, dtype=torch.int64, device=vdev)  # [k]
+        last = torch.tensor([e.tokens[-1]], device=vdev)
+        logits = e.verifier.forward(torch.cat([last, drafts]), keep=k + 1)  # [k+1, V]
+        if sp.greedy:
+            verdict = greedy_verify(drafts.view(1, k), logits.argmax(-1).view(1, k + 1))
+        else:
+            q = probs_from_logits(logits, sp).unsqueeze(0)  # [1, k+1, V]
+            p = proposal.probs.to(vdev).unsqueeze(0) if k else q[:, :0]  # [1, k, V]
+            verdict = verify(params.rule, p, q, drafts.view(1, k), generator=self.vgen, **params.rule_kwargs)
+        m = int(verdict.num_accepted[0])
+        new = verdict.tokens[0, : m + 1].tolist()  # accepted drafts + one extra token
+        t2 = time.perf_counter()
+
+        # keep both caches to exactly the verified sequence minus its last token
+        e.verifier.crop(len(e.tokens) + m)
         if drafter is not None:
-            ddev = self.pair.draft.device
-            dgen = vgen if ddev == vdev else torch.Generator(device=ddev).manual_seed(params.seed + 1)
+            drafter.accept(m, new)
+        e.tokens += new
 
-        t_start = time.perf_counter()
-        v_passes0 = self.verifier.forward_passes
-        d_passes0 = drafter.forward_passes if drafter else 0
-        # prefill: both caches take the prompt minus its last token, which each step feeds
-        self.verifier.reset()
-        if len(prompt) > 1:
-            self.verifier.forward(prompt[:-1], keep=1)
-        if drafter is not None:
-            drafter.start(prompt)
-        _sync(vdev)
-        prefill_seconds = time.perf_counter() - t_start
+        draft_list = drafts.tolist()
+        rejected = tuple(draft_list[m:])
+        extra_kind = "verifier" if k == 0 else ("bonus" if m == k else "correction")
+        emitted, pieces, finish = self._emit(new, m, extra_kind)
+        if finish is None and len(e.tokens) >= e.context_length:
+            finish = "context"
 
-        detok = Detokenizer(self.pair.tokenizer)
-        last = prompt[-1]
-        self.seq_len = len(prompt)
-        produced = 0
-        text = ""
-        max_stop = max((len(s) for s in params.stop), default=0)
-        first = True
-        while True:
-            room = self.context_length - self.seq_len  # positions left for new tokens
-            k = 0 if drafter is None else max(0, min(params.num_draft_tokens, room - 1, params.max_tokens - produced - 1))
+        ev = StepEvent(
+            num_drafted=k,
+            accepted=tuple(new[:m]),
+            rejected=rejected,
+            extra=new[-1],
+            extra_kind=extra_kind,
+            emitted=tuple(emitted),
+            pieces=tuple(pieces),
+            rejected_text=tuple(e.pair.tokenizer.decode([t]) for t in rejected),
+            draft_seconds=t1 - t0,
+            verify_seconds=t2 - t1,
+            prefill_seconds=self.prefill_seconds if self.first else 0.0,
+            prefill_tokens=self.prefill_tokens if self.first else 0,
+            reused_tokens=self.reused_tokens if self.first else 0,
+            elapsed=time.perf_counter() - self.t_start,
+            draft_forward_passes=(drafter.forward_passes - self.d_passes) if drafter else 0,
+            verifier_forward_passes=e.verifier.forward_passes - self.v_passes,
+            prompt_tokens=len(self.prompt),
+            finish_reason=finish,
+        )
+        self.v_passes = e.verifier.forward_passes
+        self.d_passes = drafter.forward_passes if drafter else 0
+        self.first = False
+        return ev
 
-            t0 = time.perf_counter()
-            proposal = drafter.propose(k, sp, dgen) if drafter is not None else None
-            if proposal is not None:
-                _sync(proposal.tokens.device)
-            t1 = time.perf_counter()
-
-            drafts = proposal.tokens.to(vdev) if k else torch.zeros(0, dtype=torch.int64, device=vdev)  # [k]
-            logits = self.verifier.forward(torch.cat([torch.tensor([last], device=vdev), drafts]), keep=k + 1)
-            if sp.greedy:
-                verdict = greedy_verify(drafts.view(1, k), logits.argmax(-1).view(1, k + 1))
-            else:
-                q = probs_from_logits(logits, sp).unsqueeze(0)  # [1, k+1, V]
-                p = proposal.probs.to(vdev).unsqueeze(0) if k else q[:, :0]  # [1, k, V]
-                verdict = verify(params.rule, p, q, drafts.view(1, k), generator=vgen, **params.rule_kwargs)
-            m = int(verdict.num_accepted[0])
-            new = verdict.tokens[0, : m + 1].tolist()  # accepted drafts + one extra token
-            t2 = time.perf_counter()
-
-            # keep both caches to exactly the sequence minus its last token
-            self.verifier.crop(self.seq_len + m)
-            if drafter is not None:
-                drafter.accept(m, new)
-            self.seq_len += len(new)
-            last = new[-1]
-
-            draft_list = drafts.tolist()
-            rejected = tuple(draft_list[m:])
-            extra_kind = "verifier" if k == 0 else ("bonus" if m == k else "correction")
-            emitted: list[int] = []
-            pieces: list[Piece] = []
+    def _emit(self, new: list[int], m: int, extra_kind: str) -> tuple[list[int], list[Piece], str | None]:
+        """Turn verified tokens into output, cut at EOS, a stop string or max_tokens."""
+        params = self.params
+        emitted: list[int] = []
+        pieces: list[Piece] = []
+        for i, token in enumerate(new):
+            kind = "accepted" if i < m else extra_kind
+            emitted.append(token)
+            self.produced += 1
+            if token in self.e.eos and not params.ignore_eos:
+                return emitted, pieces, "eos"
+            piece = self.detok.add(token)
             finish = None
-            for i, token in enumerate(new):
-                kind = "accepted" if i < m else extra_kind
-                emitted.append(token)
-                produced += 1
-                if token in self.eos and not params.ignore_eos:
-                    finish = "eos"
-                    break
-                piece = detok.add(token)
-                if params.stop and piece:
-                    window = text[-max_stop:] + piece
-                    hits = [window.find(s) for s in params.stop if s in window]
-                    if hits:
-                        cut = min(hits) - len(text[-max_stop:])  # where the stop string starts within piece
-                        piece = piece[: max(cut, 0)]
-                        finish = "stop"
-                text += piece
-                pieces.append(Piece(piece, kind))
-                if finish:
-                    break
-                if produced >= params.max_tokens:
-                    finish = "length"
-                    break
-            if finish is None and self.seq_len >= self.context_length:
-                finish = "context"
-
-            rejected_text = tuple(self.pair.tokenizer.decode([t]) for t in rejected)
-            ev = StepEvent(
-                num_drafted=k,
-                accepted=tuple(new[:m]),
-                rejected=rejected,
-                extra=new[-1],
-                extra_kind=extra_kind,
-                emitted=tuple(emitted),
-                pieces=tuple(pieces),
-                rejected_text=rejected_text,
-                draft_seconds=t1 - t0,
-                verify_seconds=t2 - t1,
-                prefill_seconds=prefill_seconds if first else 0.0,
-                elapsed=time.perf_counter() - t_start,
-                draft_forward_passes=(drafter.forward_passes - d_passes0) if drafter else 0,
-                verifier_forward_passes=self.verifier.forward_passes - v_passes0,
-                prompt_tokens=len(prompt),
-                finish_reason=finish,
-            )
-            v_passes0 = self.verifier.forward_passes
-            d_passes0 = drafter.forward_passes if drafter else 0
-            first = False
-            yield ev
+            if params.stop and piece:
+                tail = self.text[-self.max_stop :]
+                window = tail + piece
+                hits = [window.find(s) for s in params.stop if s in window]
+                if hits:  # cut where the stop string starts (text already shown stays shown)
+                    piece = piece[: max(min(hits) - len(tail), 0)]
+                    finish = "stop"
+            self.text += piece
+            pieces.append(Piece(piece, kind))
             if finish:
-                return
+                return emitted, pieces, finish
+            if self.produced >= params.max_tokens:
+                return emitted, pieces, "length"
+        return emitted, pieces, None

@@ -29,6 +29,8 @@ class StepEvent:
     draft_seconds: float
     verify_seconds: float
     prefill_seconds: float  # non-zero on the first step only
+    prefill_tokens: int  # prompt tokens encoded by the prefill (first step only)
+    reused_tokens: int  # prompt tokens found in the KV cache from the previous turn (first step only)
     elapsed: float  # seconds since generation started, at the end of this step
     draft_forward_passes: int  # model calls this step (prefill counted on the first step)
     verifier_forward_passes: int

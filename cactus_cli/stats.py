@@ -11,6 +11,8 @@ from cactus_cli.events import StepEvent
 @dataclass
 class SpecStats:
     prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens actually encoded
+    reused_prefix_tokens: int = 0  # prompt tokens served from the KV cache (chat turns)
     num_output_tokens: int = 0
     num_steps: int = 0
     num_drafts: int = 0  # steps that drafted at least one token
@@ -34,6 +36,8 @@ class SpecStats:
         self.verifier_forward_passes += ev.verifier_forward_passes
         self.draft_forward_passes += ev.draft_forward_passes
         self.prefill_seconds += ev.prefill_seconds
+        self.prefill_tokens += ev.prefill_tokens
+        self.reused_prefix_tokens += ev.reused_tokens
         self.draft_seconds += ev.draft_seconds
         self.verify_seconds += ev.verify_seconds
         if self.time_to_first_token is None and ev.emitted:
@@ -59,7 +63,7 @@ class SpecStats:
 
     def merge(self, other: SpecStats) -> None:
         """Add another run's counters (for totals over prompts or chat turns)."""
-        for name in ("prompt_tokens", "num_output_tokens", "num_steps", "num_drafts", "num_draft_tokens",
+        for name in ("prompt_tokens", "prefill_tokens", "reused_prefix_tokens", "num_output_tokens", "num_steps", "num_drafts", "num_draft_tokens",
                      "num_accepted_tokens", "verifier_forward_passes", "draft_forward_passes",
                      "prefill_seconds", "draft_seconds", "verify_seconds", "total_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -100,6 +104,8 @@ class SpecStats:
         out_tokens = max(self.num_output_tokens, 1)
         return {
             "prompt_tokens": self.prompt_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "reused_prefix_tokens": self.reused_prefix_tokens,
             "num_output_tokens": self.num_output_tokens,
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,

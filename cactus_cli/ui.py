@@ -258,3 +258,52 @@ def print_bench(console: Console, doc: dict) -> None:
                 cells.append("-" if sp is None else f"{sp:.2f}x" + (f" ({al:.2f})" if al is not None else ""))
             t2.add_row(r["config"], *cells)
         console.print(t2)
+
+
+# --------------------------------------------------------------------------- chat
+
+
+class ChatOutput:
+    """What the chat REPL shows: live replies on a terminal, plain replies when scripted."""
+
+    def __init__(self, console: Console, err: Console, live: bool):
+        self.console = console
+        self.err = err
+        self.live = live and console.is_terminal
+        self._legend_shown = False
+
+    def reply_view(self):
+        if self.live:
+            view = LiveView(self.console, show_legend=not self._legend_shown)
+            self._legend_shown = True
+            return view
+        return PlainView()
+
+    def turn_stats(self, stats: SpecStats) -> None:
+        if self.live:  # scripted output stays just the replies; /stats has the numbers
+            self.console.print(stats_line(stats))
+
+    def info(self, text: str) -> None:
+        self.console.print(Text(text))
+
+    def note(self, text: str) -> None:
+        self.err.print(Text(text, style="yellow"))
+
+    def error(self, text: str) -> None:
+        self.err.print(Text(f"error: {text}", style="red"))
+
+    def stats_table(self, d: dict) -> None:
+        def fmt(v):
+            if isinstance(v, float):
+                return f"{v:.4g}"
+            if isinstance(v, list):
+                return "[" + ", ".join(fmt(x) for x in v) + "]"
+            return str(v)
+
+        keys = ["turns", "num_output_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                "draft_acceptance_rate", "mean_acceptance_length", "mean_accepted_tokens_per_step",
+                "acceptance_histogram", "per_position_acceptance_rate", "tokens_per_second",
+                "verifier_forward_passes", "draft_forward_passes", "prefill_tokens", "prefill_tokens_saved"]
+        width = max(len(k) for k in keys)
+        for k in keys:
+            self.console.print(Text(f"{k:<{width}}  {fmt(d.get(k))}"))

@@ -25,7 +25,7 @@ def user_errors() -> Iterator[None]:
 
 
 def register(app: typer.Typer) -> None:
-    from cactus_cli.commands import bench, generate, models, profiles
+    from cactus_cli.commands import bench, chat, generate, models, profiles
 
-    for module in (generate, bench, profiles, models):
+    for module in (generate, chat, bench, profiles, models):
         module.register(app)
