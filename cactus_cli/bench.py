@@ -14,7 +14,7 @@ from cactus_cli.acceptance import RULES, resolve_params
 from cactus_cli.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.errors import ConfigError
 from cactus_cli.prompts import Prompt
-from cactus_cli.stats import SpecStats
+from cactus_cli.stats import SpecStats, summarize
 
 SCHEMA_VERSION = 1
 
@@ -100,6 +100,11 @@ class ConfigResult:
                                                   if s.num_output_tokens and self.config.kind != "hf-assisted" else None),
             "time_to_first_token": (s.time_to_first_token / max(self.prompts_done, 1)
                                     if s.time_to_first_token is not None else None),
+            # the divergence meter (bench --meter, calibrate): per emitted position
+            "realized_kl_mean": summarize(s.realized_kl)["mean"] if s.realized_kl else None,
+            "realized_kl_p90": summarize(s.realized_kl)["p90"] if s.realized_kl else None,
+            "realized_tv_mean": summarize(s.realized_tv)["mean"] if s.realized_tv else None,
+            "mean_verifier_loglik": s.mean_verifier_loglik,
         }
 
 
@@ -118,7 +123,7 @@ def run_speculative(engine: SpeculativeEngine, cfg: BenchConfig, prompts: list[t
     for i, (prompt, ids) in enumerate(prompts):
         params = GenerationParams(sampling=base.sampling, rule=cfg.rule or "sps", rule_kwargs=cfg.rule_kwargs,
                                   num_draft_tokens=cfg.k, max_tokens=base.max_tokens, stop=base.stop,
-                                  seed=base.seed + i)
+                                  seed=base.seed + i, measure=base.measure)
         s = SpecStats()
         for ev in engine.generate(ids, params):
             s.update(ev)
@@ -232,7 +237,8 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
 CSV_COLUMNS = ["config", "kind", "rule", "k", "prompts", "num_output_tokens", "total_seconds", "tokens_per_second",
                "ms_per_output_token", "speedup", "tokens_per_second_vs_hf", "mean_accepted_tokens_per_step",
                "mean_acceptance_length", "draft_acceptance_rate", "verifier_forward_passes_per_token",
-               "time_to_first_token", "rule_params", "acceptance_histogram", "per_position_acceptance_rate"]
+               "time_to_first_token", "realized_kl_mean", "realized_kl_p90", "realized_tv_mean",
+               "mean_verifier_loglik", "rule_params", "acceptance_histogram", "per_position_acceptance_rate"]
 
 
 def write_csv(doc: dict[str, Any], path) -> None:

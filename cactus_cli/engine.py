@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import torch
 
-from cactus_cli.acceptance import greedy_verify, verify
+from cactus_cli.acceptance import divergences, emitted_distribution, greedy_verify, verify
 from cactus_cli.drafting import CachedLM, DraftModelDrafter, Drafter, common_prefix
 from cactus_cli.errors import ContextLimitError
 from cactus_cli.events import Piece, StepEvent
@@ -32,6 +32,7 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     seed: int = 0
+    measure: bool = False  # the divergence meter: realized KL/TV per position, verifier log-likelihood
 
 
 class Detokenizer:
@@ -191,6 +192,7 @@ class _RunState:
         drafts = proposal.tokens.to(vdev) if k else torch.zeros(0, dtype=torch.int64, device=vdev)  # [k]
         last = torch.tensor([e.tokens[-1]], device=vdev)
         logits = e.verifier.forward(torch.cat([last, drafts]), keep=k + 1)  # [k+1, V]
+        p = q = None
         if sp.greedy:
             verdict = greedy_verify(drafts.view(1, k), logits.argmax(-1).view(1, k + 1))
         else:
@@ -200,6 +202,7 @@ class _RunState:
         m = int(verdict.num_accepted[0])
         new = verdict.tokens[0, : m + 1].tolist()  # accepted drafts + one extra token
         t2 = time.perf_counter()
+        meter = self._meter(p, q, logits, new, m, k) if params.measure else ((), (), ())
 
         # keep both caches to exactly the verified sequence minus its last token
         e.verifier.crop(len(e.tokens) + m)
@@ -233,11 +236,29 @@ class _RunState:
             verifier_forward_passes=e.verifier.forward_passes - self.v_passes,
             prompt_tokens=len(self.prompt),
             finish_reason=finish,
+            realized_kl=meter[0][: len(emitted)],
+            realized_tv=meter[1][: len(emitted)],
+            verifier_loglik=meter[2][: len(emitted)],
         )
         self.v_passes = e.verifier.forward_passes
         self.d_passes = drafter.forward_passes if drafter else 0
         self.first = False
         return ev
+
+    def _meter(self, p, q, logits, new: list[int], m: int, k: int) -> tuple[tuple[float, ...], ...]:
+        """Per emitted position decided by the rule: KL(h_alg || q) and TV(h_alg, q) of the exact
+        emitted distribution (the bonus position is q itself; greedy is exact), and the verifier's
+        log-likelihood (temperature 1, unfiltered) of every token emitted this step."""
+        rows = min(m + 1, k)
+        if p is None or rows == 0:
+            kl = tv = (0.0,) * rows
+        else:
+            h = emitted_distribution(self.params.rule, p[0, :rows], q[0, :rows], **self.params.rule_kwargs)
+            kl_t, tv_t = divergences(h, q[0, :rows])
+            kl, tv = tuple(kl_t.tolist()), tuple(tv_t.tolist())
+        logp = torch.log_softmax(logits[: m + 1].float(), -1)  # [m+1, V]
+        ll = logp.gather(-1, torch.tensor(new, device=logp.device).view(-1, 1)).squeeze(-1)
+        return kl, tv, tuple(ll.tolist())
 
     def _emit(self, new: list[int], m: int, extra_kind: str) -> tuple[list[int], list[Piece], str | None]:
         """Turn verified tokens into output, cut at EOS, a stop string or max_tokens."""

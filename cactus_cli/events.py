@@ -36,6 +36,10 @@ class StepEvent:
     verifier_forward_passes: int
     prompt_tokens: int
     finish_reason: str | None = None  # "eos", "stop", "length", "context" on the last step
+    # the divergence meter (GenerationParams.measure), per emitted token decided by the rule:
+    realized_kl: tuple[float, ...] = ()  # KL(h_alg || q) of the exact emitted distribution
+    realized_tv: tuple[float, ...] = ()  # TV(h_alg, q)
+    verifier_loglik: tuple[float, ...] = ()  # log q(token) under the raw verifier, every emitted token
 
     @property
     def text(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,9 @@ class SpecStats:
     time_to_first_token: float | None = None
     total_seconds: float = 0.0
     finish_reason: str | None = None
+    realized_kl: list[float] = field(default_factory=list)  # the meter, one value per position
+    realized_tv: list[float] = field(default_factory=list)
+    verifier_loglik: list[float] = field(default_factory=list)
 
     def update(self, ev: StepEvent) -> None:
         self.num_steps += 1
@@ -46,6 +50,9 @@ class SpecStats:
         self.prompt_tokens = max(self.prompt_tokens, ev.prompt_tokens)
         if ev.finish_reason:
             self.finish_reason = ev.finish_reason
+        self.realized_kl += ev.realized_kl
+        self.realized_tv += ev.realized_tv
+        self.verifier_loglik += ev.verifier_loglik
         k, m = ev.num_drafted, len(ev.accepted)
         if k == 0:
             return
@@ -67,6 +74,8 @@ class SpecStats:
                      "num_accepted_tokens", "verifier_forward_passes", "draft_forward_passes",
                      "prefill_seconds", "draft_seconds", "verify_seconds", "total_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("realized_kl", "realized_tv", "verifier_loglik"):
+            getattr(self, name).extend(getattr(other, name))
         for name in ("acceptance_histogram", "position_drafted", "position_accepted"):
             mine, theirs = getattr(self, name), getattr(other, name)
             _grow(mine, len(theirs))
@@ -100,9 +109,17 @@ class SpecStats:
     def tokens_per_second(self) -> float | None:
         return self.num_output_tokens / self.total_seconds if self.total_seconds > 0 else None
 
+    @property
+    def mean_verifier_loglik(self) -> float | None:
+        return sum(self.verifier_loglik) / len(self.verifier_loglik) if self.verifier_loglik else None
+
     def to_dict(self) -> dict[str, Any]:
         out_tokens = max(self.num_output_tokens, 1)
-        return {
+        meter = {}
+        if self.realized_kl or self.verifier_loglik:
+            meter = {"realized_kl": summarize(self.realized_kl), "realized_tv": summarize(self.realized_tv),
+                     "mean_verifier_loglik": self.mean_verifier_loglik}
+        return {**meter, 
             "prompt_tokens": self.prompt_tokens,
             "prefill_tokens": self.prefill_tokens,
             "reused_prefix_tokens": self.reused_prefix_tokens,
@@ -127,6 +144,21 @@ class SpecStats:
             "draft_forward_passes_per_token": self.draft_forward_passes / out_tokens,
             "finish_reason": self.finish_reason,
         }
+
+
+def summarize(values: list[float]) -> dict[str, Any]:
+    """Mean and percentiles of the finite values; ``infinite`` counts the rest (KL where the
+    emitted distribution puts mass on a token the verifier rules out)."""
+    finite = sorted(v for v in values if math.isfinite(v))
+    if not finite:
+        return {"count": len(values), "infinite": len(values), "mean": None, "p50": None, "p90": None,
+                "p99": None, "max": None}
+
+    def pct(x: float) -> float:
+        return finite[min(len(finite) - 1, int(x * len(finite)))]
+
+    return {"count": len(values), "infinite": len(values) - len(finite), "mean": sum(finite) / len(finite),
+            "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": finite[-1]}
 
 
 def _grow(xs: list[int], n: int) -> None:

@@ -212,6 +212,8 @@ _BENCH_COLUMNS = [  # (key, header, format, better)
     ("speedup", "speedup", "{:.2f}x", max),
     ("tokens_per_second_vs_hf", "vs HF", "{:.2f}x", max),
     ("verifier_forward_passes_per_token", "V pass/tok", "{:.3f}", min),
+    ("realized_kl_mean", "KL(h‖q)", "{:.4f}", min),
+    ("realized_tv_mean", "TV", "{:.4f}", min),
 ]
 
 
@@ -307,3 +309,98 @@ class ChatOutput:
         width = max(len(k) for k in keys)
         for k in keys:
             self.console.print(Text(f"{k:<{width}}  {fmt(d.get(k))}"))
+
+
+# --------------------------------------------------------------------------- calibrate
+
+
+def print_calibration(console: Console, doc: dict) -> None:
+    """The delta sweep, a terminal trade-off chart, the k sweep and the choice."""
+    from rich.table import Table
+
+    rows = doc["delta_sweep"]["rows"]
+    chosen = doc["chosen"]
+    t = Table(title=f"delta sweep ({doc['rule']}, k={doc['delta_sweep']['k']}, meter on)", title_justify="left")
+    for col in ("delta", "accept", "AL", "KL(h‖q) mean", "KL p90", "TV mean", "loglik vs SpS"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        style = "bold green" if r["delta"] == chosen["delta"] else ""
+
+        def f(v, fmt):
+            return "-" if v is None else fmt.format(v)
+
+        t.add_row(f"{r['delta']:g}", f(r["acceptance_rate"], "{:.1%}"), f(r["mean_accepted_tokens_per_step"], "{:.2f}"),
+                  f(r["realized_kl_mean"], "{:.4f}"), f(r["realized_kl_p90"], "{:.4f}"),
+                  f(r["realized_tv_mean"], "{:.4f}"), f(r["loglik_vs_sps"], "{:+.4f}"), style=style)
+    console.print(t)
+    console.print(trade_off_chart(rows, doc["constraints"]["max_divergence"], max(10, (console.width - 34) // 2)))
+    k = doc["k_sweep"]
+    t2 = Table(title=f"k sweep (delta={k['delta']:g}, draft/verifier cost ratio c={k['cost_ratio']:.2f})",
+               title_justify="left")
+    for col in ("k", "predicted speedup", "measured tok/s", "AL"):
+        t2.add_column(col, justify="right")
+    for r in k["rows"]:
+        style = "bold green" if r["k"] == chosen["num_draft_tokens"] else ("" if r["timed"] else "dim")
+        t2.add_row(str(r["k"]), f"{r['predicted_speedup']:.2f}x",
+                   "-" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:.2f}",
+                   "-" if r["mean_accepted_tokens_per_step"] is None else f"{r['mean_accepted_tokens_per_step']:.2f}",
+                   style=style)
+    console.print(t2)
+    overhead = doc.get("meter_overhead")
+    console.print(Text(f"chosen: delta = {chosen['delta']:g}, k = {chosen['num_draft_tokens']} ({chosen['reason']})",
+                       style="bold"))
+    if overhead is not None:
+        console.print(Text(f"meter overhead: {overhead:+.1%} of generation time", style="dim"))
+
+
+def trade_off_chart(rows: list[dict], budget: float, width: int = 36) -> Text:
+    """Bars per delta: accepted tokens per step, and realized KL against the budget (|)."""
+    al_max = max((r["mean_accepted_tokens_per_step"] or 0 for r in rows), default=1) or 1
+    kl_max = max([r["realized_kl_mean"] or 0 for r in rows] + [budget]) or 1
+    out = Text("trade-off: accepted tokens per step (█) and realized KL (▒, budget |)\n", style="dim")
+    for r in rows:
+        al = r["mean_accepted_tokens_per_step"] or 0
+        kl = r["realized_kl_mean"] or 0
+        out.append(f"delta {r['delta']:>5g}  ")
+        out.append("█" * round(width * al / al_max), style="green")
+        out.append(f" {al:.2f}".ljust(8))
+        bar = ["▒" if i < round(width * kl / kl_max) else " " for i in range(width)]
+        mark = min(width - 1, round(width * budget / kl_max))
+        bar[mark] = "|"
+        out.append("".join(bar), style="yellow")
+        out.append(f" {kl:.4f}\n")
+    return out
+
+
+def plot_calibration_png(doc: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["delta_sweep"]["rows"]
+    d = [r["delta"] for r in rows]
+    fig, ax1 = plt.subplots(figsize=(7, 4.2), dpi=120)
+    ax1.plot(d, [r["mean_accepted_tokens_per_step"] for r in rows], "o-", color="tab:green",
+             label="accepted tokens per step")
+    ax1.set_xlabel("delta (per-token budget)")
+    ax1.set_ylabel("accepted draft tokens per step", color="tab:green")
+    ax2 = ax1.twinx()
+    ax2.plot(d, [r["realized_kl_mean"] for r in rows], "s--", color="tab:orange", label="realized KL(h_alg || q)")
+    ax2.axhline(doc["constraints"]["max_divergence"], color="tab:red", lw=1, ls=":", label="divergence budget")
+    ax2.set_ylabel("mean realized KL per token (nats)", color="tab:orange")
+    ax1.axvline(doc["chosen"]["delta"], color="gray", lw=1)
+    fig.suptitle(f"{doc['rule']} on {doc['environment']['verifier']} / {doc['environment']['draft']}, "
+                 f"k={doc['delta_sweep']['k']}", fontsize=9)
+    lines = ax1.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    labels = ax1.get_legend_handles_labels()[1] + ax2.get_legend_handles_labels()[1]
+    ax1.legend(lines, labels, loc="lower right", fontsize=8)
+    fig.tight_layout()
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)

@@ -377,3 +377,83 @@ def test_degenerate_inputs_never_break_the_contract(case, rule_params):
             # never accept a drafted token the verifier rules out
             accepted = v.tokens[b, :mb]
             assert all(q[b, i, int(t)] > 0 for i, t in enumerate(accepted))
+
+
+# --------------------------------------------------------------------------- the realized distribution
+
+
+def brute_force_emitted(rule: str, p: torch.Tensor, q: torch.Tensor, **params) -> torch.Tensor:
+    """O(V^2): for every drafted token n, run the rule's acceptance and residual literally."""
+    from cactus_cli.acceptance import _accept_probs, _residual
+
+    prm = resolve_params(rule, params)
+    V = p.shape[-1]
+    out = torch.zeros(V, dtype=torch.float64)
+    for n in range(V):
+        if p[n] == 0:
+            continue
+        pn, qn = p[n].view(1, 1), q[n].view(1, 1)
+        a = _accept_probs(rule, prm, pn, qn, q.view(1, 1, V), torch.float64)[0, 0]
+        r = _residual(rule, prm, p.view(1, V).clone(), q.view(1, V).clone(), torch.tensor([n]), p[n].view(1), q[n].view(1))[0]
+        r = r / r.sum() if r.sum() > 0 else r
+        out[n] += p[n] * a
+        out += p[n] * (1 - a) * r
+    return out
+
+
+@pytest.mark.parametrize("rule,params", ALL_RULES)
+def test_emitted_distribution_equals_brute_force(rule, params):
+    from cactus_cli.acceptance import emitted_distribution
+
+    g = gen(21)
+    for case in range(25):
+        V = int(torch.randint(2, 16, (1,), generator=g))
+        p = torch.softmax(2.5 * torch.randn(V, generator=g, dtype=torch.float64), -1)
+        q = torch.softmax(2.5 * torch.randn(V, generator=g, dtype=torch.float64), -1)
+        if case % 3 == 0 and V > 3:  # filtered rows, as top-k / top-p leave them
+            p[torch.randperm(V, generator=g)[: V // 3]] = 0
+            p /= p.sum()
+        if case % 4 == 0 and V > 3:
+            q[torch.randperm(V, generator=g)[: V // 3]] = 0
+            q /= q.sum()
+        fast = emitted_distribution(rule, p, q, **params)
+        slow = brute_force_emitted(rule, p, q, **params)
+        assert (fast - slow).abs().max() < 1e-6, (rule, case)
+        assert abs(fast.sum().item() - 1) < 1e-9
+
+
+def test_emitted_distribution_is_q_for_sps_and_batched():
+    from cactus_cli.acceptance import emitted_distribution
+
+    p, q, _ = random_dists(6, 3, 40, seed=22)
+    h = emitted_distribution("sps", p, q[:, :3])  # [6, 3, 40] in one call
+    assert h.shape == p.shape and torch.allclose(h, q[:, :3], atol=1e-12)
+
+
+def test_emitted_distribution_matches_monte_carlo_of_verify():
+    # 60000 verification steps of one case; the first emitted token's histogram against the
+    # exact h_alg (false-failure odds 1e-6), for Cactus where h depends on the drafted token
+    from cactus_cli.acceptance import emitted_distribution
+
+    p1 = torch.tensor([[0.05, 0.4, 0.3, 0.15, 0.1, 0.0]], dtype=torch.float64)
+    q1 = torch.tensor([[0.3, 0.1, 0.05, 0.25, 0.0, 0.3], [1 / 6] * 6], dtype=torch.float64)
+    for rule, params in [("cactus", {"delta": 0.5}), ("cactus-exact", {"delta": 0.3}), ("topk", {"topk": 2})]:
+        v = _first_token_samples(rule, params, p1, q1, 60000, seed=23)
+        exact = emitted_distribution(rule, p1[0], q1[0], **params)
+        assert_matches(v.tokens[:, 0], exact, false_failure_odds=1e-6)
+        assert (exact - q1[0]).abs().sum() > 0.05  # not q: the test tells rules apart
+
+
+def test_realized_kl_is_zero_at_delta_zero_and_grows_with_delta():
+    from cactus_cli.acceptance import divergences, emitted_distribution
+
+    p, q, _ = random_dists(1, 1, 30, seed=24)
+    p, q = p[0, 0], q[0, 0]
+    for rule in ("cactus", "cactus-exact"):
+        kls = []
+        for delta in (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0):
+            kl, tv = divergences(emitted_distribution(rule, p, q, delta=delta), q)
+            kls.append(kl.item())
+        assert kls[0] < 1e-12
+        assert all(b >= a - 1e-12 for a, b in zip(kls, kls[1:])), kls
+        assert kls[-1] > 1e-3

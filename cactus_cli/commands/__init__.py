@@ -25,7 +25,7 @@ def user_errors() -> Iterator[None]:
 
 
 def register(app: typer.Typer) -> None:
-    from cactus_cli.commands import bench, chat, generate, models, profiles
+    from cactus_cli.commands import bench, calibrate, chat, generate, models, profiles
 
-    for module in (generate, chat, bench, profiles, models):
+    for module in (generate, chat, bench, calibrate, profiles, models):
         module.register(app)

@@ -19,6 +19,7 @@ def bench(
     ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of draft lengths (default: the profile's).", rich_help_panel=o.DECODING)] = None,
     prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL file with 'prompt' and optional 'id', 'category' (default: the built-in set).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Use only the first N prompts (the built-in set is interleaved by category).")] = None,
+    meter: Annotated[bool, typer.Option("--meter", help="Also measure the realized divergence KL(h_alg || q) and TV per position (costs time).")] = False,
     compare_hf: Annotated[bool, typer.Option("--compare-hf", help="Also time transformers' assisted generation (constant k) on the same pair and prompts.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (schema_version 1) instead of the table.")] = False,
     csv_path: Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per configuration to this file.")] = None,
@@ -69,6 +70,7 @@ def bench(
         tok = engine.pair.tokenizer
         encoded = [(p, runtime.encode(tok, p.prompt, settings.chat_template)) for p in prompts]
         base = runtime.generation_params(settings)
+        base.measure = meter
 
         results: list = []
         interrupted = False

@@ -1,0 +1,112 @@
+"""`cactus calibrate`: measure, then choose delta and k for a model pair; optionally save them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cactus_cli import options as o
+from cactus_cli.commands import user_errors
+
+
+def calibrate(
+    deltas: Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values to sweep (0 is always added). Default: 0,0.1,0.25,0.5,0.75,1,1.5,2.", rich_help_panel=o.DECODING)] = None,
+    ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of candidate k (default 1..12); the delta sweep runs at the profile's k.", rich_help_panel=o.DECODING)] = None,
+    max_divergence: Annotated[Optional[float], typer.Option("--max-divergence", help="Largest mean realized KL(h_alg || q) per token, in nats (default 0.05).")] = None,
+    max_quality_drop: Annotated[Optional[float], typer.Option("--max-quality-drop", help="Largest drop in mean verifier log-likelihood per token vs SpS, in nats.")] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL prompts (default: the built-in set).")] = None,
+    limit: Annotated[int, typer.Option("--limit", help="Number of prompts.")] = 8,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw delta vs accepted length vs realized divergence to this PNG.")] = None,
+    save: Annotated[Optional[str], typer.Option("--save", help="Write the chosen delta and k (and a calibration block) to a user profile NAME or a PATH.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the whole sweep as one JSON document.")] = False,
+    profile: o.Profile = None,
+    verifier: o.Verifier = None,
+    draft: o.Draft = None,
+    tokenizer: o.Tokenizer = None,
+    rule: o.Rule = None,
+    param: o.Param = None,
+    temperature: o.Temperature = None,
+    top_k: o.TopK = None,
+    top_p: o.TopP = None,
+    max_tokens: o.MaxTokens = None,
+    seed: o.Seed = None,
+    device: o.Device = None,
+    dtype: o.Dtype = None,
+    chat_template: o.ChatTemplate = None,
+    no_color: o.NoColor = False,
+) -> None:
+    """Choose delta and k for a model pair from measurements: sweep delta with the divergence
+    meter on, keep the largest delta within the divergence (or quality) budget, then time the k
+    values the cost model ranks best and keep the fastest."""
+    with user_errors():
+        from cactus_cli import bench as b
+        from cactus_cli import calibrate as cal_mod
+        from cactus_cli.config import resolve_settings
+        from cactus_cli.errors import ConfigError
+        from cactus_cli.prompts import load_prompts
+
+        flags = o.flags_to_settings(verifier=verifier, draft=draft, tokenizer=tokenizer, rule=rule,
+                                    rule_params=param, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    max_tokens=max_tokens, seed=seed, device=device, dtype=dtype,
+                                    chat_template=chat_template)
+        settings = resolve_settings(profile, flags)
+        if settings.draft is None:
+            raise ConfigError("calibrate needs a --draft model")
+        if settings.temperature == 0:
+            raise ConfigError("calibrate needs sampling: at temperature 0 every rule is greedy and delta has no effect")
+        budget = cal_mod.DEFAULT_MAX_DIVERGENCE if max_divergence is None else max_divergence
+        if budget < 0 or (max_quality_drop is not None and max_quality_drop < 0):
+            raise ConfigError("--max-divergence and --max-quality-drop must be >= 0")
+        delta_list = b.parse_list(deltas, float, "--delta") if deltas else list(cal_mod.DEFAULT_DELTAS)
+        k_list = b.parse_list(ks, int, "-k") if ks else list(cal_mod.DEFAULT_KS)
+        if any(not 1 <= k <= 64 for k in k_list):
+            raise ConfigError("-k: each value must be an integer in 1..64")
+        target = cal_mod.save_target(save) if save else None
+        if plot is not None and plot.suffix.lower() != ".png":
+            raise ConfigError(f"--plot {plot}: give a .png path")
+        if plot is not None:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise ConfigError('--plot needs matplotlib: pip install -e ".[plot]"') from None
+        prompts = load_prompts(str(prompts_file) if prompts_file else None, limit)
+        if settings.seed is None:
+            settings.seed = 0
+        if flags.get("max_tokens", ...) is ...:
+            settings.max_tokens = 64  # enough tokens per prompt to measure, short enough to sweep
+
+        from cactus_cli import runtime, ui
+
+        err = ui.make_console(no_color=no_color, stderr=True)
+        with ui.LoadProgress(err) as progress:
+            engine = runtime.load_engine(settings, progress)
+        encoded = [(p, runtime.encode(engine.pair.tokenizer, p.prompt, settings.chat_template)) for p in prompts]
+        base = runtime.generation_params(settings)
+        runs = (len(set(delta_list) | {0.0}) + 1 + cal_mod.KEEP_K) * len(prompts)
+        with ui.bench_progress(err, runs) as advance:
+            b.warm_up(engine, encoded[0][1], base, settings.num_draft_tokens)
+            cal = cal_mod.run(engine, settings, encoded, base, delta_list, k_list, budget, max_quality_drop,
+                              lambda label: advance(1, label))
+        env = b.environment(engine, settings.to_dict())
+        doc = cal_mod.document(cal, settings, prompts, budget, max_quality_drop, env)
+
+        if plot is not None:
+            ui.plot_calibration_png(doc, plot)
+        if target is not None:
+            path = cal_mod.save_profile(target, profile, settings, doc)
+            doc["saved_profile"] = str(path)
+        if as_json:
+            typer.echo(json.dumps(doc, indent=2))
+        else:
+            ui.print_calibration(ui.make_console(no_color=no_color), doc)
+            if plot is not None:
+                err.print(f"wrote {plot}", style="dim")
+            if target is not None:
+                err.print(f"saved delta={cal.chosen_delta:g} k={cal.chosen_k} to {doc['saved_profile']}", style="dim")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("calibrate")(calibrate)

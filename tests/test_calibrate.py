@@ -1,0 +1,104 @@
+"""`cactus calibrate` on a tiny pair: the sweep document, the choice rules, saving a profile
+that `generate --profile` then uses, atomic saves, and bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from cactus_cli import calibrate as cal
+from cactus_cli import fileio
+from cactus_cli.cli import app
+from cactus_cli.config import builtin_profile_dir
+from tests.test_cli import assert_one_line_error
+
+runner = CliRunner()
+
+
+def calibrate(tiny, *args):
+    base = ["calibrate", "--verifier", tiny["verifier"], "--draft", tiny["draft_close"], "--device", "cpu",
+            "--dtype", "float32", "--limit", "2", "-n", "12", "--delta", "0.5,1", "-k", "1,2,3"]
+    return runner.invoke(app, base + [str(a) for a in args])
+
+
+def test_calibrate_writes_a_profile_that_generate_uses(tiny, isolated_home, tmp_path):
+    png = tmp_path / "curve.png"
+    r = calibrate(tiny, "--max-divergence", "10", "--save", "tuned", "--plot", png, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert [row["delta"] for row in doc["delta_sweep"]["rows"]] == [0.0, 0.5, 1.0]
+    assert doc["delta_sweep"]["rows"][0]["realized_kl_mean"] < 1e-6  # delta = 0 is SpS
+    assert doc["chosen"]["delta"] == 1.0  # a loose budget takes the largest delta
+    assert doc["chosen"]["num_draft_tokens"] in (1, 2, 3, 4)
+    assert [row["k"] for row in doc["k_sweep"]["rows"]] == [1, 2, 3, 4]  # candidates + the profile's k
+    assert doc["meter_overhead"] is not None
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = isolated_home / "profiles" / "tuned.yaml"
+    data = yaml.safe_load(saved.read_text())
+    assert data["delta"] == 1.0 and data["num_draft_tokens"] == doc["chosen"]["num_draft_tokens"]
+    assert data["calibration"]["constraints"]["max_divergence"] == 10.0
+    assert data["description"]  # kept from the profile the run used (the built-in default)
+    g = runner.invoke(app, ["generate", "hi", "--profile", "tuned", "-n", "4", "--json"])
+    assert g.exit_code == 0, g.output
+    settings = json.loads(g.output)["settings"]
+    assert settings["delta"] == 1.0 and settings["num_draft_tokens"] == data["num_draft_tokens"]
+    assert settings["verifier"] == tiny["verifier"]
+
+
+def test_tight_budget_keeps_sps_and_save_keeps_other_keys(tiny, tmp_path):
+    target = tmp_path / "mine.yaml"
+    target.write_text(f"description: my pair\nverifier: {tiny['verifier']}\ndraft: {tiny['draft_close']}\nmax_tokens: 7\n")
+    r = calibrate(tiny, "--max-divergence", "0", "--save", target)
+    assert r.exit_code == 0, r.output
+    data = yaml.safe_load(target.read_text())
+    assert data["delta"] == 0.0 and data["max_tokens"] == 7 and data["description"] == "my pair"
+    assert "chosen: delta = 0" in r.output and "delta sweep" in r.output and "trade-off" in r.output
+
+
+def test_a_killed_save_leaves_the_old_profile_intact(tiny, tmp_path, monkeypatch):
+    target = tmp_path / "keep.yaml"
+    old = f"verifier: {tiny['verifier']}\ndraft: {tiny['draft_close']}\ndelta: 0.3\n"
+    target.write_text(old)
+
+    def killed(src, dst):
+        raise KeyboardInterrupt  # the process dies between writing the temp file and the rename
+
+    monkeypatch.setattr(fileio.os, "replace", killed)
+    r = calibrate(tiny, "--save", target)
+    assert r.exit_code != 0
+    assert target.read_text() == old
+    assert os.listdir(tmp_path) == ["keep.yaml"]  # no temp file left behind
+
+
+def test_choice_rules():
+    rows = [
+        {"delta": 0.0, "realized_kl_mean": 0.0, "loglik_vs_sps": 0.0},
+        {"delta": 0.5, "realized_kl_mean": 0.03, "loglik_vs_sps": -0.01},
+        {"delta": 1.0, "realized_kl_mean": 0.06, "loglik_vs_sps": -0.002},
+        {"delta": 2.0, "realized_kl_mean": 0.09, "loglik_vs_sps": -0.2},
+    ]
+    assert cal.choose_delta(rows, 0.05, None)[0] == 0.5
+    assert cal.choose_delta(rows, 0.1, None)[0] == 2.0
+    assert cal.choose_delta(rows, 0.1, 0.05)[0] == 1.0
+    assert cal.choose_delta(rows, 0.1, 0.005)[0] == 1.0
+    assert cal.choose_delta(rows, 0.1, 0.001)[0] == 0.0
+    # the cost model: no acceptance means no gain; perfect acceptance means k+1 tokens per call
+    assert cal.predicted_speedup(0.0, 4, 0.25) == pytest.approx(1 / 2)
+    assert cal.predicted_speedup(1.0, 4, 0.0) == pytest.approx(5.0, rel=1e-6)
+    assert max(range(1, 13), key=lambda k: cal.predicted_speedup(0.85, k, 0.38)) in (2, 3, 4)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--rule", "sps"], "calibrate tunes delta"),
+    (["--temperature", "0"], "calibrate needs sampling"),
+    (["--plot", "x.txt"], "give a .png path"),
+    (["--max-divergence", "-1"], "must be >= 0"),
+    (["--save", str(builtin_profile_dir() / "default.yaml")], "is a built-in profile"),
+    (["-k", "0"], "each value must be an integer in 1..64"),
+])
+def test_bad_inputs(tiny, args, needle):
+    assert_one_line_error(calibrate(tiny, *args), needle)
