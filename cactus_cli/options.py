@@ -3,7 +3,10 @@ to None, meaning "not given", so the profile underneath keeps its value (default
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
@@ -32,6 +35,56 @@ Device = Annotated[Optional[str], typer.Option("--device", help="auto (CUDA if p
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="auto, float32, float16, bfloat16.", rich_help_panel=RUNTIME)]
 ChatTemplate = Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Wrap the prompt in the model's chat template (default: when the tokenizer has one).", rich_help_panel=RUNTIME)]
 NoColor = Annotated[bool, typer.Option("--no-color", help="No colours in the live view (NO_COLOR is honoured too).", rich_help_panel=RUNTIME)]
+System = Annotated[Optional[str], typer.Option("--system", help="System prompt (with a chat template).", rich_help_panel=RUNTIME)]
+
+# name -> (annotation, Settings key or None for options that are not settings)
+SHARED: dict[str, tuple[Any, str | None]] = {
+    "profile": (Profile, None), "verifier": (Verifier, "verifier"), "draft": (Draft, "draft"),
+    "tokenizer": (Tokenizer, "tokenizer"), "rule": (Rule, "rule"), "delta": (Delta, "delta"),
+    "param": (Param, "rule_params"), "num_draft_tokens": (NumDraft, "num_draft_tokens"),
+    "temperature": (Temperature, "temperature"), "top_k": (TopK, "top_k"), "top_p": (TopP, "top_p"),
+    "max_tokens": (MaxTokens, "max_tokens"), "seed": (Seed, "seed"), "stop": (Stop, "stop"),
+    "device": (Device, "device"), "dtype": (Dtype, "dtype"), "chat_template": (ChatTemplate, "chat_template"),
+    "system": (System, "system"), "no_color": (NoColor, None),
+}
+MODEL_AND_SAMPLING = ("profile", "verifier", "draft", "tokenizer", "param", "temperature", "top_k", "top_p",
+                      "max_tokens", "seed", "device", "dtype", "chat_template", "no_color")
+GENERATION = MODEL_AND_SAMPLING + ("rule", "delta", "num_draft_tokens", "stop", "system")
+
+
+@dataclass
+class Shared:
+    """What the shared options said: the profile to start from, --no-color, and the flags as
+    Settings keys (``...`` where not given, so the profile's value shows through)."""
+
+    profile: str | None
+    no_color: bool
+    flags: dict[str, Any]
+
+
+def shared_options(*names: str) -> Callable:
+    """Add the shared options ``names`` to a Typer command, declared once here. The command takes
+    one parameter ``shared: Shared`` instead of a dozen copies of the same declarations."""
+
+    def deco(fn: Callable) -> Callable:
+        sig = inspect.signature(fn, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.name != "shared"]
+        added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=SHARED[n][0],
+                                   default=False if n == "no_color" else None) for n in names]
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            from cactus_cli.commands import user_errors
+
+            given = {n: kwargs.pop(n) for n in names}
+            with user_errors():
+                flags = flags_to_settings(**{SHARED[n][1]: v for n, v in given.items() if SHARED[n][1]})
+            return fn(*args, **kwargs, shared=Shared(given.get("profile"), bool(given.get("no_color")), flags))
+
+        wrapper.__signature__ = sig.replace(parameters=own + added)  # what Typer reads
+        return wrapper
+
+    return deco
 
 
 def parse_params(items: list[str] | None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from cactus_cli import options as o
 from cactus_cli.commands import user_errors
 
 
+@o.shared_options(*o.MODEL_AND_SAMPLING)
 def bench(
     rules: Annotated[str, typer.Option("--rules", help="Comma list of rules: sps,cactus,cactus-exact,tas,topk,interp.", rich_help_panel=o.DECODING)] = "sps,cactus",
     deltas: Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values for the rules that take one (default: the profile's).", rich_help_panel=o.DECODING)] = None,
@@ -24,20 +25,8 @@ def bench(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (schema_version 1) instead of the table.")] = False,
     csv_path: Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per configuration to this file.")] = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="Write bench.json, bench.csv and environment.json into this folder.")] = None,
-    profile: o.Profile = None,
-    verifier: o.Verifier = None,
-    draft: o.Draft = None,
-    tokenizer: o.Tokenizer = None,
-    param: o.Param = None,
-    temperature: o.Temperature = None,
-    top_k: o.TopK = None,
-    top_p: o.TopP = None,
-    max_tokens: o.MaxTokens = None,
-    seed: o.Seed = None,
-    device: o.Device = None,
-    dtype: o.Dtype = None,
-    chat_template: o.ChatTemplate = None,
-    no_color: o.NoColor = False,
+    *,
+    shared: o.Shared,
 ) -> None:
     """Benchmark acceptance rules, delta and k on one model pair, with the verifier-alone
     baseline always included (same prompts, sampling and seeds). Ctrl-C stops early and
@@ -48,10 +37,7 @@ def bench(
         from cactus_cli.errors import ConfigError
         from cactus_cli.prompts import load_prompts
 
-        flags = o.flags_to_settings(verifier=verifier, draft=draft, tokenizer=tokenizer, rule_params=param,
-                                    temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
-                                    seed=seed, device=device, dtype=dtype, chat_template=chat_template)
-        settings = resolve_settings(profile, flags)
+        settings = resolve_settings(shared.profile, shared.flags)
         if settings.draft is None:
             raise ConfigError("bench compares speculative decoding with the verifier alone: it needs a --draft")
         delta_list = b.parse_list(deltas, float, "--delta") if deltas else [settings.delta]
@@ -64,7 +50,7 @@ def bench(
 
         from cactus_cli import runtime, ui
 
-        err = ui.make_console(no_color=no_color, stderr=True)
+        err = ui.make_console(no_color=shared.no_color, stderr=True)
         with ui.LoadProgress(err) as progress:
             engine = runtime.load_engine(settings, progress)
         tok = engine.pair.tokenizer
@@ -97,7 +83,7 @@ def bench(
         if as_json:
             typer.echo(json.dumps(doc, indent=2))
         else:
-            console = ui.make_console(no_color=no_color)
+            console = ui.make_console(no_color=shared.no_color)
             ui.print_bench(console, doc)
         if out_dir:
             err.print(f"wrote {out_dir}/bench.json, bench.csv, environment.json", style="dim")

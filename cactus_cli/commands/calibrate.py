@@ -12,6 +12,7 @@ from cactus_cli import options as o
 from cactus_cli.commands import user_errors
 
 
+@o.shared_options(*o.MODEL_AND_SAMPLING, "rule")
 def calibrate(
     deltas: Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values to sweep (0 is always added). Default: 0,0.1,0.25,0.5,0.75,1,1.5,2.", rich_help_panel=o.DECODING)] = None,
     ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of candidate k (default 1..12); the delta sweep runs at the profile's k.", rich_help_panel=o.DECODING)] = None,
@@ -22,21 +23,8 @@ def calibrate(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw delta vs accepted length vs realized divergence to this PNG.")] = None,
     save: Annotated[Optional[str], typer.Option("--save", help="Write the chosen delta and k (and a calibration block) to a user profile NAME or a PATH.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole sweep as one JSON document.")] = False,
-    profile: o.Profile = None,
-    verifier: o.Verifier = None,
-    draft: o.Draft = None,
-    tokenizer: o.Tokenizer = None,
-    rule: o.Rule = None,
-    param: o.Param = None,
-    temperature: o.Temperature = None,
-    top_k: o.TopK = None,
-    top_p: o.TopP = None,
-    max_tokens: o.MaxTokens = None,
-    seed: o.Seed = None,
-    device: o.Device = None,
-    dtype: o.Dtype = None,
-    chat_template: o.ChatTemplate = None,
-    no_color: o.NoColor = False,
+    *,
+    shared: o.Shared,
 ) -> None:
     """Choose delta and k for a model pair from measurements: sweep delta with the divergence
     meter on, keep the largest delta within the divergence (or quality) budget, then time the k
@@ -48,11 +36,8 @@ def calibrate(
         from cactus_cli.errors import ConfigError
         from cactus_cli.prompts import load_prompts
 
-        flags = o.flags_to_settings(verifier=verifier, draft=draft, tokenizer=tokenizer, rule=rule,
-                                    rule_params=param, temperature=temperature, top_k=top_k, top_p=top_p,
-                                    max_tokens=max_tokens, seed=seed, device=device, dtype=dtype,
-                                    chat_template=chat_template)
-        settings = resolve_settings(profile, flags)
+        flags = shared.flags
+        settings = resolve_settings(shared.profile, flags)
         if settings.draft is None:
             raise ConfigError("calibrate needs a --draft model")
         if settings.temperature == 0:
@@ -80,7 +65,7 @@ def calibrate(
 
         from cactus_cli import runtime, ui
 
-        err = ui.make_console(no_color=no_color, stderr=True)
+        err = ui.make_console(no_color=shared.no_color, stderr=True)
         with ui.LoadProgress(err) as progress:
             engine = runtime.load_engine(settings, progress)
         encoded = [(p, runtime.encode(engine.pair.tokenizer, p.prompt, settings.chat_template)) for p in prompts]
@@ -96,12 +81,12 @@ def calibrate(
         if plot is not None:
             ui.plot_calibration_png(doc, plot)
         if target is not None:
-            path = cal_mod.save_profile(target, profile, settings, doc)
+            path = cal_mod.save_profile(target, shared.profile, settings, doc)
             doc["saved_profile"] = str(path)
         if as_json:
             typer.echo(json.dumps(doc, indent=2))
         else:
-            ui.print_calibration(ui.make_console(no_color=no_color), doc)
+            ui.print_calibration(ui.make_console(no_color=shared.no_color), doc)
             if plot is not None:
                 err.print(f"wrote {plot}", style="dim")
             if target is not None:
