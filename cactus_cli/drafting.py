@@ -66,6 +66,19 @@ class CachedLM:
         self.forward_passes += 1
         return out.logits[0, -keep:, : self.vocab_size]  # padded embedding rows are never tokens
 
+    def prefill(self, prompt: list[int], previous: list[int], reuse: bool) -> int:
+        """Make the cache hold ``prompt[:-1]`` (the last token is fed by the next step). With
+        ``reuse``, keep the longest prefix it shares with ``previous`` (the sequence the cache
+        was built from). Returns the number of tokens kept."""
+        keep = min(common_prefix(previous[: self.cache_len], prompt), len(prompt) - 1) if reuse else 0
+        if keep:
+            self.crop(keep)
+        else:
+            self.reset()
+        if len(prompt) - 1 > keep:
+            self.forward(prompt[keep:-1], keep=1)
+        return keep
+
     def crop(self, length: int) -> None:
         extra = self.cache_len - length
         if extra > 0:
@@ -100,13 +113,7 @@ class DraftModelDrafter:
     def start(self, prefix: list[int], reuse: bool = False) -> int:
         """Take ``prefix`` (all but its last token into the cache). With ``reuse``, the longest
         cached prefix it shares with the previous sequence is kept. Returns tokens reused."""
-        keep = min(common_prefix(self.seq[: self.runner.cache_len], prefix), len(prefix) - 1) if reuse else 0
-        if keep:
-            self.runner.crop(keep)
-        else:
-            self.runner.reset()
-        if len(prefix) - 1 > keep:
-            self.runner.forward(prefix[keep:-1], keep=1)
+        keep = self.runner.prefill(prefix, self.seq, reuse)
         self.seq = list(prefix)
         self.pending = prefix[-1:]
         return keep

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 
 from cactus_cli.acceptance import divergences, emitted_distribution, greedy_verify, verify
-from cactus_cli.drafting import CachedLM, DraftModelDrafter, Drafter, common_prefix
+from cactus_cli.drafting import CachedLM, DraftModelDrafter, Drafter
 from cactus_cli.errors import ContextLimitError
 from cactus_cli.events import Piece, StepEvent
 from cactus_cli.models import ModelPair
@@ -159,15 +159,7 @@ class _RunState:
     def prefill(self, reuse: bool) -> None:
         """Both caches take the prompt minus its last token, which the first step feeds."""
         e, prompt = self.e, self.prompt
-        keep = 0
-        if reuse:
-            keep = min(common_prefix(e.tokens[: e.verifier.cache_len], prompt), len(prompt) - 1)
-        if keep:
-            e.verifier.crop(keep)
-        else:
-            e.verifier.reset()
-        if len(prompt) - 1 > keep:
-            e.verifier.forward(prompt[keep:-1], keep=1)
+        keep = e.verifier.prefill(prompt, e.tokens, reuse)
         self.reused_tokens = keep
         self.prefill_tokens = len(prompt) - 1 - keep
         e.tokens = list(prompt)
