@@ -94,6 +94,7 @@ class ConfigResult:
             "mean_accepted_tokens_per_step": s.mean_accepted_tokens_per_step,
             "mean_acceptance_length": s.mean_acceptance_length,
             "draft_acceptance_rate": s.draft_acceptance_rate,
+            "per_token_acceptance": s.per_token_acceptance,
             "acceptance_histogram": list(s.acceptance_histogram),
             "per_position_acceptance_rate": s.per_position_acceptance_rate,
             "verifier_forward_passes_per_token": (s.verifier_forward_passes / s.num_output_tokens
@@ -236,7 +237,8 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
 
 CSV_COLUMNS = ["config", "kind", "rule", "k", "prompts", "num_output_tokens", "total_seconds", "tokens_per_second",
                "ms_per_output_token", "speedup", "tokens_per_second_vs_hf", "mean_accepted_tokens_per_step",
-               "mean_acceptance_length", "draft_acceptance_rate", "verifier_forward_passes_per_token",
+               "mean_acceptance_length", "draft_acceptance_rate", "per_token_acceptance",
+               "verifier_forward_passes_per_token",
                "time_to_first_token", "realized_kl_mean", "realized_kl_p90", "realized_tv_mean",
                "mean_verifier_loglik", "rule_params", "acceptance_histogram", "per_position_acceptance_rate"]
 

@@ -102,6 +102,14 @@ class SpecStats:
         return self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     @property
+    def per_token_acceptance(self) -> float | None:
+        """Per-token acceptance `a` of the i.i.d. model (ALGORITHM.md section 4): accepted tokens
+        over tokens the rule tested (a step tests tokens up to and including its first rejection)."""
+        rejections = sum(self.acceptance_histogram[:-1])
+        tested = self.num_accepted_tokens + rejections
+        return self.num_accepted_tokens / tested if tested else None
+
+    @property
     def per_position_acceptance_rate(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
@@ -128,6 +136,7 @@ class SpecStats:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "draft_acceptance_rate": self.draft_acceptance_rate,
+            "per_token_acceptance": self.per_token_acceptance,
             "mean_acceptance_length": self.mean_acceptance_length,
             "mean_accepted_tokens_per_step": self.mean_accepted_tokens_per_step,
             "acceptance_histogram": list(self.acceptance_histogram),

@@ -203,16 +203,16 @@ def bench_progress(console: Console, total: int):
     return cm()
 
 
-_BENCH_COLUMNS = [  # (key, header, format, better)
+_BENCH_COLUMNS = [  # (key, header, format, better); MAL = 1 + AL is in the JSON
     ("mean_accepted_tokens_per_step", "AL", "{:.2f}", max),
+    ("per_token_acceptance", "a", "{:.3f}", max),
     ("draft_acceptance_rate", "accept", "{:.1%}", max),
-    ("mean_acceptance_length", "MAL", "{:.2f}", max),
     ("tokens_per_second", "tok/s", "{:.2f}", max),
     ("ms_per_output_token", "ms/tok", "{:.0f}", min),
     ("speedup", "speedup", "{:.2f}x", max),
     ("tokens_per_second_vs_hf", "vs HF", "{:.2f}x", max),
-    ("verifier_forward_passes_per_token", "V pass/tok", "{:.3f}", min),
-    ("realized_kl_mean", "KL(h‖q)", "{:.4f}", min),
+    ("verifier_forward_passes_per_token", "V/tok", "{:.2f}", min),
+    ("realized_kl_mean", "KL", "{:.4f}", min),
     ("realized_tv_mean", "TV", "{:.4f}", min),
 ]
 
@@ -221,16 +221,19 @@ def print_bench(console: Console, doc: dict) -> None:
     """The results table, best value per column in bold green; then speedup by category."""
     from rich.table import Table
 
+    if not console.is_terminal:  # a file or pipe has no width: do not squeeze the numbers
+        console.width = max(console.width, 132)
     rows = doc["results"]
     env = doc["environment"]
     cols = [c for c in _BENCH_COLUMNS if any(r.get(c[0]) is not None for r in rows)]
     title = (f"{env['verifier']} / {env['draft']} · {env['device']} {env['dtype']} · "
              f"{len(doc['prompts'])} prompts · T={doc['settings']['temperature']}")
-    table = Table(title=title, title_justify="left", caption="AL: accepted draft tokens per step; MAL: 1 + AL "
-                  "(vLLM); speedup over the verifier alone", caption_justify="left")
-    table.add_column("config", no_wrap=True)
+    table = Table(title=title, title_justify="left", caption_justify="left", padding=(0, 1),
+                  caption="AL: accepted draft tokens per step (MAL = 1 + AL); a: per-token acceptance; "
+                  "accept: accepted / drafted; speedup over the verifier alone; V/tok: verifier passes per token")
+    table.add_column("config", overflow="fold", min_width=12)
     for _, header, _, _ in cols:
-        table.add_column(header, justify="right")
+        table.add_column(header, justify="right", no_wrap=True)
     best = {}
     for key, _, _, better in cols:
         values = [r[key] for r in rows if r.get(key) is not None and r["kind"] != "autoregressive"]
