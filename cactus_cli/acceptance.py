@@ -454,4 +454,4 @@ def divergences(h: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.T
     """(KL(h || q), TV(h, q)) over the last dim, float64; KL is inf where h has mass q lacks."""
     h, q = h.double(), q.double()
     kl = torch.where(h > 0, h * (torch.log(h) - torch.log(q)), torch.zeros_like(h)).sum(-1)
-    return kl, 0.5 * (h - q).abs().sum(-1)
+    return kl.clamp(min=0.0), 0.5 * (h - q).abs().sum(-1)  # KL >= 0; rounding can dip below

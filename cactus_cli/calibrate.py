@@ -53,6 +53,7 @@ class DeltaPoint:
         m = self.result.metrics()
         ll = m["mean_verifier_loglik"]
         return {"delta": self.delta, "acceptance_rate": m["draft_acceptance_rate"],
+                "per_token_acceptance": m["per_token_acceptance"],
                 "mean_accepted_tokens_per_step": m["mean_accepted_tokens_per_step"],
                 "tokens_per_second_metered": m["tokens_per_second"], "realized_kl_mean": m["realized_kl_mean"],
                 "realized_kl_p90": m["realized_kl_p90"], "realized_tv_mean": m["realized_tv_mean"],
@@ -117,7 +118,7 @@ def run(engine, settings: Settings, prompts, base, deltas: list[float], ks: list
     # 2. delta from the constraints
     cal.chosen_delta, cal.reason = choose_delta(cal.deltas, max_divergence, max_quality_drop)
     chosen = next(pt for pt in points if pt.delta == cal.chosen_delta)
-    a = chosen.result.stats.draft_acceptance_rate or 0.0
+    a = chosen.result.stats.per_token_acceptance or 0.0  # the cost model's i.i.d. per-token rate
 
     # 3. k: cost model to prune, then measured tokens/s with the meter off
     timed = type(base)(**{**base.__dict__, "measure": False})
@@ -207,6 +208,7 @@ def save_profile(target: Path, base_profile: str | None, settings: Settings, doc
         "constraints": doc["constraints"],
         "reason": doc["chosen"]["reason"],
         "acceptance_rate": chosen_row["acceptance_rate"],
+        "per_token_acceptance": chosen_row["per_token_acceptance"],
         "realized_kl_mean": chosen_row["realized_kl_mean"],
         "loglik_vs_sps": chosen_row["loglik_vs_sps"],
         "tokens_per_second": k_row["tokens_per_second"],

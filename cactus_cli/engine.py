@@ -245,8 +245,13 @@ class _RunState:
         if p is None or rows == 0:
             kl = tv = (0.0,) * rows
         else:
-            h = emitted_distribution(self.params.rule, p[0, :rows], q[0, :rows], **self.params.rule_kwargs)
-            kl_t, tv_t = divergences(h, q[0, :rows])
+            # h_alg lives on supp(p) | supp(q): after top-k / top-p that is a few dozen tokens, so
+            # compute it there (exactly) instead of over the whole vocabulary
+            pr, qr = p[0, :rows], q[0, :rows]  # [rows, V]
+            support = ((pr > 0) | (qr > 0)).any(0).nonzero().squeeze(-1)  # [U]
+            pr, qr = pr[:, support], qr[:, support]
+            h = emitted_distribution(self.params.rule, pr, qr, **self.params.rule_kwargs)
+            kl_t, tv_t = divergences(h, qr)
             kl, tv = tuple(kl_t.tolist()), tuple(tv_t.tolist())
         logp = torch.log_softmax(logits[: m + 1].float(), -1)  # [m+1, V]
         ll = logp.gather(-1, torch.tensor(new, device=logp.device).view(-1, 1)).squeeze(-1)

@@ -324,7 +324,7 @@ def print_calibration(console: Console, doc: dict) -> None:
     rows = doc["delta_sweep"]["rows"]
     chosen = doc["chosen"]
     t = Table(title=f"delta sweep ({doc['rule']}, k={doc['delta_sweep']['k']}, meter on)", title_justify="left")
-    for col in ("delta", "accept", "AL", "KL(h‖q) mean", "KL p90", "TV mean", "loglik vs SpS"):
+    for col in ("delta", "a", "AL", "KL(h‖q) mean", "KL p90", "TV mean", "loglik vs SpS"):
         t.add_column(col, justify="right")
     for r in rows:
         style = "bold green" if r["delta"] == chosen["delta"] else ""
@@ -332,7 +332,7 @@ def print_calibration(console: Console, doc: dict) -> None:
         def f(v, fmt):
             return "-" if v is None else fmt.format(v)
 
-        t.add_row(f"{r['delta']:g}", f(r["acceptance_rate"], "{:.1%}"), f(r["mean_accepted_tokens_per_step"], "{:.2f}"),
+        t.add_row(f"{r['delta']:g}", f(r["per_token_acceptance"], "{:.3f}"), f(r["mean_accepted_tokens_per_step"], "{:.2f}"),
                   f(r["realized_kl_mean"], "{:.4f}"), f(r["realized_kl_p90"], "{:.4f}"),
                   f(r["realized_tv_mean"], "{:.4f}"), f(r["loglik_vs_sps"], "{:+.4f}"), style=style)
     console.print(t)
