@@ -100,8 +100,7 @@ class ChatSession:
             self.out.note("[reply interrupted; the partial reply is kept]")
         self.history += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
         self.turns.append(Turn(user, reply, interrupted, view.stats.to_dict()))
-        self.totals.merge(view.stats)
-        self.out.turn_stats(view.stats)
+        self.totals.merge(view.stats)  # the live view ends with the turn's stats line; /stats has totals
 
     # ------------------------------------------------------------------ commands
 

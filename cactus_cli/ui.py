@@ -284,10 +284,6 @@ class ChatOutput:
             return view
         return PlainView()
 
-    def turn_stats(self, stats: SpecStats) -> None:
-        if self.live:  # scripted output stays just the replies; /stats has the numbers
-            self.console.print(stats_line(stats))
-
     def info(self, text: str) -> None:
         self.console.print(Text(text))
 
