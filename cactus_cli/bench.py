@@ -244,15 +244,15 @@ CSV_COLUMNS = ["config", "kind", "rule", "k", "prompts", "num_output_tokens", "t
 
 
 def write_csv(doc: dict[str, Any], path) -> None:
+    """One row per configuration; lists and mappings as JSON text. Atomic."""
     import csv
+    import io
     import json
 
     from cactus_cli.fileio import atomic_write
 
     def cell(v):
         return json.dumps(v) if isinstance(v, (dict, list)) else ("" if v is None else v)
-
-    import io
 
     buf = io.StringIO()
     w = csv.writer(buf)

@@ -71,8 +71,9 @@ class _Silent:
 
 
 def cache_dir() -> Path:
-    home = os.environ.get("CACTUS_HOME")
-    return Path(home).expanduser() if home else Path("~/.cache/cactus").expanduser()
+    from cactus_cli.config import cactus_home
+
+    return cactus_home() or Path("~/.cache/cactus").expanduser()
 
 
 def models_dir() -> Path:
@@ -241,8 +242,7 @@ def _convert(gguf: Path, out: Path, rep: Reporter, label: str) -> dict:
     tok.save_pretrained(str(out))
     seconds = time.perf_counter() - t0
     rep.done(f"{label}: {seconds:.0f}s")
-    return {"convert_seconds": round(seconds, 1), "dtype": "bfloat16",
-            "bytes": sum(f.stat().st_size for f in out.rglob("*") if f.is_file())}
+    return {"convert_seconds": round(seconds, 1), "dtype": "bfloat16", "bytes": folder_size(out)}
 
 
 def folder_size(path: Path) -> int:
