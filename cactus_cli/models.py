@@ -136,7 +136,8 @@ def load_tokenizer(src: Source):
     return _from_pretrained(AutoTokenizer, src, "tokenizer")
 
 
-def load_model(name: str, device: torch.device, dtype: torch.dtype, role: str = "model", reporter=None) -> LoadedModel:
+def load_model(name: str, src: Source, device: torch.device, dtype: torch.dtype, role: str = "model") -> LoadedModel:
+    """Load ``src`` (already materialized: a folder or a hub id); ``name`` is what the user called it."""
     import time
 
     from transformers import AutoModelForCausalLM
@@ -144,7 +145,6 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype, role: str = 
 
     hf_logging.disable_progress_bar()  # our own progress display says what is loading
     hf_logging.set_verbosity_error()
-    src = materialize(resolve_source(name), reporter)
     t0 = time.perf_counter()
     model = _from_pretrained(AutoModelForCausalLM, src, f"{role} model", dtype=dtype)
     model.to(device)
@@ -196,12 +196,8 @@ def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, de
         dsrc = materialize(dsrc, reporter)
         if tsrc is None:
             check_same_vocab(tok, load_tokenizer(dsrc), verifier, draft)
-    vm = load_model(vsrc.location, dev, dt, "verifier")
-    vm.source = verifier
-    dm = None
-    if dsrc is not None:
-        dm = load_model(dsrc.location, dev, dt, "draft")
-        dm.source = draft
+    vm = load_model(verifier, vsrc, dev, dt, "verifier")
+    dm = load_model(draft, dsrc, dev, dt, "draft") if dsrc is not None else None
     vocab = len(tok)
     for lm, role in ((vm, "verifier"), (dm, "draft")):
         if lm is not None and lm.logits_width < vocab:
