@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from cactus_cli.acceptance import RULES, resolve_params
-from cactus_cli.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.engine import GenerationParams, SpeculativeEngine, sync
 from cactus_cli.errors import ConfigError
 from cactus_cli.prompts import Prompt
 from cactus_cli.stats import SpecStats, summarize
@@ -86,6 +86,8 @@ class ConfigResult:
     def metrics(self, stats: SpecStats | None = None) -> dict[str, Any]:
         s = stats or self.stats
         tps = s.tokens_per_second
+        kl = summarize(s.realized_kl) if s.realized_kl else {}
+        tv = summarize(s.realized_tv) if s.realized_tv else {}
         return {
             "num_output_tokens": s.num_output_tokens,
             "total_seconds": s.total_seconds,
@@ -102,16 +104,11 @@ class ConfigResult:
             "time_to_first_token": (s.time_to_first_token / max(self.prompts_done, 1)
                                     if s.time_to_first_token is not None else None),
             # the divergence meter (bench --meter, calibrate): per emitted position
-            "realized_kl_mean": summarize(s.realized_kl)["mean"] if s.realized_kl else None,
-            "realized_kl_p90": summarize(s.realized_kl)["p90"] if s.realized_kl else None,
-            "realized_tv_mean": summarize(s.realized_tv)["mean"] if s.realized_tv else None,
+            "realized_kl_mean": kl.get("mean"),
+            "realized_kl_p90": kl.get("p90"),
+            "realized_tv_mean": tv.get("mean"),
             "mean_verifier_loglik": s.mean_verifier_loglik,
         }
-
-
-def _sync(engine: SpeculativeEngine) -> None:
-    if engine.pair.verifier.device.type == "cuda":
-        torch.cuda.synchronize(engine.pair.verifier.device)
 
 
 def run_speculative(engine: SpeculativeEngine, cfg: BenchConfig, prompts: list[tuple[Prompt, list[int]]],
@@ -160,11 +157,11 @@ def run_hf(engine: SpeculativeEngine, cfg: BenchConfig, prompts: list[tuple[Prom
             kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         else:
             kwargs.update(do_sample=True, temperature=sp.temperature, top_k=sp.top_k or None, top_p=sp.top_p)
-        _sync(engine)
+        sync(dev)
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = pair.verifier.model.generate(x, **kwargs)
-        _sync(engine)
+        sync(dev)
         s = SpecStats(prompt_tokens=len(ids), num_output_tokens=int(out.shape[1] - len(ids)),
                       total_seconds=time.perf_counter() - t0)
         total.merge(s)

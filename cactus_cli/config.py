@@ -134,17 +134,19 @@ def check_value(key: str, value: Any) -> str | None:
     return None
 
 
-def check_layer(layer: dict[str, Any], origin: str) -> None:
-    """Every key known, every value valid; errors name the origin and the key (or flag)."""
+def check_layer(layer: dict[str, Any], origin: str, lines: dict[str, int] | None = None) -> None:
+    """Every key known, every value valid; errors name the origin (and the line, for a file)
+    and the key (or flag)."""
     for key, value in layer.items():
         if value is ...:
             continue
+        where = f"{origin}:{lines.get(key, '?')}" if lines is not None else origin
         name = "--" + key.replace("_", "-") if origin == "command line" else key
         if key not in _TYPES:
-            raise ConfigError(f"{origin}: unknown key {key!r}")
+            raise ConfigError(f"{where}: unknown key {key!r} (known keys: {', '.join(_TYPES)})")
         problem = check_value(key, value)
         if problem:
-            raise ConfigError(f"{origin}: {name} {problem}")
+            raise ConfigError(f"{where}: {name} {problem}")
 
 
 def build_settings(*layers: tuple[dict[str, Any], str]) -> Settings:
@@ -230,13 +232,7 @@ def load_profile(name_or_path: str) -> tuple[dict[str, Any], Path]:
     if not isinstance(data, dict) or node is None:
         raise ConfigError(f"{path}: a profile must be a YAML mapping of settings")
     lines = {k.value: k.start_mark.line + 1 for k, _ in node.value if hasattr(k, "value")}
-    for key, value in data.items():
-        where = f"{path}:{lines.get(key, '?')}"
-        if key not in _TYPES:
-            raise ConfigError(f"{where}: unknown key {key!r} (known keys: {', '.join(_TYPES)})")
-        problem = check_value(key, value)
-        if problem:
-            raise ConfigError(f"{where}: {key} {problem}")
+    check_layer(data, str(path), lines)
     return data, path
 
 

@@ -66,7 +66,8 @@ def eos_ids(pair: ModelPair) -> set[int]:
     return ids
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device, so a timer reads finished work (CUDA runs asynchronously)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -165,7 +166,7 @@ class _RunState:
         e.tokens = list(prompt)
         if self.drafter is not None:
             self.drafter.start(prompt, reuse)
-        _sync(self.vdev)
+        sync(self.vdev)
         self.prefill_seconds = time.perf_counter() - self.t_start
 
     @torch.inference_mode()
@@ -178,7 +179,7 @@ class _RunState:
         t0 = time.perf_counter()
         proposal = drafter.propose(k, sp, self.dgen) if drafter is not None else None
         if proposal is not None:
-            _sync(proposal.tokens.device)
+            sync(proposal.tokens.device)
         t1 = time.perf_counter()
 
         drafts = proposal.tokens.to(vdev) if k else torch.zeros(0, dtype=torch.int64, device=vdev)  # [k]
