@@ -23,8 +23,13 @@ SCHEMA_VERSION = 1
 class BenchConfig:
     kind: str  # "autoregressive", "speculative", "hf-assisted"
     rule: str | None = None
-    k: int = 0
+    k: int = 0  # k_max when adaptive
     rule_kwargs: dict[str, Any] = field(default_factory=dict)
+    adaptive: bool = False  # -k auto
+
+    @property
+    def k_label(self) -> str:
+        return "auto" if self.adaptive else str(self.k)
 
     @property
     def label(self) -> str:
@@ -38,7 +43,7 @@ class BenchConfig:
             f" {'δ' if n == 'delta' else n}={v:g}" if isinstance(v, float) else f" {n}={v}"
             for n, v in self.rule_kwargs.items() if n == "delta" or v != defaults.get(n)
         )
-        return f"{self.rule}{extra} k={self.k}"
+        return f"{self.rule}{extra} k={self.k_label}"
 
 
 def parse_list(text: str, cast: Callable[[str], Any], flag: str) -> list[Any]:
@@ -51,12 +56,22 @@ def parse_list(text: str, cast: Callable[[str], Any], flag: str) -> list[Any]:
         raise ConfigError(f"{flag}: cannot read {text!r} as a comma-separated list of {cast.__name__}s") from None
 
 
-def build_grid(rules: list[str], deltas: list[float], ks: list[int], rule_params: dict[str, Any],
-               compare_hf: bool) -> list[BenchConfig]:
-    """The baseline first, then each rule (x delta where it takes one) x k, then HF rows."""
+def parse_ks(text: str) -> list[int | str]:
+    """A -k list: integers and ``auto``."""
+    from cactus_cli.options import parse_k
+
+    return [parse_k(t, "-k") for t in parse_list(text, str, "-k")]
+
+
+def build_grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_params: dict[str, Any],
+               compare_hf: bool, k_max: int = 8) -> list[BenchConfig]:
+    """The baseline first, then each rule (x delta where it takes one) x k, then HF rows.
+    ``auto`` in ``ks`` is the adaptive k (0..k_max)."""
     for k in ks:
-        if not 1 <= k <= 64:
-            raise ConfigError(f"-k: each value must be an integer in 1..64, got {k}")
+        if k != "auto" and not 1 <= k <= 64:
+            raise ConfigError(f"-k: each value must be an integer in 1..64 or auto, got {k}")
+    if not 1 <= k_max <= 64:
+        raise ConfigError(f"--max-draft-tokens must be an integer in 1..64, got {k_max}")
     grid = [BenchConfig("autoregressive")]
     for rule in rules:
         if rule not in RULES:
@@ -70,9 +85,10 @@ def build_grid(rules: list[str], deltas: list[float], ks: list[int], rule_params
             except ValueError as err:
                 raise ConfigError(str(err)) from None
             for k in ks:
-                grid.append(BenchConfig("speculative", rule, k, kwargs))
+                grid.append(BenchConfig("speculative", rule, k_max, kwargs, adaptive=True) if k == "auto"
+                            else BenchConfig("speculative", rule, k, kwargs))
     if compare_hf:
-        grid += [BenchConfig("hf-assisted", None, k) for k in ks]
+        grid += [BenchConfig("hf-assisted", None, k) for k in ks if k != "auto"]
     return grid
 
 
@@ -98,6 +114,8 @@ class ConfigResult:
             "draft_acceptance_rate": s.draft_acceptance_rate,
             "per_token_acceptance": s.per_token_acceptance,
             "acceptance_histogram": list(s.acceptance_histogram),
+            "k_histogram": list(s.k_histogram),
+            "mean_k": s.mean_k,
             "per_position_acceptance_rate": s.per_position_acceptance_rate,
             "verifier_forward_passes_per_token": (s.verifier_forward_passes / s.num_output_tokens
                                                   if s.num_output_tokens and self.config.kind != "hf-assisted" else None),
@@ -120,7 +138,7 @@ def run_speculative(engine: SpeculativeEngine, cfg: BenchConfig, prompts: list[t
     sink.append(result)
     for i, (prompt, ids) in enumerate(prompts):
         params = GenerationParams(sampling=base.sampling, rule=cfg.rule or "sps", rule_kwargs=cfg.rule_kwargs,
-                                  num_draft_tokens=cfg.k, max_tokens=base.max_tokens, stop=base.stop,
+                                  num_draft_tokens=cfg.k, adaptive_k=cfg.adaptive, max_tokens=base.max_tokens, stop=base.stop,
                                   seed=base.seed + i, measure=base.measure)
         s = SpecStats()
         for ev in engine.generate(ids, params):
@@ -201,7 +219,7 @@ def environment(engine: SpeculativeEngine, settings: dict[str, Any]) -> dict[str
 
 
 def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[str, Any],
-             prompts: list[Prompt], interrupted: bool) -> dict[str, Any]:
+             prompts: list[Prompt], interrupted: bool, cost_model: dict[str, Any] | None = None) -> dict[str, Any]:
     """The --json document (schema_version 1): one row per configuration, baseline first."""
     results = [r for r in results if r.prompts_done]
     base = next((r for r in results if r.config.kind == "autoregressive"), None)
@@ -211,11 +229,12 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
     for r in results:
         m = r.metrics()
         tps = m["tokens_per_second"]
-        row = {"config": r.config.label, "kind": r.config.kind, "rule": r.config.rule, "k": r.config.k,
+        row = {"config": r.config.label, "kind": r.config.kind, "rule": r.config.rule,
+               "k": "auto" if r.config.adaptive else r.config.k, "max_draft_tokens": r.config.k if r.config.adaptive else None,
                "rule_params": r.config.rule_kwargs, "prompts": r.prompts_done, **m,
                "speedup": tps / base_tps if tps and base_tps else None,
                "tokens_per_second_vs_hf": (tps / hf[r.config.k] if r.config.kind == "speculative"
-                                           and hf.get(r.config.k) and tps else None),
+                                           and not r.config.adaptive and hf.get(r.config.k) and tps else None),
                "by_category": {}}
         for cat, s in sorted(r.by_category.items()):
             cm = r.metrics(s)
@@ -229,15 +248,15 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
             }
         rows.append(row)
     return {"schema_version": SCHEMA_VERSION, "interrupted": interrupted, "environment": env,
-            "settings": settings, "prompts": [p.id for p in prompts], "results": rows}
+            "settings": settings, "prompts": [p.id for p in prompts], "results": rows, "cost_model": cost_model}
 
 
 CSV_COLUMNS = ["config", "kind", "rule", "k", "prompts", "num_output_tokens", "total_seconds", "tokens_per_second",
                "ms_per_output_token", "speedup", "tokens_per_second_vs_hf", "mean_accepted_tokens_per_step",
                "mean_acceptance_length", "draft_acceptance_rate", "per_token_acceptance",
-               "verifier_forward_passes_per_token",
+               "verifier_forward_passes_per_token", "mean_k",
                "time_to_first_token", "realized_kl_mean", "realized_kl_p90", "realized_tv_mean",
-               "mean_verifier_loglik", "rule_params", "acceptance_histogram", "per_position_acceptance_rate"]
+               "mean_verifier_loglik", "rule_params", "acceptance_histogram", "k_histogram", "per_position_acceptance_rate"]
 
 
 def write_csv(doc: dict[str, Any], path) -> None:

@@ -1,13 +1,14 @@
 """Choosing delta and k from measurements (no Rich here).
 
-1. Sweep delta at the profile's k with the divergence meter on: per-token acceptance `a`,
-   accepted tokens per step, the realized KL(h_alg || q) per position, and the verifier
-   log-likelihood of the generated tokens relative to SpS (delta = 0 is always in the sweep).
+1. Sweep delta at one k with the divergence meter on: per-token acceptance `a`, accepted tokens
+   per step, the realized KL(h_alg || q) per position, and the verifier log-likelihood of the
+   generated tokens relative to SpS (delta = 0 is always in the sweep).
 2. Choose the largest delta whose mean realized KL is within --max-divergence (and whose
    log-likelihood drop is within --max-quality-drop, when given).
-3. Measure the draft/verifier cost ratio `c`, rank k by the cost model
-   (1 - a^(k+1)) / ((1 - a)(1 + k c)) with the chosen delta's `a`, and time only the best few
-   (meter off), choosing the k with the highest measured tokens/s.
+3. Rank the candidate k with the engine's own cost model (policy.py: draft seconds per token and
+   verifier seconds per width t_v(w), measured on this machine) and the chosen delta's `a`; time the
+   verifier alone, the best few k and `-k auto` with the meter off, and keep the fastest. When
+   plain decoding wins, say so: this draft does not pay on this machine.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Callable
 from cactus_cli.bench import BenchConfig, ConfigResult, run_speculative
 from cactus_cli.config import Settings, builtin_profile_dir, find_profile, list_profiles, user_profile_dir
 from cactus_cli.errors import ConfigError
+from cactus_cli.policy import CostModel, tokens_per_second
 
 DEFAULT_DELTAS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 DEFAULT_KS = tuple(range(1, 13))
@@ -28,20 +30,15 @@ DEFAULT_KS = tuple(range(1, 13))
 # per token, and sits below what the paper's delta = 1 realizes on the embedded pair.
 DEFAULT_MAX_DIVERGENCE = 0.05
 KEEP_K = 3  # how many k the cost model lets through to be timed
+SWEEP_K = 4  # the delta sweep's k when the profile's k is auto
+MAX_DELTA = 1e6  # a budget of 1e6 nats already accepts everything; larger values only overflow float32
 
 
-def predicted_speedup(a: float, k: int, c: float) -> float:
-    """Expected tokens per verifier call over the cost of a step (Leviathan et al. 2023)."""
-    a = min(max(a, 0.0), 1.0 - 1e-9)
-    return (1 - a ** (k + 1)) / ((1 - a) * (1 + k * c))
-
-
-def cost_ratio(result: ConfigResult) -> float:
-    """Draft cost per token relative to one verifier forward, from the timings of a run."""
-    s = result.stats
-    steps = max(s.num_steps, 1)
-    drafts = max(s.num_draft_tokens, 1)
-    return (s.draft_seconds / drafts) / max(s.verify_seconds / steps, 1e-12)
+def measured_speedup(costs: CostModel, a: float, k: int) -> float:
+    """Expected tokens per second at k over plain decoding's 1 / t_v(1), with the verifier's cost
+    measured per width (Leviathan et al.'s (1 - a^(k+1)) / ((1 - a)(1 + k c)) assumes t_v(k+1) =
+    t_v(1), which is false by 4-8x on an AVX2 CPU)."""
+    return tokens_per_second(costs, a, k) * costs.t_v(1)
 
 
 @dataclass
@@ -68,10 +65,14 @@ class Calibration:
     deltas: list[dict[str, Any]] = field(default_factory=list)
     ks: list[dict[str, Any]] = field(default_factory=list)
     chosen_delta: float | None = None
-    chosen_k: int | None = None
-    cost_ratio: float | None = None
+    chosen_k: int | str | None = None
+    cost_ratio: float | None = None  # draft seconds per token over a 1-token verify
+    verify_cost_by_width: dict[str, float] = field(default_factory=dict)  # relative to a 1-token verify
+    plain_tokens_per_second: float | None = None
+    auto_tokens_per_second: float | None = None
     meter_overhead: float | None = None
     reason: str = ""
+    advice: str = ""  # said plainly when speculation with this draft does not pay here
 
 
 def choose_delta(rows: list[dict[str, Any]], max_divergence: float, max_quality_drop: float | None) -> tuple[float, str]:
@@ -92,15 +93,33 @@ def choose_delta(rows: list[dict[str, Any]], max_divergence: float, max_quality_
     return best, why
 
 
+def validate(settings: Settings, deltas: list[float], ks: list[int]) -> None:
+    """Everything a calibration checks, before any model loads."""
+    import math
+
+    if settings.rule not in ("cactus", "cactus-exact"):
+        raise ConfigError(f"calibrate tunes delta: use --rule cactus or cactus-exact (got {settings.rule!r})")
+    for d in deltas:
+        if not (math.isfinite(d) and 0 <= d <= MAX_DELTA):
+            raise ConfigError(f"--delta: each value must be a number in 0..{MAX_DELTA:g}, got {d!r}")
+    for k in ks:
+        if not 1 <= k <= 64:
+            raise ConfigError(f"-k: each value must be an integer in 1..64, got {k}")
+
+
+def sweep_k(settings: Settings, ks: list[int]) -> int:
+    """The k of the delta sweep: the candidate nearest the profile's k (SWEEP_K for -k auto)."""
+    want = SWEEP_K if settings.num_draft_tokens == "auto" else int(settings.num_draft_tokens)
+    return min(ks, key=lambda k: (abs(k - want), k))
+
+
 def run(engine, settings: Settings, prompts, base, deltas: list[float], ks: list[int], max_divergence: float,
         max_quality_drop: float | None, on_prompt: Callable[[str], None]) -> Calibration:
+    validate(settings, deltas, ks)
     rule = settings.rule
-    if rule not in ("cactus", "cactus-exact"):
-        raise ConfigError(f"calibrate tunes delta: use --rule cactus or cactus-exact (got {rule!r})")
-    if any(d < 0 for d in deltas):
-        raise ConfigError("--delta: values must be >= 0")
     deltas = sorted(set([0.0] + list(deltas)))
-    k0 = settings.num_draft_tokens
+    k_max = settings.max_draft_tokens
+    k0 = sweep_k(settings, ks)
     cal = Calibration(rule=rule, k0=k0)
     extra = {k: v for k, v in settings.rule_kwargs().items() if k != "delta"}
 
@@ -120,30 +139,52 @@ def run(engine, settings: Settings, prompts, base, deltas: list[float], ks: list
     chosen = next(pt for pt in points if pt.delta == cal.chosen_delta)
     a = chosen.result.stats.per_token_acceptance or 0.0  # the cost model's i.i.d. per-token rate
 
-    # 3. k: cost model to prune, then measured tokens/s with the meter off
+    # 3. k: the measured cost model ranks, then tokens/s with the meter off decides
     timed = type(base)(**{**base.__dict__, "measure": False})
-    sink0: list[ConfigResult] = []
-    cfg0 = BenchConfig("speculative", rule, k0, {**extra, "delta": cal.chosen_delta})
-    run_speculative(engine, cfg0, prompts, timed, lambda: on_prompt(f"timing k={k0}"), sink0)
-    cal.cost_ratio = c = cost_ratio(sink0[0])
-    metered_s = chosen.result.stats.total_seconds
-    plain_s = sink0[0].stats.total_seconds
-    cal.meter_overhead = metered_s / plain_s - 1 if plain_s > 0 else None
-    ranked = sorted(ks, key=lambda k: -predicted_speedup(a, k, c))
-    to_time = [k for k in ranked[:KEEP_K] if k != k0]
-    measured = {k0: sink0[0]}
-    for k in to_time:
+
+    def time_config(cfg: BenchConfig, label: str) -> ConfigResult:
         sink: list[ConfigResult] = []
-        cfg = BenchConfig("speculative", rule, k, {**extra, "delta": cal.chosen_delta})
-        run_speculative(engine, cfg, prompts, timed, lambda k=k: on_prompt(f"timing k={k}"), sink)
-        measured[k] = sink[0]
-    for k in sorted(set(ks) | {k0}):
+        run_speculative(engine, cfg, prompts, timed, lambda: on_prompt(label), sink)
+        return sink[0]
+
+    kd = {**extra, "delta": cal.chosen_delta}
+    plain = time_config(BenchConfig("speculative", "sps", 0), "timing verifier alone")  # k = 0: no drafts
+    cal.plain_tokens_per_second = plain.stats.tokens_per_second
+    costs = engine.policy.costs  # the probe plus every step so far
+    t1 = costs.t_v(1)
+    cal.cost_ratio = costs.t_d() / t1 if t1 else None
+    cal.verify_cost_by_width = {str(w): costs.t_v(w) / t1 for w in range(1, max(ks) + 2)} if t1 else {}
+    ranked = sorted(ks, key=lambda k: -measured_speedup(costs, a, k))
+    measured: dict[int | str, ConfigResult] = {}
+    for k in dict.fromkeys([k0] + ranked[:KEEP_K]):  # k0 too: its metered twin gives the meter's cost
+        measured[k] = time_config(BenchConfig("speculative", rule, k, kd), f"timing k={k}")
+    auto = time_config(BenchConfig("speculative", rule, k_max, kd, adaptive=True), "timing k=auto")
+    measured["auto"] = auto
+    cal.auto_tokens_per_second = auto.stats.tokens_per_second
+    metered_s = chosen.result.stats.total_seconds
+    sweep_s = next((r.stats.total_seconds for k, r in measured.items() if k == k0), None)
+    cal.meter_overhead = metered_s / sweep_s - 1 if sweep_s else None
+    for k in sorted(ks):
         res = measured.get(k)
-        cal.ks.append({"k": k, "predicted_speedup": predicted_speedup(a, k, c),
+        cal.ks.append({"k": k, "predicted_speedup": measured_speedup(costs, a, k),
                        "tokens_per_second": res.stats.tokens_per_second if res else None,
                        "mean_accepted_tokens_per_step": res.stats.mean_accepted_tokens_per_step if res else None,
                        "timed": res is not None})
+    cal.ks.append({"k": "auto", "predicted_speedup": None, "tokens_per_second": auto.stats.tokens_per_second,
+                   "mean_accepted_tokens_per_step": auto.stats.mean_accepted_tokens_per_step, "timed": True,
+                   "mean_k": auto.stats.mean_k})
     cal.chosen_k = max(measured, key=lambda k: measured[k].stats.tokens_per_second or 0.0)
+    best = measured[cal.chosen_k].stats.tokens_per_second or 0.0
+    plain_tps = cal.plain_tokens_per_second or 0.0
+    predicted_best = max([0] + list(ks), key=lambda k: measured_speedup(costs, a, k))
+    if plain_tps >= best or predicted_best == 0:
+        cal.chosen_k = "auto"  # drafts only when it pays: on this machine, mostly plain decoding
+        cal.advice = (f"speculation with this draft does not pay on this machine: the verifier alone ran "
+                      f"{plain_tps:.2f} tok/s, the best speculative setting {best:.2f} tok/s "
+                      f"(a draft token costs {cal.cost_ratio or 0:.2f} of a 1-token verify, a {max(ks) + 1}-token "
+                      f"verify {cal.verify_cost_by_width.get(str(max(ks) + 1), 0):.2f}x one); k = auto is chosen, "
+                      "which falls back to plain decoding (k = 0) and drafts again when it pays. --draft none "
+                      "runs the verifier alone; a cheaper draft, or a faster dtype (--dtype), may change this.")
     return cal
 
 
@@ -152,10 +193,13 @@ def document(cal: Calibration, settings: Settings, prompts, max_divergence: floa
     return {
         "schema_version": 1,
         "rule": cal.rule,
-        "chosen": {"delta": cal.chosen_delta, "num_draft_tokens": cal.chosen_k, "reason": cal.reason},
+        "chosen": {"delta": cal.chosen_delta, "num_draft_tokens": cal.chosen_k, "reason": cal.reason,
+                   "advice": cal.advice},
         "constraints": {"max_divergence": max_divergence, "max_quality_drop": max_quality_drop},
         "delta_sweep": {"k": cal.k0, "rows": cal.deltas},
-        "k_sweep": {"delta": cal.chosen_delta, "cost_ratio": cal.cost_ratio, "rows": cal.ks},
+        "k_sweep": {"delta": cal.chosen_delta, "cost_ratio": cal.cost_ratio,
+                    "verify_cost_by_width": cal.verify_cost_by_width,
+                    "verifier_alone_tokens_per_second": cal.plain_tokens_per_second, "rows": cal.ks},
         "meter_overhead": cal.meter_overhead,
         "prompts": [p.id for p in prompts],
         "environment": env,
@@ -192,14 +236,20 @@ def save_profile(target: Path, base_profile: str | None, settings: Settings, doc
         if not isinstance(loaded, dict):
             raise ConfigError(f"--save: {source} is not a profile mapping; not overwriting it")
         data.update(loaded)
-    # what this calibration ran with: the pair and the sampling it is valid for
+    # what this calibration ran with: the pair and the sampling it is valid for. A description
+    # written for another pair would now be wrong: replace it.
+    if any(getattr(settings, key) != data.get(key) for key in ("verifier", "draft")):
+        data["description"] = f"calibrated for {settings.verifier} / {settings.draft}"
     for key in ("verifier", "draft", "tokenizer", "device", "dtype", "temperature", "top_k", "top_p", "rule_params"):
         value = getattr(settings, key)
         if value != data.get(key) and value not in (None, {}):
             data[key] = value
     data["rule"] = doc["rule"]
     data["delta"] = float(doc["chosen"]["delta"])
-    data["num_draft_tokens"] = int(doc["chosen"]["num_draft_tokens"])
+    k = doc["chosen"]["num_draft_tokens"]
+    data["num_draft_tokens"] = k if k == "auto" else int(k)
+    if k == "auto":
+        data["max_draft_tokens"] = int(settings.max_draft_tokens)
     chosen_row = next(r for r in doc["delta_sweep"]["rows"] if r["delta"] == doc["chosen"]["delta"])
     k_row = next(r for r in doc["k_sweep"]["rows"] if r["k"] == doc["chosen"]["num_draft_tokens"])
     data["calibration"] = {
@@ -213,6 +263,7 @@ def save_profile(target: Path, base_profile: str | None, settings: Settings, doc
         "loglik_vs_sps": chosen_row["loglik_vs_sps"],
         "tokens_per_second": k_row["tokens_per_second"],
         "cost_ratio": doc["k_sweep"]["cost_ratio"],
+        "verifier_alone_tokens_per_second": doc["k_sweep"]["verifier_alone_tokens_per_second"],
         "temperature": settings.temperature,
         "top_k": settings.top_k,
         "top_p": settings.top_p,

@@ -131,6 +131,10 @@ class ChatSession:
         d = self.totals.to_dict()
         d["turns"] = len(self.turns)
         d["prefill_tokens_saved"] = d["reused_prefix_tokens"]
+        from cactus_cli import runtime
+
+        if self.engine.pair.draft is not None:
+            d["cost_model"] = self.engine.cost_summary(runtime.generation_params(self.settings))
         self.out.stats_table(d)
 
     def set(self, arg: str) -> None:

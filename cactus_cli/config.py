@@ -32,7 +32,8 @@ class Settings:
     rule: str = "cactus"
     delta: float = 1.0  # divergence budget, for cactus and cactus-exact
     rule_params: dict[str, Any] = field(default_factory=dict)  # divergence, epsilon, alpha, topk
-    num_draft_tokens: int = 4
+    num_draft_tokens: int | str = 4  # k, or "auto": the engine picks k in 0..max_draft_tokens per step
+    max_draft_tokens: int = 8  # k_max for num_draft_tokens: auto
     temperature: float = 0.6
     top_k: int = 20
     top_p: float = 0.95
@@ -73,7 +74,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "rule": (str,),
     "delta": (int, float),
     "rule_params": (dict,),
-    "num_draft_tokens": (int,),
+    "num_draft_tokens": (int, str),
+    "max_draft_tokens": (int,),
     "temperature": (int, float),
     "top_k": (int,),
     "top_p": (int, float),
@@ -106,7 +108,9 @@ def check_value(key: str, value: Any) -> str | None:
         return None
     if key == "delta" and not (math.isfinite(value) and value >= 0):
         return f"must be a finite number >= 0, got {value!r}"
-    if key == "num_draft_tokens" and not 1 <= value <= 64:
+    if key == "num_draft_tokens" and (value != "auto" if isinstance(value, str) else not 1 <= value <= 64):
+        return f"must be an integer in 1..64 or auto, got {value!r}"
+    if key == "max_draft_tokens" and not 1 <= value <= 64:
         return f"must be an integer in 1..64, got {value!r}"
     if key == "temperature" and not (math.isfinite(value) and value >= 0):
         return f"must be a number >= 0 (0 = greedy), got {value!r}"

@@ -22,6 +22,7 @@ class Proposal:
 
 class Drafter(Protocol):
     forward_passes: int
+    catch_up: int  # tokens the next proposal's first forward feeds (more than 2 after k = 0 steps)
 
     def reset(self) -> None:
         """Forget everything cached."""
@@ -105,6 +106,10 @@ class DraftModelDrafter:
     @property
     def device(self) -> torch.device:
         return self.runner.lm.device
+
+    @property
+    def catch_up(self) -> int:
+        return len(self.pending)
 
     def reset(self) -> None:
         self.runner.reset()

@@ -19,6 +19,7 @@ from cactus_cli.drafting import CachedLM, DraftModelDrafter, Drafter
 from cactus_cli.errors import ContextLimitError
 from cactus_cli.events import Piece, StepEvent
 from cactus_cli.models import ModelPair
+from cactus_cli.policy import KPolicy, acceptance_key, cache_path, probe
 from cactus_cli.sampling import SamplingParams, probs_from_logits
 
 
@@ -27,7 +28,8 @@ class GenerationParams:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     rule: str = "cactus"
     rule_kwargs: dict[str, Any] = field(default_factory=dict)
-    num_draft_tokens: int = 4  # k; 0 runs the verifier alone (autoregressive baseline)
+    num_draft_tokens: int = 4  # k (k_max when adaptive); 0 runs the verifier alone (autoregressive baseline)
+    adaptive_k: bool = False  # -k auto: the engine's KPolicy picks k in 0..num_draft_tokens before each step
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -66,6 +68,16 @@ def eos_ids(pair: ModelPair) -> set[int]:
     return ids
 
 
+def cost_key(pair: ModelPair) -> dict[str, Any]:
+    """What step costs depend on: the models, device, dtype, threads and torch."""
+    from cactus_cli.models import device_name
+
+    v = pair.verifier
+    return {"verifier": v.path, "draft": pair.draft.path if pair.draft else None, "device": device_name(v.device),
+            "dtype": str(v.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
 def sync(device: torch.device) -> None:
     """Wait for the device, so a timer reads finished work (CUDA runs asynchronously)."""
     if device.type == "cuda":
@@ -81,6 +93,8 @@ class SpeculativeEngine:
         limits = [pair.verifier.context_length] + ([pair.draft.context_length] if pair.draft else [])
         self.context_length = min(limits)
         self.tokens: list[int] = []  # the verified sequence; the verifier cache holds tokens[: cache_len]
+        key = cost_key(pair)
+        self.policy = KPolicy(cache_path(key), key)  # what a step costs here; picks k for -k auto
 
     def reset(self) -> None:
         """Forget both caches (the next generate prefills from scratch)."""
@@ -95,6 +109,49 @@ class SpeculativeEngine:
         if isinstance(self.drafter, DraftModelDrafter):
             out["draft"] = self.drafter.runner.cache_len
             out["draft_pending"] = len(self.drafter.pending)
+        return out
+
+    def probe_costs(self, k_max: int, length: int = 128) -> bool:
+        """Seed the cost model with a short timing probe over a synthetic ``length``-token context
+        (a few seconds, once per pair, device and dtype: the result is cached). Drops the caches.
+        Returns False when the context window is too small to probe."""
+        length = min(length, self.context_length - k_max - 3)
+        if length < 4:
+            return False
+        ids = [(7 + 31 * i) % self.pair.vocab_size for i in range(length + k_max + 1)]
+        self.reset()
+        v = self.verifier
+        with torch.inference_mode():
+            v.forward(ids[:length], keep=1)
+
+            def verify(w: int) -> None:
+                v.forward(ids[length : length + w], keep=w)
+                v.crop(length)
+
+            draft = None
+            if isinstance(self.drafter, DraftModelDrafter):
+                d = self.drafter.runner
+                d.forward(ids[:length], keep=1)
+
+                def draft() -> None:
+                    d.forward(ids[length : length + 1], keep=1)
+                    d.crop(length)
+
+            widths = sorted({1, 2, 3, 5, k_max + 1})
+            try:
+                probe(self.policy.costs, verify, draft, widths, lambda: sync(self.pair.verifier.device))
+            finally:
+                self.reset()
+        self.policy.dirty = True
+        self.policy.save()
+        return True
+
+    def cost_summary(self, params: GenerationParams) -> dict[str, Any]:
+        """The cost model's figures and the acceptance estimate for ``params`` (for --json, /stats)."""
+        sp = params.sampling
+        akey = acceptance_key(params.rule, params.rule_kwargs, sp.temperature, sp.top_k, sp.top_p)
+        out = self.policy.describe(akey, max(params.num_draft_tokens, 1))
+        out["adaptive_k"] = params.adaptive_k
         return out
 
     def generate(self, prompt_ids: list[int], params: GenerationParams, reuse_cache: bool = False) -> Iterator[StepEvent]:
@@ -116,17 +173,20 @@ class SpeculativeEngine:
         except BaseException:
             self.reset()  # a half-done prefill leaves caches we cannot trust
             raise
-        while True:
-            try:
-                event = state.step()
-            except BaseException:
-                # interrupted mid-step (Ctrl-C, OOM): caches may be half-updated; drop them, so the
-                # next call prefills from scratch instead of decoding from a corrupt cache
-                self.reset()
-                raise
-            yield event  # closing the generator here (GeneratorExit) leaves consistent caches
-            if event.finish_reason:
-                return
+        try:
+            while True:
+                try:
+                    event = state.step()
+                except BaseException:
+                    # interrupted mid-step (Ctrl-C, OOM): caches may be half-updated; drop them, so the
+                    # next call prefills from scratch instead of decoding from a corrupt cache
+                    self.reset()
+                    raise
+                yield event  # closing the generator here (GeneratorExit) leaves consistent caches
+                if event.finish_reason:
+                    return
+        finally:
+            self.policy.save()  # what this run learned about step costs, for the next run
 
 
 class _RunState:
@@ -140,6 +200,7 @@ class _RunState:
         self.vdev = engine.pair.verifier.device
         self.vgen = torch.Generator(device=self.vdev).manual_seed(params.seed)
         self.drafter = engine.drafter if params.num_draft_tokens > 0 else None
+        self.akey = acceptance_key(params.rule, params.rule_kwargs, self.sp.temperature, self.sp.top_k, self.sp.top_p)
         self.dgen = None
         if self.drafter is not None:
             ddev = engine.pair.draft.device
@@ -175,6 +236,9 @@ class _RunState:
         drafter = self.drafter
         room = e.context_length - len(e.tokens)  # positions left for new tokens
         k = 0 if drafter is None else max(0, min(params.num_draft_tokens, room - 1, params.max_tokens - self.produced - 1))
+        if k and params.adaptive_k:
+            k = e.policy.choose(self.akey, k)  # from past steps only: SpS stays lossless
+        catch_up = drafter.catch_up if drafter is not None else 0
 
         t0 = time.perf_counter()
         proposal = drafter.propose(k, sp, self.dgen) if drafter is not None else None
@@ -194,7 +258,9 @@ class _RunState:
             verdict = verify(params.rule, p, q, drafts.view(1, k), generator=self.vgen, **params.rule_kwargs)
         m = int(verdict.num_accepted[0])
         new = verdict.tokens[0, : m + 1].tolist()  # accepted drafts + one extra token
+        sync(vdev)
         t2 = time.perf_counter()
+        e.policy.observe(self.akey, k, m, t1 - t0, t2 - t1, catch_up)
         meter = self._meter(p, q, logits, new, m, k) if params.measure else ((), (), ())
 
         # keep both caches to exactly the verified sequence minus its last token

@@ -24,7 +24,8 @@ Tokenizer = Annotated[Optional[str], typer.Option("--tokenizer", help="Tokenizer
 Rule = Annotated[Optional[str], typer.Option("--rule", "-r", help="Acceptance rule: sps, cactus, cactus-exact, tas, topk, interp.", rich_help_panel=DECODING)]
 Delta = Annotated[Optional[float], typer.Option("--delta", "-d", help="Divergence budget for cactus / cactus-exact (0 = lossless SpS).", rich_help_panel=DECODING)]
 Param = Annotated[Optional[list[str]], typer.Option("--param", help="Other rule parameter as KEY=VALUE (divergence, epsilon, alpha, topk); repeatable.", rich_help_panel=DECODING)]
-NumDraft = Annotated[Optional[int], typer.Option("--num-draft-tokens", "-k", help="Draft tokens per verification step (k).", rich_help_panel=DECODING)]
+NumDraft = Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Draft tokens per verification step (k), or `auto`: before each step pick k in 0..--max-draft-tokens for the most tokens per second, from the step costs measured on this machine (k = 0 is plain decoding).", rich_help_panel=DECODING)]
+MaxDraft = Annotated[Optional[int], typer.Option("--max-draft-tokens", help="Largest k that `-k auto` may pick (default 8).", rich_help_panel=DECODING)]
 Temperature = Annotated[Optional[float], typer.Option("--temperature", "-t", help="Sampling temperature; 0 = greedy.", rich_help_panel=SAMPLING)]
 TopK = Annotated[Optional[int], typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).", rich_help_panel=SAMPLING)]
 TopP = Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass (1 = off).", rich_help_panel=SAMPLING)]
@@ -42,13 +43,14 @@ SHARED: dict[str, tuple[Any, str | None]] = {
     "profile": (Profile, None), "verifier": (Verifier, "verifier"), "draft": (Draft, "draft"),
     "tokenizer": (Tokenizer, "tokenizer"), "rule": (Rule, "rule"), "delta": (Delta, "delta"),
     "param": (Param, "rule_params"), "num_draft_tokens": (NumDraft, "num_draft_tokens"),
+    "max_draft_tokens": (MaxDraft, "max_draft_tokens"),
     "temperature": (Temperature, "temperature"), "top_k": (TopK, "top_k"), "top_p": (TopP, "top_p"),
     "max_tokens": (MaxTokens, "max_tokens"), "seed": (Seed, "seed"), "stop": (Stop, "stop"),
     "device": (Device, "device"), "dtype": (Dtype, "dtype"), "chat_template": (ChatTemplate, "chat_template"),
     "system": (System, "system"), "no_color": (NoColor, None),
 }
 MODEL_AND_SAMPLING = ("profile", "verifier", "draft", "tokenizer", "param", "temperature", "top_k", "top_p",
-                      "max_tokens", "seed", "device", "dtype", "chat_template", "no_color")
+                      "max_tokens", "seed", "device", "dtype", "chat_template", "no_color", "max_draft_tokens")
 GENERATION = MODEL_AND_SAMPLING + ("rule", "delta", "num_draft_tokens", "stop", "system")
 
 
@@ -109,7 +111,19 @@ def flags_to_settings(**flags: Any) -> dict[str, Any]:
         out["rule_params"] = parse_params(out["rule_params"]) or ...
     if out.get("stop") == []:
         out["stop"] = ...
+    if out.get("num_draft_tokens", ...) is not ...:
+        out["num_draft_tokens"] = parse_k(out["num_draft_tokens"], "-k/--num-draft-tokens")
     return out
+
+
+def parse_k(text: str | int, flag: str) -> int | str:
+    """``auto`` or an integer (range checked with the other settings)."""
+    if isinstance(text, int) or str(text).strip().lower() == "auto":
+        return text if isinstance(text, int) else "auto"
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise ConfigError(f"{flag}: expected an integer in 1..64 or auto, got {text!r}") from None
 
 
 def check_flags_apply(settings, flags: dict[str, Any]) -> None:
@@ -127,3 +141,5 @@ def check_flags_apply(settings, flags: dict[str, Any]) -> None:
             )
     if settings.draft is None and flags.get("num_draft_tokens", ...) is not ...:
         raise ConfigError("-k/--num-draft-tokens has no effect without a draft model; pass --draft")
+    if flags.get("max_draft_tokens", ...) is not ... and settings.num_draft_tokens != "auto":
+        raise ConfigError("--max-draft-tokens only applies with -k auto")

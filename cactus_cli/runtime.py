@@ -13,10 +13,23 @@ from cactus_cli.models import ModelPair, load_pair
 from cactus_cli.sampling import SamplingParams
 
 
-def load_engine(settings: Settings, reporter=None) -> SpeculativeEngine:
+def load_engine(settings: Settings, reporter=None, k_values: list[int | str] | None = None) -> SpeculativeEngine:
+    """Load the pair; when -k auto will run (``k_values`` lists the k a command will use) and this
+    pair has never been timed on this machine, seed the cost model with a short probe."""
     pair: ModelPair = load_pair(settings.verifier, settings.draft, settings.tokenizer, settings.device,
                                 settings.dtype, reporter)
-    return SpeculativeEngine(pair)
+    engine = SpeculativeEngine(pair)
+    ks = k_values if k_values is not None else [settings.num_draft_tokens]
+    if pair.draft is not None and "auto" in ks and not engine.policy.costs.known:
+        if reporter is not None:
+            reporter.task("measuring step costs on this machine (once per pair, device and dtype)")
+        engine.probe_costs(settings.max_draft_tokens)
+    return engine
+
+
+def draft_limit(settings: Settings) -> int:
+    """k for a fixed k, k_max for -k auto."""
+    return settings.max_draft_tokens if settings.num_draft_tokens == "auto" else int(settings.num_draft_tokens)
 
 
 def fill_seed(settings: Settings) -> Settings:
@@ -31,7 +44,8 @@ def generation_params(settings: Settings, ignore_eos: bool = False) -> Generatio
         sampling=SamplingParams(float(settings.temperature), int(settings.top_k), float(settings.top_p)),
         rule=settings.rule,
         rule_kwargs=settings.rule_kwargs(),
-        num_draft_tokens=settings.num_draft_tokens if settings.draft else 0,
+        num_draft_tokens=draft_limit(settings) if settings.draft else 0,
+        adaptive_k=settings.num_draft_tokens == "auto",
         max_tokens=settings.max_tokens,
         stop=tuple(settings.stop),
         ignore_eos=ignore_eos,

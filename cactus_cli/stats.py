@@ -22,6 +22,7 @@ class SpecStats:
     acceptance_histogram: list[int] = field(default_factory=list)  # [j]: drafts with j accepted
     position_drafted: list[int] = field(default_factory=list)  # [i]: drafts that reached position i
     position_accepted: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+    k_histogram: list[int] = field(default_factory=list)  # [k]: steps that drafted k tokens (k = 0: plain step)
     verifier_forward_passes: int = 0
     draft_forward_passes: int = 0
     prefill_seconds: float = 0.0
@@ -54,6 +55,8 @@ class SpecStats:
         self.realized_tv += ev.realized_tv
         self.verifier_loglik += ev.verifier_loglik
         k, m = ev.num_drafted, len(ev.accepted)
+        _grow(self.k_histogram, k + 1)
+        self.k_histogram[k] += 1
         if k == 0:
             return
         self.num_drafts += 1
@@ -76,7 +79,7 @@ class SpecStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("realized_kl", "realized_tv", "verifier_loglik"):
             getattr(self, name).extend(getattr(other, name))
-        for name in ("acceptance_histogram", "position_drafted", "position_accepted"):
+        for name in ("acceptance_histogram", "position_drafted", "position_accepted", "k_histogram"):
             mine, theirs = getattr(self, name), getattr(other, name)
             _grow(mine, len(theirs))
             for i, v in enumerate(theirs):
@@ -110,6 +113,12 @@ class SpecStats:
         return self.num_accepted_tokens / tested if tested else None
 
     @property
+    def mean_k(self) -> float | None:
+        """Mean draft length per step, plain (k = 0) steps included."""
+        steps = sum(self.k_histogram)
+        return sum(k * n for k, n in enumerate(self.k_histogram)) / steps if steps else None
+
+    @property
     def per_position_acceptance_rate(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
@@ -140,6 +149,8 @@ class SpecStats:
             "mean_acceptance_length": self.mean_acceptance_length,
             "mean_accepted_tokens_per_step": self.mean_accepted_tokens_per_step,
             "acceptance_histogram": list(self.acceptance_histogram),
+            "k_histogram": list(self.k_histogram),
+            "mean_k": self.mean_k,
             "per_position_acceptance_rate": self.per_position_acceptance_rate,
             "tokens_per_second": self.tokens_per_second,
             "time_to_first_token": self.time_to_first_token,

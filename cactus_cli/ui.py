@@ -182,6 +182,23 @@ class LoadProgress:
         self.console.print(f"[green]✓[/] {description}")
 
 
+def cost_line(cm: dict) -> str:
+    """One line of the cost model: draft ms per token, verifier ms by width, a, best k."""
+    if not cm.get("verify_seconds_by_width"):
+        return "cost model: nothing measured yet"
+    widths = cm["verify_seconds_by_width"]
+    shown = [w for w in ("1", "2", "3", "5", "9") if w in widths] or list(widths)[:4]
+    parts = [f"cost model ({cm['source']}):"]
+    if cm.get("draft_seconds_per_token") is not None:
+        parts.append(f"draft {1000 * cm['draft_seconds_per_token']:.1f} ms/token,")
+    parts.append("verify " + ", ".join(f"w={w} {1000 * widths[w]:.1f}" for w in shown) + " ms")
+    if cm.get("acceptance_estimate") is not None:
+        parts.append(f"· a ≈ {cm['acceptance_estimate']:.2f}")
+    if cm.get("best_k") is not None:
+        parts.append(f"· best k now {cm['best_k']}")
+    return " ".join(parts)
+
+
 # --------------------------------------------------------------------------- bench
 
 
@@ -212,6 +229,7 @@ _BENCH_COLUMNS = [  # (key, header, format, better); MAL = 1 + AL is in the JSON
     ("speedup", "speedup", "{:.2f}x", max),
     ("tokens_per_second_vs_hf", "vs HF", "{:.2f}x", max),
     ("verifier_forward_passes_per_token", "V/tok", "{:.2f}", min),
+    ("mean_k", "k̄", "{:.2f}", None),
     ("realized_kl_mean", "KL", "{:.4f}", min),
     ("realized_tv_mean", "TV", "{:.4f}", min),
 ]
@@ -230,14 +248,15 @@ def print_bench(console: Console, doc: dict) -> None:
              f"{len(doc['prompts'])} prompts · T={doc['settings']['temperature']}")
     table = Table(title=title, title_justify="left", caption_justify="left", padding=(0, 1),
                   caption="AL: accepted draft tokens per step (MAL = 1 + AL); a: per-token acceptance; "
-                  "accept: accepted / drafted; speedup over the verifier alone; V/tok: verifier passes per token")
+                  "accept: accepted / drafted; speedup over the verifier alone; V/tok: verifier passes per token; "
+                  "k̄: mean draft length per step (k = auto picks it per step)")
     table.add_column("config", overflow="fold", min_width=12)
     for _, header, _, _ in cols:
         table.add_column(header, justify="right", no_wrap=True)
     best = {}
     for key, _, _, better in cols:
         values = [r[key] for r in rows if r.get(key) is not None and r["kind"] != "autoregressive"]
-        if values:
+        if values and better is not None:
             best[key] = better(values)
     for r in rows:
         cells = []
@@ -247,6 +266,14 @@ def print_bench(console: Console, doc: dict) -> None:
             cells.append(Text(text, style="bold green" if v is not None and v == best.get(key) else ""))
         table.add_row(r["config"], *cells)
     console.print(table)
+    for r in rows:
+        if r["k"] == "auto" and r.get("k_histogram"):
+            hist = r["k_histogram"]
+            total = sum(hist) or 1
+            shares = "  ".join(f"k={k} {100 * n / total:.0f}%" for k, n in enumerate(hist) if n)
+            console.print(Text(f"{r['config']}: steps by chosen k: {shares}", style=STYLES["dim"]))
+    if doc.get("cost_model"):
+        console.print(Text(cost_line(doc["cost_model"]), style=STYLES["dim"]))
     cats = sorted({c for r in rows for c in r["by_category"]})
     if len(cats) > 1:
         t2 = Table(title="speedup (and AL) by category", title_justify="left")
@@ -303,11 +330,13 @@ class ChatOutput:
 
         keys = ["turns", "num_output_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                 "draft_acceptance_rate", "mean_acceptance_length", "mean_accepted_tokens_per_step",
-                "acceptance_histogram", "per_position_acceptance_rate", "tokens_per_second",
+                "acceptance_histogram", "per_position_acceptance_rate", "k_histogram", "mean_k", "tokens_per_second",
                 "verifier_forward_passes", "draft_forward_passes", "prefill_tokens", "prefill_tokens_saved"]
         width = max(len(k) for k in keys)
         for k in keys:
             self.console.print(Text(f"{k:<{width}}  {fmt(d.get(k))}"))
+        if d.get("cost_model"):
+            self.console.print(Text(cost_line(d["cost_model"]), style=STYLES["dim"]))
 
 
 # --------------------------------------------------------------------------- calibrate
@@ -334,13 +363,19 @@ def print_calibration(console: Console, doc: dict) -> None:
     console.print(t)
     console.print(trade_off_chart(rows, doc["constraints"]["max_divergence"], max(10, (console.width - 34) // 2)))
     k = doc["k_sweep"]
-    t2 = Table(title=f"k sweep (delta={k['delta']:g}, draft/verifier cost ratio c={k['cost_ratio']:.2f})",
-               title_justify="left")
+    widths = k.get("verify_cost_by_width") or {}
+    shape = ", ".join(f"t_v({w}) {widths[w]:.2f}" for w in sorted(widths, key=int)[1::2][:5])
+    c = k.get("cost_ratio")
+    t2 = Table(title=f"k sweep (delta={k['delta']:g}; costs relative to a 1-token verify: draft token "
+               f"{'-' if c is None else f'{c:.2f}'}, {shape})", title_justify="left")
     for col in ("k", "predicted speedup", "measured tok/s", "AL"):
         t2.add_column(col, justify="right")
+    if k.get("verifier_alone_tokens_per_second") is not None:
+        t2.add_row("0 (verifier alone)", "1.00x", f"{k['verifier_alone_tokens_per_second']:.2f}", "-")
     for r in k["rows"]:
         style = "bold green" if r["k"] == chosen["num_draft_tokens"] else ("" if r["timed"] else "dim")
-        t2.add_row(str(r["k"]), f"{r['predicted_speedup']:.2f}x",
+        t2.add_row(str(r["k"]) + (f" (mean k {r['mean_k']:.2f})" if r.get("mean_k") is not None else ""),
+                   "-" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x",
                    "-" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:.2f}",
                    "-" if r["mean_accepted_tokens_per_step"] is None else f"{r['mean_accepted_tokens_per_step']:.2f}",
                    style=style)
@@ -348,6 +383,8 @@ def print_calibration(console: Console, doc: dict) -> None:
     overhead = doc.get("meter_overhead")
     console.print(Text(f"chosen: delta = {chosen['delta']:g}, k = {chosen['num_draft_tokens']} ({chosen['reason']})",
                        style="bold"))
+    if chosen.get("advice"):
+        console.print(Text(chosen["advice"], style="yellow"))
     if overhead is not None:
         console.print(Text(f"meter overhead: {overhead:+.1%} of generation time", style="dim"))
 

@@ -47,6 +47,19 @@ def test_json_schema_and_baseline_row(tiny):
         assert set(row["by_category"]) == {"code", "math"}  # the built-in set interleaves categories
 
 
+def test_auto_k_row_with_its_chosen_k_histogram(tiny):
+    r = bench(tiny, "--rules", "cactus", "-k", "2,auto", "--max-draft-tokens", "3", "-n", "16", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    rows = {row["config"]: row for row in doc["results"]}
+    auto = rows["cactus δ=1 k=auto"]
+    assert auto["k"] == "auto" and auto["max_draft_tokens"] == 3
+    assert len(auto["k_histogram"]) <= 4 and sum(auto["k_histogram"]) > 0  # steps by chosen k in 0..3
+    assert rows["cactus δ=1 k=2"]["k_histogram"][0] <= 2  # a fixed k only shrinks near max_tokens
+    cm = doc["cost_model"]
+    assert cm["source"].startswith("probe") and set(cm["verify_seconds_by_width"]) == {"1", "2", "3", "4"}
+
+
 def test_sps_with_draft_equal_to_verifier_accepts_everything(tiny):
     # p and q agree up to float rounding: a rejection has probability ~1e-6 per token here,
     # so the false-failure odds of this test are below 1e-4
@@ -96,7 +109,7 @@ def test_ctrl_c_keeps_what_finished(tiny, tmp_path, monkeypatch):
         (["--rules", "sps,magic"], "unknown rule 'magic'"),
         (["--rules", "cactus", "--delta", "0.5,-1"], "'delta' must be a finite number >= 0"),
         (["-k", "2,0"], "-k: each value must be an integer in 1..64"),
-        (["-k", "two"], "-k: cannot read"),
+        (["-k", "two"], "-k: expected an integer in 1..64 or auto"),
         (["--limit", "0"], "--limit must be >= 1"),
         (["--prompts", "/nonexistent.jsonl"], "no such file"),
     ],

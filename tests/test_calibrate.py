@@ -33,15 +33,16 @@ def test_calibrate_writes_a_profile_that_generate_uses(tiny, isolated_home, tmp_
     assert [row["delta"] for row in doc["delta_sweep"]["rows"]] == [0.0, 0.5, 1.0]
     assert doc["delta_sweep"]["rows"][0]["realized_kl_mean"] < 1e-6  # delta = 0 is SpS
     assert doc["chosen"]["delta"] == 1.0  # a loose budget takes the largest delta
-    assert doc["chosen"]["num_draft_tokens"] in (1, 2, 3, 4)
-    assert [row["k"] for row in doc["k_sweep"]["rows"]] == [1, 2, 3, 4]  # candidates + the profile's k
+    assert doc["chosen"]["num_draft_tokens"] in (1, 2, 3, "auto")
+    assert [row["k"] for row in doc["k_sweep"]["rows"]] == [1, 2, 3, "auto"]  # exactly the candidates, and auto
+    assert doc["k_sweep"]["verifier_alone_tokens_per_second"] > 0
     assert doc["meter_overhead"] is not None
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = isolated_home / "profiles" / "tuned.yaml"
     data = yaml.safe_load(saved.read_text())
     assert data["delta"] == 1.0 and data["num_draft_tokens"] == doc["chosen"]["num_draft_tokens"]
     assert data["calibration"]["constraints"]["max_divergence"] == 10.0
-    assert data["description"]  # kept from the profile the run used (the built-in default)
+    assert data["description"] == f"calibrated for {tiny['verifier']} / {tiny['draft_close']}"  # not the base's
     g = runner.invoke(app, ["generate", "hi", "--profile", "tuned", "-n", "4", "--json"])
     assert g.exit_code == 0, g.output
     settings = json.loads(g.output)["settings"]
@@ -64,14 +65,18 @@ def test_a_killed_save_leaves_the_old_profile_intact(tiny, tmp_path, monkeypatch
     old = f"verifier: {tiny['verifier']}\ndraft: {tiny['draft_close']}\ndelta: 0.3\n"
     target.write_text(old)
 
+    real_replace = os.replace
+
     def killed(src, dst):
-        raise KeyboardInterrupt  # the process dies between writing the temp file and the rename
+        if os.fspath(dst) == os.fspath(target):
+            raise KeyboardInterrupt  # the process dies between writing the temp file and the rename
+        return real_replace(src, dst)  # other files (the cost-model cache) are written as usual
 
     monkeypatch.setattr(fileio.os, "replace", killed)
     r = calibrate(tiny, "--save", target)
     assert r.exit_code != 0
     assert target.read_text() == old
-    assert os.listdir(tmp_path) == ["keep.yaml"]  # no temp file left behind
+    assert sorted(os.listdir(tmp_path)) == ["cactus_home", "keep.yaml"]  # no temp file left behind
 
 
 def test_choice_rules():
@@ -86,10 +91,24 @@ def test_choice_rules():
     assert cal.choose_delta(rows, 0.1, 0.05)[0] == 1.0
     assert cal.choose_delta(rows, 0.1, 0.005)[0] == 1.0
     assert cal.choose_delta(rows, 0.1, 0.001)[0] == 0.0
-    # the cost model: no acceptance means no gain; perfect acceptance means k+1 tokens per call
-    assert cal.predicted_speedup(0.0, 4, 0.25) == pytest.approx(1 / 2)
-    assert cal.predicted_speedup(1.0, 4, 0.0) == pytest.approx(5.0, rel=1e-6)
-    assert max(range(1, 13), key=lambda k: cal.predicted_speedup(0.85, k, 0.38)) in (2, 3, 4)
+    # the cost model: no acceptance means no gain; perfect acceptance with a free draft and a flat
+    # verify cost means k+1 tokens per call; a verify whose cost grows with width caps the gain
+    flat = costs({1: 0.1, 9: 0.1}, draft=0.0)
+    assert cal.measured_speedup(flat, 0.0, 4) == pytest.approx(1.0)
+    assert cal.measured_speedup(flat, 1.0, 4) == pytest.approx(5.0, rel=1e-2)
+    steep = costs({1: 0.1, 5: 0.45}, draft=0.0)  # 5 tokens cost 4.5x one (an AVX2 CPU)
+    assert cal.measured_speedup(steep, 0.9, 4) < 1.0
+    assert max(range(1, 13), key=lambda k: cal.measured_speedup(costs({1: 0.1, 13: 0.11}, 0.038), 0.85, k)) in (2, 3, 4)
+
+
+def costs(verify: dict[int, float], draft: float):
+    from cactus_cli.policy import CostModel
+
+    cm = CostModel()
+    for w, t in verify.items():
+        cm.add_verify(w, t)
+    cm.add_draft(draft if draft > 0 else 1e-12)
+    return cm
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -64,10 +64,24 @@ def test_generate_json(tiny):
     assert isinstance(doc["text"], str) and doc["text"]
 
 
+def test_generate_auto_k_reports_the_cost_model(tiny):
+    r = invoke("generate", "the cat sat", *pair_args(tiny, "draft_close"), "-n", 12, "--seed", 3, "-k", "auto",
+               "--max-draft-tokens", 5, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["settings"]["num_draft_tokens"] == "auto" and doc["settings"]["max_draft_tokens"] == 5
+    cm = doc["cost_model"]
+    assert cm["adaptive_k"] and cm["source"] == "probe+online" and cm["draft_seconds_per_token"] > 0
+    assert set(cm["verify_seconds_by_width"]) == {str(w) for w in range(1, 7)}
+    assert sum(doc["stats"]["k_histogram"]) == doc["stats"]["num_drafts"] + doc["stats"]["k_histogram"][0]
+    assert invoke("generate", "hi", *pair_args(tiny), "-k", "3", "--max-draft-tokens", 5).exit_code == 2
+
+
 def test_generate_plain_is_reproducible_and_reads_stdin(tiny):
-    args = ["generate", "-", *pair_args(tiny), "-n", 10, "--seed", 7]
+    # a fixed k: with -k auto the text also depends on the k each step chose (from timings)
+    args = ["generate", "-", *pair_args(tiny), "-n", 10, "--seed", 7, "-k", 3]
     a = invoke(*args, input="the dog ran")
-    b = invoke("generate", "the dog ran", *pair_args(tiny), "-n", 10, "--seed", 7, "--plain")
+    b = invoke("generate", "the dog ran", *pair_args(tiny), "-n", 10, "--seed", 7, "-k", 3, "--plain")
     assert a.exit_code == 0 and a.output == b.output and a.output.strip()
 
 

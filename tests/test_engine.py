@@ -81,9 +81,13 @@ def test_test_drafts_cover_rejection_and_partial_acceptance(pairs):
     assert sum(stats.acceptance_histogram[1:4]) > 0
 
 
-def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs):
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs, adaptive, monkeypatch):
     # The first two generated tokens' joint distribution over many seeds must equal the verifier's
     # exact one (top-k 3 sampling: 9 cells). N = 1500 runs; L1 bound at false-failure odds 1e-4.
+    # With -k auto the k of each step comes from the policy: here its real choice on the first run
+    # of each seed's step, overridden on every third step by a scripted 0/1/2 cycle so all three k
+    # (and the draft's catch-up after k = 0) are exercised; the choice never sees the current step.
     pair = pairs["disagree"]
     sp = SamplingParams(temperature=1.5, top_k=3, top_p=1.0)
     ids = prompt_ids(pair, "the dog")
@@ -99,12 +103,24 @@ def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs
     cells = sorted(exact)
     index = {c: i for i, c in enumerate(cells)}
     engine = SpeculativeEngine(pair)
-    samples = []
+    if adaptive:
+        real_choose, calls = engine.policy.choose, itertools.count()
+        script = itertools.cycle([0, 1, 2, 2, 0, 1])
+
+        def choose(akey, k_max):
+            k = real_choose(akey, k_max)
+            return min(next(script), k_max) if next(calls) % 3 else k
+
+        monkeypatch.setattr(engine.policy, "choose", choose)
+    samples, ks = [], set()
     for seed in range(1500):
-        params = GenerationParams(sampling=sp, rule="sps", num_draft_tokens=2, max_tokens=2, ignore_eos=True,
-                                  seed=seed)
-        tokens, _, _ = run(engine, ids, params)
+        params = GenerationParams(sampling=sp, rule="sps", num_draft_tokens=2, adaptive_k=adaptive,
+                                  max_tokens=3 if adaptive else 2, ignore_eos=True, seed=seed)
+        tokens, _, events = run(engine, ids, params)
+        ks.update(ev.num_drafted for ev in events)
         samples.append(index[tuple(tokens[:2])])  # KeyError = a token the verifier cannot emit
+    if adaptive:
+        assert ks == {0, 1, 2}
     assert_matches(torch.tensor(samples), torch.tensor([exact[c] for c in cells]), false_failure_odds=1e-4)
 
 

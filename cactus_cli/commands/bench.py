@@ -17,7 +17,7 @@ from cactus_cli.commands import user_errors
 def bench(
     rules: Annotated[str, typer.Option("--rules", help="Comma list of rules: sps,cactus,cactus-exact,tas,topk,interp.", rich_help_panel=o.DECODING)] = "sps,cactus",
     deltas: Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values for the rules that take one (default: the profile's).", rich_help_panel=o.DECODING)] = None,
-    ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of draft lengths (default: the profile's).", rich_help_panel=o.DECODING)] = None,
+    ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of draft lengths, `auto` included (default: the profile's).", rich_help_panel=o.DECODING)] = None,
     prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL file with 'prompt' and optional 'id', 'category' (default: the built-in set).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Use only the first N prompts (the built-in set is interleaved by category).")] = None,
     meter: Annotated[bool, typer.Option("--meter", help="Also measure the realized divergence KL(h_alg || q) and TV per position (costs time).")] = False,
@@ -41,9 +41,9 @@ def bench(
         if settings.draft is None:
             raise ConfigError("bench compares speculative decoding with the verifier alone: it needs a --draft")
         delta_list = b.parse_list(deltas, float, "--delta") if deltas else [settings.delta]
-        k_list = b.parse_list(ks, int, "-k") if ks else [settings.num_draft_tokens]
+        k_list = b.parse_ks(ks) if ks else [settings.num_draft_tokens]
         rule_list = b.parse_list(rules, str, "--rules")
-        grid = b.build_grid(rule_list, delta_list, k_list, settings.rule_params, compare_hf)
+        grid = b.build_grid(rule_list, delta_list, k_list, settings.rule_params, compare_hf, settings.max_draft_tokens)
         prompts = load_prompts(str(prompts_file) if prompts_file else None, limit)
         if settings.seed is None:
             settings.seed = 0  # a benchmark is reproducible by default
@@ -52,7 +52,7 @@ def bench(
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         with ui.LoadProgress(err) as progress:
-            engine = runtime.load_engine(settings, progress)
+            engine = runtime.load_engine(settings, progress, k_list)
         tok = engine.pair.tokenizer
         encoded = [(p, runtime.encode(tok, p.prompt, settings.chat_template)) for p in prompts]
         base = runtime.generation_params(settings)
@@ -62,7 +62,7 @@ def bench(
         interrupted = False
         with ui.bench_progress(err, len(grid) * len(prompts)) as advance:
             try:
-                b.warm_up(engine, encoded[0][1], base, k_list[0])
+                b.warm_up(engine, encoded[0][1], base, max(c.k for c in grid))
                 for cfg in grid:
                     run = b.run_hf if cfg.kind == "hf-assisted" else b.run_speculative
                     advance(0, cfg.label)
@@ -70,7 +70,8 @@ def bench(
             except KeyboardInterrupt:
                 interrupted = True
         env = b.environment(engine, settings.to_dict())
-        doc = b.document(results, env, settings.to_dict(), prompts, interrupted)
+        doc = b.document(results, env, settings.to_dict(), prompts, interrupted,
+                         engine.policy.describe(None, settings.max_draft_tokens))
 
         if out_dir:
             from cactus_cli.fileio import atomic_write

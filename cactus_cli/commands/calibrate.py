@@ -15,7 +15,7 @@ from cactus_cli.commands import user_errors
 @o.shared_options(*o.MODEL_AND_SAMPLING, "rule")
 def calibrate(
     deltas: Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values to sweep (0 is always added). Default: 0,0.1,0.25,0.5,0.75,1,1.5,2.", rich_help_panel=o.DECODING)] = None,
-    ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of candidate k (default 1..12); the delta sweep runs at the profile's k.", rich_help_panel=o.DECODING)] = None,
+    ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of candidate k (default 1..12), timed against the verifier alone and -k auto; the delta sweep runs at the profile's k (for auto: the candidate nearest 4).", rich_help_panel=o.DECODING)] = None,
     max_divergence: Annotated[Optional[float], typer.Option("--max-divergence", help="Largest mean realized KL(h_alg || q) per token, in nats (default 0.05).")] = None,
     max_quality_drop: Annotated[Optional[float], typer.Option("--max-quality-drop", help="Largest drop in mean verifier log-likelihood per token vs SpS, in nats.")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL prompts (default: the built-in set).")] = None,
@@ -47,8 +47,7 @@ def calibrate(
             raise ConfigError("--max-divergence and --max-quality-drop must be >= 0")
         delta_list = b.parse_list(deltas, float, "--delta") if deltas else list(cal_mod.DEFAULT_DELTAS)
         k_list = b.parse_list(ks, int, "-k") if ks else list(cal_mod.DEFAULT_KS)
-        if any(not 1 <= k <= 64 for k in k_list):
-            raise ConfigError("-k: each value must be an integer in 1..64")
+        cal_mod.validate(settings, delta_list, k_list)
         target = cal_mod.save_target(save) if save else None
         if plot is not None and plot.suffix.lower() != ".png":
             raise ConfigError(f"--plot {plot}: give a .png path")
@@ -67,12 +66,12 @@ def calibrate(
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         with ui.LoadProgress(err) as progress:
-            engine = runtime.load_engine(settings, progress)
+            engine = runtime.load_engine(settings, progress, ["auto"])
         encoded = [(p, runtime.encode(engine.pair.tokenizer, p.prompt, settings.chat_template)) for p in prompts]
         base = runtime.generation_params(settings)
-        runs = (len(set(delta_list) | {0.0}) + 1 + cal_mod.KEEP_K) * len(prompts)
+        runs = (len(set(delta_list) | {0.0}) + 2 + min(cal_mod.KEEP_K + 1, len(set(k_list)))) * len(prompts)
         with ui.bench_progress(err, runs) as advance:
-            b.warm_up(engine, encoded[0][1], base, settings.num_draft_tokens)
+            b.warm_up(engine, encoded[0][1], base, max(k_list))
             cal = cal_mod.run(engine, settings, encoded, base, delta_list, k_list, budget, max_quality_drop,
                               lambda label: advance(1, label))
         env = b.environment(engine, settings.to_dict())

@@ -65,6 +65,8 @@ def generate(
             doc = {"text": "".join(text), "settings": settings.to_dict(), "stats": view.stats.to_dict()}
             doc["settings"]["dtype_resolved"] = str(engine.pair.verifier.dtype).removeprefix("torch.")
             doc["settings"]["device_resolved"] = str(engine.pair.verifier.device)
+            doc["settings"]["dtype_reason"] = engine.pair.dtype_reason
+            doc["cost_model"] = engine.cost_summary(params)
             typer.echo(json.dumps(doc, indent=2))
 
 

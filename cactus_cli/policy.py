@@ -1,0 +1,258 @@
+"""The k policy: what a step costs on this machine, and how many tokens to draft next.
+
+Speculation pays only when ``E[tokens | k, a] / (k t_d + t_v(k + 1))`` beats plain decoding's
+``1 / t_v(1)``. Both costs are properties of the machine, not of the pair: a verify over 5 tokens
+costs about what 1 token costs on a GPU or an AVX-512 BF16 CPU, and 4.5x more on an AVX2 CPU.
+
+- ``CostModel``: the draft's seconds per drafted token ``t_d`` and the verifier's seconds per
+  forward of width ``w``, ``t_v(w)``, as medians over the last few timings per width (robust to a
+  stray slow step), linearly interpolated between measured widths. Seeded by a short probe
+  (``probe``) when nothing is known; saved under ``$CACTUS_HOME/costs`` per (pair, device, dtype,
+  threads, torch), so the next run starts informed.
+- ``Acceptance``: a decayed estimate of the per-token acceptance ``a`` (accepted over tested
+  tokens), one per (rule, parameters, sampling), since the rule and delta change it.
+- ``KPolicy.choose``: the ``k`` in ``0 .. k_max`` with the most expected tokens per second.
+  ``k = 0`` is plain decoding. While ``k = 0`` wins, an occasional ``k = 1`` step keeps ``a``
+  fresh, so the engine notices when the text becomes easy to draft. The choice depends only on
+  past steps, never on the current step's random draws, so SpS stays exactly lossless.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+WINDOW = 15  # timings kept per width (median of these)
+DECAY = 0.98  # per tested token: the acceptance estimate follows the last ~50 tested tokens
+PRIOR_A, PRIOR_N = 0.6, 4.0  # an unseen configuration starts at a = 0.6 worth 4 tested tokens
+A_MAX = 0.995  # E[tokens] would diverge at a = 1
+EXPLORE_BUDGET = 0.03  # while k = 0 wins, spend at most ~3% of the time re-testing k = 1
+SCHEMA = 1
+
+
+@dataclass
+class CostModel:
+    draft: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # seconds per drafted token
+    verify: dict[int, deque] = field(default_factory=dict)  # width -> seconds per forward
+    source: str = "none"  # "none", "probe", "cache", plus "+online" once the run has added timings
+
+    def add_draft(self, seconds_per_token: float) -> None:
+        if seconds_per_token > 0 and math.isfinite(seconds_per_token):
+            self.draft.append(seconds_per_token)
+
+    def add_verify(self, width: int, seconds: float) -> None:
+        if seconds > 0 and math.isfinite(seconds):
+            self.verify.setdefault(width, deque(maxlen=WINDOW)).append(seconds)
+
+    @property
+    def known(self) -> bool:
+        return bool(self.draft) and 1 in self.verify
+
+    def t_d(self) -> float:
+        return statistics.median(self.draft) if self.draft else 0.0
+
+    def t_v(self, width: int) -> float:
+        """Median seconds of a verifier forward over ``width`` tokens; linear between measured
+        widths, and beyond the widest one along the last measured slope (never decreasing)."""
+        pts = sorted((w, statistics.median(v)) for w, v in self.verify.items() if v)
+        if not pts:
+            return 0.0
+        for w, t in pts:
+            if w == width:
+                return t
+        lo = [(w, t) for w, t in pts if w < width]
+        hi = [(w, t) for w, t in pts if w > width]
+        if lo and hi:
+            (w0, t0), (w1, t1) = lo[-1], hi[0]
+            return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
+        if hi:  # narrower than anything measured: take the narrowest measured (an upper bound)
+            return hi[0][1]
+        if len(lo) >= 2:
+            (w0, t0), (w1, t1) = lo[-2], lo[-1]
+            return t1 + max(t1 - t0, 0.0) / (w1 - w0) * (width - w1)
+        return lo[-1][1]
+
+    def describe(self, widths: int) -> dict[str, Any]:
+        return {"source": self.source, "draft_seconds_per_token": self.t_d() if self.draft else None,
+                "verify_seconds_by_width": {str(w): self.t_v(w) for w in range(1, widths + 1)} if self.verify else {},
+                "measured_widths": sorted(self.verify)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"draft": list(self.draft), "verify": {str(w): list(v) for w, v in self.verify.items()}}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], source: str) -> CostModel:
+        cm = cls(source=source)
+        for s in doc.get("draft", []):
+            cm.add_draft(float(s))
+        for w, values in doc.get("verify", {}).items():
+            for s in values:
+                cm.add_verify(int(w), float(s))
+        return cm
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a step emits on average with k drafts and i.i.d. per-token acceptance a:
+    1 + a + ... + a^k (the accepted drafts plus the correction or bonus token)."""
+    a = min(max(a, 0.0), A_MAX)
+    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def tokens_per_second(costs: CostModel, a: float, k: int) -> float:
+    step = k * costs.t_d() + costs.t_v(k + 1)
+    return expected_tokens(a, k) / step if step > 0 else 0.0
+
+
+def best_k(costs: CostModel, a: float, k_max: int) -> int:
+    """The k in 0..k_max with the most expected tokens per second (ties: the smaller k)."""
+    if not costs.known:
+        return min(k_max, 4)
+    rates = [tokens_per_second(costs, a, k) for k in range(k_max + 1)]
+    return max(range(k_max + 1), key=lambda k: (rates[k], -k))
+
+
+@dataclass
+class Acceptance:
+    accepted: float = PRIOR_A * PRIOR_N
+    tested: float = PRIOR_N
+
+    @property
+    def a(self) -> float:
+        return self.accepted / self.tested if self.tested > 0 else PRIOR_A
+
+    def add(self, accepted: int, tested: int) -> None:
+        for i in range(tested):  # decay per tested token: old evidence fades at a steady rate
+            self.accepted = self.accepted * DECAY + (1.0 if i < accepted else 0.0)
+            self.tested = self.tested * DECAY + 1.0
+
+
+def acceptance_key(rule: str, rule_kwargs: dict[str, Any], temperature: float, top_k: int, top_p: float) -> str:
+    if temperature == 0:
+        return "greedy"
+    params = ",".join(f"{k}={v}" for k, v in sorted(rule_kwargs.items()))
+    return f"{rule}({params}) T={temperature:g} top_k={top_k} top_p={top_p:g}"
+
+
+class KPolicy:
+    """Asked before each step for k; told afterwards what the step cost and how many drafts stayed."""
+
+    def __init__(self, path: Path | None = None, key: dict[str, Any] | None = None):
+        self.path = path
+        self.key = key or {}
+        self.costs = CostModel()
+        self.acceptance: dict[str, Acceptance] = {}
+        self.plain_steps = 0  # consecutive k = 0 steps (for the occasional k = 1 probe)
+        self.dirty = False
+        if path is not None and path.is_file():
+            try:
+                doc = json.loads(path.read_text(encoding="utf-8"))
+                if doc.get("schema") == SCHEMA:
+                    self.costs = CostModel.from_json(doc.get("costs", {}), "cache")
+                    for name, (acc, tested) in doc.get("acceptance", {}).items():
+                        self.acceptance[name] = Acceptance(float(acc), float(tested))
+            except (OSError, ValueError, TypeError, AttributeError):
+                pass  # an unreadable cache is only a missed head start: measure again
+
+    # ------------------------------------------------------------------ choosing
+
+    def estimate(self, akey: str) -> float:
+        return self.acceptance.setdefault(akey, Acceptance()).a
+
+    def choose(self, akey: str, k_max: int) -> int:
+        a = self.estimate(akey)
+        k = best_k(self.costs, a, k_max)
+        if k > 0 or k_max == 0:
+            self.plain_steps = 0
+            return k
+        # k = 0 wins: now and then draft one token anyway, so a stays fresh. A probe step costs
+        # about t_d + t_v(2) - t_v(1) extra; spacing probes by that over EXPLORE_BUDGET * t_v(1)
+        # keeps their overhead near EXPLORE_BUDGET of plain decoding.
+        self.plain_steps += 1
+        t1 = self.costs.t_v(1)
+        extra = max(self.costs.t_d() + self.costs.t_v(2) - t1, 0.0)
+        every = max(8, math.ceil(extra / (EXPLORE_BUDGET * t1))) if t1 > 0 else 8
+        if self.plain_steps >= every:
+            self.plain_steps = 0
+            return 1
+        return 0
+
+    # ------------------------------------------------------------------ learning
+
+    def observe(self, akey: str, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
+                draft_catch_up: int = 1) -> None:
+        """One finished step: k drafts, ``accepted`` of them kept, its timings. A draft forward that
+        caught up on many missed tokens (after k = 0 steps) is not a typical drafted token: skip it."""
+        if k > 0:
+            tested = accepted + (1 if accepted < k else 0)
+            self.acceptance.setdefault(akey, Acceptance()).add(accepted, tested)
+            if draft_catch_up <= 2:
+                self.costs.add_draft(draft_seconds / k)
+        self.costs.add_verify(k + 1, verify_seconds)
+        if not self.costs.source.endswith("+online"):
+            self.costs.source += "+online"
+        self.dirty = True
+
+    def describe(self, akey: str | None = None, k_max: int = 8) -> dict[str, Any]:
+        out = self.costs.describe(k_max + 1)
+        if akey is not None:
+            a = self.estimate(akey)
+            out["acceptance_estimate"] = a
+            out["best_k"] = best_k(self.costs, a, k_max) if self.costs.known else None
+            if self.costs.known:
+                base = 1 / self.costs.t_v(1)
+                out["predicted_speedup_by_k"] = {str(k): tokens_per_second(self.costs, a, k) / base
+                                                 for k in range(k_max + 1)}
+        return out
+
+    def save(self) -> None:
+        """Atomically write the timings and acceptance estimates (best effort: a read-only cache
+        folder only costs the next run its head start)."""
+        if self.path is None or not self.dirty:
+            return
+        from cactus_cli.fileio import atomic_write
+
+        doc = {"schema": SCHEMA, "key": self.key, "saved": time.strftime("%Y-%m-%dT%H:%M:%S"),
+               "costs": self.costs.to_json(),
+               "acceptance": {k: [v.accepted, v.tested] for k, v in self.acceptance.items()}}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.path, json.dumps(doc, indent=1))
+            self.dirty = False
+        except OSError:
+            pass
+
+
+def cache_path(key: dict[str, Any]) -> Path:
+    from cactus_cli.embedded import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "costs" / f"{digest}.json"
+
+
+def probe(costs: CostModel, verify_forward: Callable[[int], None], draft_forward: Callable[[], None] | None,
+          widths: list[int], sync: Callable[[], None], repeats: int = 2) -> None:
+    """Seed the cost model: time verifier forwards at ``widths`` and one-token draft forwards,
+    after one untimed warm-up of each. The callables run a forward and restore the caches."""
+    verify_forward(1)
+    if draft_forward is not None:
+        draft_forward()
+    sync()
+    for _ in range(repeats):
+        for w in widths:
+            t0 = time.perf_counter()
+            verify_forward(w)
+            sync()
+            costs.add_verify(w, time.perf_counter() - t0)
+        if draft_forward is not None:
+            t0 = time.perf_counter()
+            draft_forward()
+            sync()
+            costs.add_draft(time.perf_counter() - t0)
+    costs.source = "probe"

@@ -1,0 +1,172 @@
+"""The k policy: the choice of k on synthetic cost curves and acceptance, the cost model's
+statistics and cache, the engine's catch-up after k = 0 steps, the probe, and the dtype probe."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cactus_cli.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.models import fastest_cpu_dtype, load_pair, resolve_dtype
+from cactus_cli.policy import Acceptance, CostModel, KPolicy, best_k, expected_tokens
+from cactus_cli.sampling import SamplingParams
+from tests.test_engine import hf_greedy, prompt_ids
+
+GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+
+
+def cost_model(verify: dict[int, float], draft: float) -> CostModel:
+    cm = CostModel()
+    for w, t in verify.items():
+        cm.add_verify(w, t)
+    cm.add_draft(draft)
+    return cm
+
+
+# ---------------------------------------------------------------------- choosing k
+
+
+def test_flat_verify_cost_and_high_acceptance_draft_long():
+    flat = cost_model({1: 0.100, 9: 0.105}, draft=0.01)  # a GPU: width is nearly free
+    assert best_k(flat, 0.9, 8) == 8
+    assert best_k(flat, 0.9, 3) == 3  # never above k_max
+
+
+def test_steep_verify_cost_means_plain_decoding():
+    # the AVX2 CPU of issue 10: 5 tokens cost 4.5x one, a draft token half a verify
+    steep = cost_model({1: 0.154, 5: 0.685, 11: 1.203}, draft=0.078)
+    assert best_k(steep, 0.9, 8) == 0
+    assert best_k(steep, 0.99, 8) == 0
+
+
+def test_no_acceptance_means_no_drafting_even_when_drafts_are_free():
+    flat = cost_model({1: 0.1, 9: 0.1}, draft=1e-9)
+    assert best_k(flat, 0.0, 8) == 0
+
+
+def test_moderate_costs_pick_a_moderate_k():
+    # the AVX-512 BF16 CPU of the README: 8 tokens ~1.1x one, a draft token ~0.39 of a verify
+    cm = cost_model({1: 0.100, 9: 0.110}, draft=0.039)
+    assert best_k(cm, 0.9, 8) in (3, 4, 5)
+    assert best_k(cm, 0.5, 8) in (0, 1)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 4) == pytest.approx(5.0, rel=2e-2)  # clamped just below 1
+
+
+# ---------------------------------------------------------------------- the cost model
+
+
+def test_cost_model_interpolates_extrapolates_and_ignores_outliers():
+    cm = cost_model({1: 1.0, 5: 3.0}, draft=0.5)
+    assert cm.t_v(3) == pytest.approx(2.0)  # linear between measured widths
+    assert cm.t_v(7) == pytest.approx(4.0)  # along the last slope beyond them
+    for _ in range(6):
+        cm.add_verify(1, 1.0)
+    cm.add_verify(1, 50.0)  # one stray slow step (a page fault, another process)
+    assert cm.t_v(1) == pytest.approx(1.0)  # the median does not move
+    assert cm.t_d() == 0.5
+    unknown = CostModel()
+    assert not unknown.known and best_k(unknown, 0.9, 8) == 4  # nothing known: a middling k
+
+
+def test_acceptance_estimate_follows_recent_steps():
+    acc = Acceptance()
+    for _ in range(100):
+        acc.add(0, 1)  # every draft rejected
+    assert acc.a < 0.05
+    for _ in range(100):
+        acc.add(4, 4)  # then every draft accepted
+    assert acc.a > 0.9
+
+
+def test_plain_decoding_still_probes_k1_now_and_then():
+    steep = cost_model({1: 0.1, 2: 0.2, 5: 0.5}, draft=0.05)
+    policy = KPolicy()
+    policy.costs = steep
+    picks = [policy.choose("greedy", 8) for _ in range(400)]
+    assert picks.count(0) > 300  # mostly plain decoding
+    assert 1 in picks  # but acceptance keeps being measured
+    # the probes are spaced so they cost about EXPLORE_BUDGET of plain decoding
+    assert picks.count(1) <= 400 * 0.03 * 0.1 / (0.05 + 0.2 - 0.1) + 1
+
+
+def test_cache_round_trip(tmp_path):
+    path = tmp_path / "costs.json"
+    policy = KPolicy(path, {"pair": "x"})
+    policy.observe("greedy", 3, 2, 0.3, 0.2)
+    policy.observe("greedy", 0, 0, 0.0, 0.1)
+    policy.save()
+    again = KPolicy(path)
+    assert again.costs.known and again.costs.source == "cache"
+    assert again.costs.t_v(4) == pytest.approx(0.2) and again.costs.t_d() == pytest.approx(0.1)
+    assert again.estimate("greedy") == pytest.approx(policy.estimate("greedy"))
+    path.write_text("{not json")
+    assert not KPolicy(path).costs.known  # a broken cache is ignored, not fatal
+
+
+# ---------------------------------------------------------------------- the engine
+
+
+@pytest.fixture(scope="module")
+def close_pair(tiny):
+    return load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32")
+
+
+def test_catch_up_after_plain_steps_keeps_caches_exact(close_pair, monkeypatch):
+    """k = 0 steps leave the draft behind; the next drafting step feeds everything it missed in
+    its first forward, and greedy output still equals the verifier's own."""
+    pair = close_pair
+    engine = SpeculativeEngine(pair)
+    script = iter([2, 0, 0, 0, 3, 0, 1, 4, 0, 0, 2] * 10)
+    monkeypatch.setattr(engine.policy, "choose", lambda akey, k_max: min(next(script), k_max))
+    ids = prompt_ids(pair)
+    n = 40
+    params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=True, max_tokens=n, ignore_eos=True)
+    tokens, pendings, emitted = [], [], 0
+    for i, ev in enumerate(engine.generate(ids, params)):
+        tokens += ev.emitted
+        emitted += len(ev.emitted)
+        lengths = engine.cache_lengths()
+        assert lengths["sequence"] == len(ids) + emitted
+        assert lengths["verifier"] == lengths["sequence"] - 1
+        assert lengths["draft"] + lengths["draft_pending"] == lengths["sequence"]
+        if ev.num_drafted and i > 0:  # (the first step's count includes the prefill)
+            assert ev.draft_forward_passes == ev.num_drafted  # the catch-up rides in the first forward
+        pendings.append(lengths["draft_pending"])
+    assert max(pendings) >= 4  # three plain steps in a row left the draft 3+ tokens behind
+    assert tokens == hf_greedy(pair, ids, n)
+
+
+def test_adaptive_k_learns_and_reports(close_pair):
+    engine = SpeculativeEngine(close_pair)
+    assert engine.probe_costs(4)
+    assert engine.policy.costs.known and engine.policy.costs.source == "probe"
+    assert set(engine.policy.costs.verify) == {1, 2, 3, 5}
+    params = GenerationParams(sampling=SamplingParams(0.8, 0, 1.0), rule="cactus", rule_kwargs={"delta": 1.0},
+                              num_draft_tokens=4, adaptive_k=True, max_tokens=30, ignore_eos=True, seed=2)
+    ks = [ev.num_drafted for ev in engine.generate(prompt_ids(close_pair), params)]
+    assert all(0 <= k <= 4 for k in ks)
+    summary = engine.cost_summary(params)
+    assert summary["adaptive_k"] and summary["source"] == "probe+online"
+    assert 0 < summary["acceptance_estimate"] < 1 and summary["best_k"] in range(5)
+    # a second engine on the same pair starts from the cache the first one saved
+    assert SpeculativeEngine(close_pair).policy.costs.source == "cache"
+
+
+# ---------------------------------------------------------------------- dtype
+
+
+def test_dtype_auto_is_measured_and_cached(isolated_home):
+    dtype, why = fastest_cpu_dtype(64, 256)
+    assert dtype in (torch.float32, torch.bfloat16) and "measured" in why and "cached" not in why
+    files = list((isolated_home / "costs").glob("dtype-*.json"))
+    assert len(files) == 1 and set(json.loads(files[0].read_text())["seconds"]) == {"float32", "bfloat16"}
+    again, why2 = resolve_dtype("auto", torch.device("cpu"), (64, 256))
+    assert again == dtype and "(cached)" in why2
+    assert resolve_dtype("float32", torch.device("cpu"), (64, 256)) == (torch.float32, "as asked")
