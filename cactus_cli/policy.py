@@ -9,11 +9,15 @@ costs about what 1 token costs on a GPU or an AVX-512 BF16 CPU, and 4.5x more on
   stray slow step), linearly interpolated between measured widths. Seeded by a short probe
   (``probe``) when nothing is known; saved under ``$CACTUS_HOME/costs`` per (pair, device, dtype,
   threads, torch), so the next run starts informed.
-- ``Acceptance``: a decayed estimate of the per-token acceptance ``a`` (accepted over tested
-  tokens), one per (rule, parameters, sampling), since the rule and delta change it.
+- ``Acceptance``: decayed estimates of the acceptance at each draft position, conditional on
+  the drafts before it being accepted, one set per (rule, parameters, sampling), since the rule
+  and delta change them. Per position because acceptance comes in runs: once three drafts are
+  accepted the text is easy and the fourth is likelier than the average token (an i.i.d. ``a``
+  undervalues long drafts).
 - ``KPolicy.choose``: the ``k`` in ``0 .. k_max`` with the most expected tokens per second.
   ``k = 0`` is plain decoding. While ``k = 0`` wins, an occasional ``k = 1`` step keeps ``a``
-  fresh, so the engine notices when the text becomes easy to draft. The choice depends only on
+  fresh, so the engine notices when the text becomes easy to draft; while drafting wins, an
+  occasional plain step keeps ``t_v(1)``, the yardstick of every choice, fresh. The choice depends only on
   past steps, never on the current step's random draws, so SpS stays exactly lossless.
 """
 
@@ -30,11 +34,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 WINDOW = 15  # timings kept per width (median of these)
-DECAY = 0.98  # per tested token: the acceptance estimate follows the last ~50 tested tokens
-PRIOR_A, PRIOR_N = 0.6, 4.0  # an unseen configuration starts at a = 0.6 worth 4 tested tokens
+DECAY = 0.97  # per step: the acceptance estimates follow the last ~30 steps
+PRIOR_A = 0.6  # an unseen configuration starts at a = 0.6 ...
+SHRINK = 2.0  # ... and each position leans on the one before it with the weight of 2 tested drafts
 A_MAX = 0.995  # E[tokens] would diverge at a = 1
 EXPLORE_BUDGET = 0.03  # while k = 0 wins, spend at most ~3% of the time re-testing k = 1
-SCHEMA = 1
+REFRESH_EVERY = 64  # while drafting wins, one plain step in this many keeps t_v(1) fresh (~1% cost)
+SCHEMA = 2
 
 
 @dataclass
@@ -98,19 +104,27 @@ class CostModel:
         return cm
 
 
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens a step emits on average with k drafts and i.i.d. per-token acceptance a:
-    1 + a + ... + a^k (the accepted drafts plus the correction or bonus token)."""
-    a = min(max(a, 0.0), A_MAX)
-    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+def _rates(a: float | list[float], k: int) -> list[float]:
+    return [a] * k if isinstance(a, (int, float)) else list(a[:k]) + [a[-1] if a else PRIOR_A] * (k - len(a))
 
 
-def tokens_per_second(costs: CostModel, a: float, k: int) -> float:
+def expected_tokens(a: float | list[float], k: int) -> float:
+    """Tokens a step emits on average with k drafts: the correction or bonus token plus each draft
+    that is reached and accepted, 1 + a_1 + a_1 a_2 + ... + a_1...a_k, with ``a`` one rate for
+    every position (the i.i.d. model) or the conditional rate per position."""
+    total, reach = 1.0, 1.0
+    for r in _rates(a, k):
+        reach *= min(max(r, 0.0), A_MAX)
+        total += reach
+    return total
+
+
+def tokens_per_second(costs: CostModel, a: float | list[float], k: int) -> float:
     step = k * costs.t_d() + costs.t_v(k + 1)
     return expected_tokens(a, k) / step if step > 0 else 0.0
 
 
-def best_k(costs: CostModel, a: float, k_max: int) -> int:
+def best_k(costs: CostModel, a: float | list[float], k_max: int) -> int:
     """The k in 0..k_max with the most expected tokens per second (ties: the smaller k)."""
     if not costs.known:
         return min(k_max, 4)
@@ -120,17 +134,35 @@ def best_k(costs: CostModel, a: float, k_max: int) -> int:
 
 @dataclass
 class Acceptance:
-    accepted: float = PRIOR_A * PRIOR_N
-    tested: float = PRIOR_N
+    accepted: list[float] = field(default_factory=list)  # [i]: decayed count of drafts accepted at position i
+    tested: list[float] = field(default_factory=list)  # [i]: decayed count of drafts the rule tested at i
+
+    def rates(self, k: int) -> list[float]:
+        """Conditional acceptance per position 0..k-1, each shrunk toward the position before it."""
+        out, prev = [], PRIOR_A
+        for i in range(k):
+            acc = self.accepted[i] if i < len(self.accepted) else 0.0
+            tested = self.tested[i] if i < len(self.tested) else 0.0
+            prev = (acc + SHRINK * prev) / (tested + SHRINK)
+            out.append(prev)
+        return out
 
     @property
     def a(self) -> float:
-        return self.accepted / self.tested if self.tested > 0 else PRIOR_A
+        """The pooled per-token rate (accepted over tested), for reports."""
+        tested = sum(self.tested)
+        return (sum(self.accepted) + SHRINK * PRIOR_A) / (tested + SHRINK)
 
-    def add(self, accepted: int, tested: int) -> None:
-        for i in range(tested):  # decay per tested token: old evidence fades at a steady rate
-            self.accepted = self.accepted * DECAY + (1.0 if i < accepted else 0.0)
-            self.tested = self.tested * DECAY + 1.0
+    def add(self, accepted: int, k: int) -> None:
+        """One step: k drafts, the first ``accepted`` kept (the rule tested one more if any was left)."""
+        width = max(len(self.tested), k)
+        self.accepted = [x * DECAY for x in self.accepted] + [0.0] * (width - len(self.accepted))
+        self.tested = [x * DECAY for x in self.tested] + [0.0] * (width - len(self.tested))
+        for i in range(accepted):
+            self.accepted[i] += 1.0
+            self.tested[i] += 1.0
+        if accepted < k:
+            self.tested[accepted] += 1.0
 
 
 def acceptance_key(rule: str, rule_kwargs: dict[str, Any], temperature: float, top_k: int, top_p: float) -> str:
@@ -149,6 +181,7 @@ class KPolicy:
         self.costs = CostModel()
         self.acceptance: dict[str, Acceptance] = {}
         self.plain_steps = 0  # consecutive k = 0 steps (for the occasional k = 1 probe)
+        self.draft_steps = 0  # consecutive k > 0 steps (for the occasional plain step)
         self.dirty = False
         if path is not None and path.is_file():
             try:
@@ -156,7 +189,7 @@ class KPolicy:
                 if doc.get("schema") == SCHEMA:
                     self.costs = CostModel.from_json(doc.get("costs", {}), "cache")
                     for name, (acc, tested) in doc.get("acceptance", {}).items():
-                        self.acceptance[name] = Acceptance(float(acc), float(tested))
+                        self.acceptance[name] = Acceptance([float(x) for x in acc], [float(x) for x in tested])
             except (OSError, ValueError, TypeError, AttributeError):
                 pass  # an unreadable cache is only a missed head start: measure again
 
@@ -166,11 +199,16 @@ class KPolicy:
         return self.acceptance.setdefault(akey, Acceptance()).a
 
     def choose(self, akey: str, k_max: int) -> int:
-        a = self.estimate(akey)
-        k = best_k(self.costs, a, k_max)
+        rates = self.acceptance.setdefault(akey, Acceptance()).rates(k_max)
+        k = best_k(self.costs, rates, k_max)
         if k > 0 or k_max == 0:
             self.plain_steps = 0
+            self.draft_steps += 1
+            if self.draft_steps >= REFRESH_EVERY and self.costs.known:
+                self.draft_steps = 0
+                return 0
             return k
+        self.draft_steps = 0
         # k = 0 wins: now and then draft one token anyway, so a stays fresh. A probe step costs
         # about t_d + t_v(2) - t_v(1) extra; spacing probes by that over EXPLORE_BUDGET * t_v(1)
         # keeps their overhead near EXPLORE_BUDGET of plain decoding.
@@ -190,8 +228,7 @@ class KPolicy:
         """One finished step: k drafts, ``accepted`` of them kept, its timings. A draft forward that
         caught up on many missed tokens (after k = 0 steps) is not a typical drafted token: skip it."""
         if k > 0:
-            tested = accepted + (1 if accepted < k else 0)
-            self.acceptance.setdefault(akey, Acceptance()).add(accepted, tested)
+            self.acceptance.setdefault(akey, Acceptance()).add(accepted, k)
             if draft_catch_up <= 2:
                 self.costs.add_draft(draft_seconds / k)
         self.costs.add_verify(k + 1, verify_seconds)
@@ -202,12 +239,14 @@ class KPolicy:
     def describe(self, akey: str | None = None, k_max: int = 8) -> dict[str, Any]:
         out = self.costs.describe(k_max + 1)
         if akey is not None:
-            a = self.estimate(akey)
-            out["acceptance_estimate"] = a
-            out["best_k"] = best_k(self.costs, a, k_max) if self.costs.known else None
+            acc = self.acceptance.setdefault(akey, Acceptance())
+            rates = acc.rates(k_max)
+            out["acceptance_estimate"] = acc.a
+            out["acceptance_by_position"] = rates
+            out["best_k"] = best_k(self.costs, rates, k_max) if self.costs.known else None
             if self.costs.known:
                 base = 1 / self.costs.t_v(1)
-                out["predicted_speedup_by_k"] = {str(k): tokens_per_second(self.costs, a, k) / base
+                out["predicted_speedup_by_k"] = {str(k): tokens_per_second(self.costs, rates, k) / base
                                                  for k in range(k_max + 1)}
         return out
 

@@ -19,6 +19,7 @@ class SpecStats:
     num_drafts: int = 0  # steps that drafted at least one token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_rejections: int = 0  # drafting steps that ended in a rejection (tested one draft more than kept)
     acceptance_histogram: list[int] = field(default_factory=list)  # [j]: drafts with j accepted
     position_drafted: list[int] = field(default_factory=list)  # [i]: drafts that reached position i
     position_accepted: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
@@ -62,6 +63,7 @@ class SpecStats:
         self.num_drafts += 1
         self.num_draft_tokens += k
         self.num_accepted_tokens += m
+        self.num_rejections += m < k
         _grow(self.acceptance_histogram, k + 1)
         _grow(self.position_drafted, k)
         _grow(self.position_accepted, k)
@@ -74,7 +76,7 @@ class SpecStats:
     def merge(self, other: SpecStats) -> None:
         """Add another run's counters (for totals over prompts or chat turns)."""
         for name in ("prompt_tokens", "prefill_tokens", "reused_prefix_tokens", "num_output_tokens", "num_steps", "num_drafts", "num_draft_tokens",
-                     "num_accepted_tokens", "verifier_forward_passes", "draft_forward_passes",
+                     "num_accepted_tokens", "num_rejections", "verifier_forward_passes", "draft_forward_passes",
                      "prefill_seconds", "draft_seconds", "verify_seconds", "total_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("realized_kl", "realized_tv", "verifier_loglik"):
@@ -108,8 +110,7 @@ class SpecStats:
     def per_token_acceptance(self) -> float | None:
         """Per-token acceptance `a` of the i.i.d. model (ALGORITHM.md section 4): accepted tokens
         over tokens the rule tested (a step tests tokens up to and including its first rejection)."""
-        rejections = sum(self.acceptance_histogram[:-1])
-        tested = self.num_accepted_tokens + rejections
+        tested = self.num_accepted_tokens + self.num_rejections  # (k varies: not the histogram's last bucket)
         return self.num_accepted_tokens / tested if tested else None
 
     @property

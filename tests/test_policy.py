@@ -85,6 +85,20 @@ def test_acceptance_estimate_follows_recent_steps():
     assert acc.a > 0.9
 
 
+def test_acceptance_per_position_sees_runs():
+    # half the steps reject the first draft, the other half accept all four: the pooled rate is
+    # 4/5, but once the first draft is accepted the rest always are
+    acc = Acceptance()
+    for _ in range(50):
+        acc.add(0, 4)
+        acc.add(4, 4)
+    r = acc.rates(6)
+    assert r[0] == pytest.approx(0.5, abs=0.05) and min(r[1:4]) > 0.9
+    assert r[4] == pytest.approx(r[3], abs=0.05)  # an untested position leans on the one before it
+    assert expected_tokens(r, 4) == pytest.approx(3.0, abs=0.1)  # the truth: 1 + 0.5 * 4
+    assert expected_tokens(acc.a, 4) > 3.3  # the i.i.d. model with the pooled rate gets it wrong
+
+
 def test_plain_decoding_still_probes_k1_now_and_then():
     steep = cost_model({1: 0.1, 2: 0.2, 5: 0.5}, draft=0.05)
     policy = KPolicy()
@@ -94,6 +108,18 @@ def test_plain_decoding_still_probes_k1_now_and_then():
     assert 1 in picks  # but acceptance keeps being measured
     # the probes are spaced so they cost about EXPLORE_BUDGET of plain decoding
     assert picks.count(1) <= 400 * 0.03 * 0.1 / (0.05 + 0.2 - 0.1) + 1
+
+
+def test_drafting_still_takes_a_plain_step_now_and_then():
+    flat = cost_model({1: 0.1, 9: 0.1}, draft=0.01)
+    policy = KPolicy()
+    policy.costs = flat
+    for _ in range(100):
+        policy.observe("greedy", 8, 8, 0.08, 0.1)  # every draft accepted
+    policy.costs = flat
+    picks = [policy.choose("greedy", 8) for _ in range(400)]
+    assert 0 < picks.count(0) <= 400 // 64  # t_v(1) is re-measured, at ~1.5% of the steps
+    assert picks.count(8) == 400 - picks.count(0)
 
 
 def test_cache_round_trip(tmp_path):
@@ -106,6 +132,7 @@ def test_cache_round_trip(tmp_path):
     assert again.costs.known and again.costs.source == "cache"
     assert again.costs.t_v(4) == pytest.approx(0.2) and again.costs.t_d() == pytest.approx(0.1)
     assert again.estimate("greedy") == pytest.approx(policy.estimate("greedy"))
+    assert again.acceptance["greedy"].rates(3) == pytest.approx(policy.acceptance["greedy"].rates(3))
     path.write_text("{not json")
     assert not KPolicy(path).costs.known  # a broken cache is ignored, not fatal
 
