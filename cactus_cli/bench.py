@@ -72,6 +72,11 @@ def build_grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_
             raise ConfigError(f"-k: each value must be an integer in 1..64 or auto, got {k}")
     if not 1 <= k_max <= 64:
         raise ConfigError(f"--max-draft-tokens must be an integer in 1..64, got {k_max}")
+    from cactus_cli.config import check_value
+
+    for d in deltas:
+        if problem := check_value("delta", d):
+            raise ConfigError(f"--delta: each value {problem}")
     grid = [BenchConfig("autoregressive")]
     for rule in rules:
         if rule not in RULES:
@@ -259,13 +264,11 @@ CSV_COLUMNS = ["config", "kind", "rule", "k", "prompts", "num_output_tokens", "t
                "mean_verifier_loglik", "rule_params", "acceptance_histogram", "k_histogram", "per_position_acceptance_rate"]
 
 
-def write_csv(doc: dict[str, Any], path) -> None:
-    """One row per configuration; lists and mappings as JSON text. Atomic."""
+def csv_text(doc: dict[str, Any]) -> str:
+    """One row per configuration; lists and mappings as JSON text."""
     import csv
     import io
     import json
-
-    from cactus_cli.fileio import atomic_write
 
     def cell(v):
         return json.dumps(v) if isinstance(v, (dict, list)) else ("" if v is None else v)
@@ -275,4 +278,4 @@ def write_csv(doc: dict[str, Any], path) -> None:
     w.writerow(CSV_COLUMNS)
     for row in doc["results"]:
         w.writerow([cell(row.get(c)) for c in CSV_COLUMNS])
-    atomic_write(path, buf.getvalue())
+    return buf.getvalue()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from cactus_cli.bench import BenchConfig, ConfigResult, run_speculative
-from cactus_cli.config import Settings, builtin_profile_dir, find_profile, list_profiles, user_profile_dir
+from cactus_cli.config import Settings, builtin_profile_dir, find_profile, list_profiles, load_profile, user_profile_dir
 from cactus_cli.errors import ConfigError
 from cactus_cli.policy import CostModel, tokens_per_second
 
@@ -31,7 +31,6 @@ DEFAULT_KS = tuple(range(1, 13))
 DEFAULT_MAX_DIVERGENCE = 0.05
 KEEP_K = 3  # how many k the cost model lets through to be timed
 SWEEP_K = 4  # the delta sweep's k when the profile's k is auto
-MAX_DELTA = 1e6  # a budget of 1e6 nats already accepts everything; larger values only overflow float32
 
 
 def measured_speedup(costs: CostModel, a: float, k: int) -> float:
@@ -95,13 +94,13 @@ def choose_delta(rows: list[dict[str, Any]], max_divergence: float, max_quality_
 
 def validate(settings: Settings, deltas: list[float], ks: list[int]) -> None:
     """Everything a calibration checks, before any model loads."""
-    import math
+    from cactus_cli.config import check_value
 
     if settings.rule not in ("cactus", "cactus-exact"):
         raise ConfigError(f"calibrate tunes delta: use --rule cactus or cactus-exact (got {settings.rule!r})")
     for d in deltas:
-        if not (math.isfinite(d) and 0 <= d <= MAX_DELTA):
-            raise ConfigError(f"--delta: each value must be a number in 0..{MAX_DELTA:g}, got {d!r}")
+        if problem := check_value("delta", d):
+            raise ConfigError(f"--delta: each value {problem}")
     for k in ks:
         if not 1 <= k <= 64:
             raise ConfigError(f"-k: each value must be an integer in 1..64, got {k}")
@@ -221,20 +220,33 @@ def save_target(name_or_path: str) -> Path:
     return path
 
 
+def check_save_target(target: Path) -> None:
+    """Before the run: the user profile folder is created when missing (saving there is what
+    --save NAME asks for); any other path must be a writable file in an existing folder."""
+    from cactus_cli.fileio import check_output_file
+
+    if target.parent == user_profile_dir():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"--save: cannot create the profile folder {target.parent} ({err.strerror or err})") from None
+    check_output_file(target, "--save")
+    if target.is_file():
+        load_profile(str(target))  # its other keys are kept: it must be a valid profile
+
+
 def save_profile(target: Path, base_profile: str | None, settings: Settings, doc: dict[str, Any]) -> Path:
     """Write the chosen delta and k and a calibration block, keeping every other key of the
     target (or, for a new file, of the profile the run used). Atomic: temp file + rename."""
     import yaml
 
-    from cactus_cli.fileio import atomic_write
+    from cactus_cli.fileio import write_or_fail
 
     data: dict[str, Any] = {}
     source = target if target.is_file() else find_profile(base_profile or "default") if (
         base_profile or any(n == "default" for n, _, _ in list_profiles())) else None
     if source is not None:
-        loaded = yaml.safe_load(source.read_text(encoding="utf-8")) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"--save: {source} is not a profile mapping; not overwriting it")
+        loaded, _ = load_profile(str(source))  # a broken file is an error naming it, never overwritten
         data.update(loaded)
     # what this calibration ran with: the pair and the sampling it is valid for. A description
     # written for another pair would now be wrong: replace it.
@@ -269,4 +281,4 @@ def save_profile(target: Path, base_profile: str | None, settings: Settings, doc
         "top_p": settings.top_p,
     }
     text = "# written by `cactus calibrate`; other keys kept as they were\n" + yaml.safe_dump(data, sort_keys=False)
-    return atomic_write(target, text)
+    return write_or_fail(target, text, "--save")

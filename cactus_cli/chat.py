@@ -16,7 +16,8 @@ from cactus_cli.stats import SpecStats
 HELP = """commands:
   /help               this list
   /stats              session totals (vLLM metric names) and prefill tokens saved by cache reuse
-  /set KEY=VALUE      change rule, delta, k, temperature, top_p, top_k or max_tokens from the next turn
+  /set KEY=VALUE      change rule, delta, k (a number or auto), max_draft_tokens, temperature, top_p,
+                      top_k or max_tokens from the next turn
   /set                show those settings
   /reset              forget the conversation (and the caches)
   /save PATH          save the transcript: .json, or Markdown for any other suffix
@@ -25,6 +26,7 @@ HELP = """commands:
 multi-line input: end a line with \\ to continue, or wrap a block in triple quotes \"\"\""""
 
 SETTABLE = {"rule": "rule", "delta": "delta", "k": "num_draft_tokens", "num_draft_tokens": "num_draft_tokens",
+            "max_draft_tokens": "max_draft_tokens",
             "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_tokens": "max_tokens"}
 MODEL_KEYS = ("verifier", "draft", "tokenizer", "device", "dtype")
 
@@ -156,9 +158,13 @@ class ChatSession:
         problem = check_value(field_name, value)
         if problem:
             raise ConfigError(f"/set {key}: {problem}")
-        if field_name == "num_draft_tokens" and self.settings.draft is None:
-            raise ConfigError("/set k: there is no draft model in this session")
+        if field_name in ("num_draft_tokens", "max_draft_tokens") and self.settings.draft is None:
+            raise ConfigError(f"/set {key}: there is no draft model in this session")
+        from cactus_cli.acceptance import RULES
+
         trial = Settings(**{**self.settings.to_dict(), field_name: value})
+        if field_name == "delta" and "delta" not in RULES[trial.rule].param_names():
+            raise ConfigError(f"/set delta: has no effect with rule {trial.rule!r}; /set rule=cactus or cactus-exact first")
         trial.rule_kwargs()  # the rule and its parameters must still agree
         self.settings = trial
         self.out.info(f"{key} = {value} (from the next turn)")
@@ -174,6 +180,10 @@ class ChatSession:
         if not arg:
             raise ConfigError("/save needs a path, e.g. /save chat.md or /save chat.json")
         path = Path(arg).expanduser()
+        if path.is_dir():
+            raise ConfigError(f"/save {arg}: is a directory; give a file path")
+        if not path.parent.is_dir():
+            raise ConfigError(f"/save {arg}: folder {path.parent} does not exist")
         doc = {"settings": self.settings.to_dict(), "turns": [t.__dict__ for t in self.turns],
                "stats": self.totals.to_dict()}
         if path.suffix.lower() == ".json":
@@ -222,25 +232,47 @@ def read_turns(interactive: bool, prompt: str = "you> ", history_file: Path | No
         def get(p: str) -> str:
             return input(p)
     else:
+        from cactus_cli.fileio import decode_input
+
+        stream = getattr(sys.stdin, "buffer", None)
+
         def get(p: str) -> str:
-            line = sys.stdin.readline()
-            if not line:
+            raw = stream.readline() if stream is not None else sys.stdin.readline().encode()
+            if not raw:
                 raise EOFError
-            return line.rstrip("\n")
+            return decode_input(raw, "a chat line").rstrip("\r\n")
+
+    def read(p: str) -> str:
+        while True:
+            try:
+                return get(p)
+            except UnicodeDecodeError:  # a terminal in another encoding: say so, keep the session
+                print("warning: that line was not valid UTF-8; type it again", file=sys.stderr)
 
     try:
         while True:
-            line = get(prompt)
+            try:
+                line = read(prompt)
+            except EOFError:
+                return
+            # a block or a continued line cut off by the end of input is still a turn: never drop it
             if line.strip() == '"""':
-                block = []
-                while (nxt := get("... ")).strip() != '"""':
-                    block.append(nxt)
+                block: list[str] = []
+                try:
+                    while (nxt := read("... ")).strip() != '"""':
+                        block.append(nxt)
+                except EOFError:
+                    if block:
+                        yield "\n".join(block)
+                    return
                 line = "\n".join(block)
             while line.endswith("\\"):
-                line = line[:-1] + "\n" + get("... ")
+                try:
+                    line = line[:-1] + "\n" + read("... ")
+                except EOFError:
+                    yield line[:-1]
+                    return
             yield line
-    except EOFError:
-        return
     finally:
         if interactive and history_file is not None:
             try:

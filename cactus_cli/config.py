@@ -17,6 +17,9 @@ from typing import Any
 from cactus_cli.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
+MAX_DELTA = 1e6  # nats; any budget this large already accepts every draft, and larger ones overflow float32
+MIN_TEMPERATURE = 1e-3  # below this, logits / T overflows to inf and probabilities to NaN: use 0 (greedy)
+MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; bench adds the prompt index
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 RULE_PARAM_KEYS = ("divergence", "epsilon", "alpha", "topk")  # rule parameters other than delta
 
@@ -106,22 +109,24 @@ def check_value(key: str, value: Any) -> str | None:
         return f"must be {_type_name(types)}, got {value!r}"
     if value is None:
         return None
-    if key == "delta" and not (math.isfinite(value) and value >= 0):
-        return f"must be a finite number >= 0, got {value!r}"
+    if key == "delta" and not (math.isfinite(value) and 0 <= value <= MAX_DELTA):
+        return f"must be a number in 0..{MAX_DELTA:g}, got {value!r}"
     if key == "num_draft_tokens" and (value != "auto" if isinstance(value, str) else not 1 <= value <= 64):
         return f"must be an integer in 1..64 or auto, got {value!r}"
     if key == "max_draft_tokens" and not 1 <= value <= 64:
         return f"must be an integer in 1..64, got {value!r}"
-    if key == "temperature" and not (math.isfinite(value) and value >= 0):
-        return f"must be a number >= 0 (0 = greedy), got {value!r}"
+    if key == "temperature" and not (math.isfinite(value) and (value == 0 or MIN_TEMPERATURE <= value <= 1e4)):
+        return f"must be 0 (greedy) or a number in {MIN_TEMPERATURE:g}..1e4, got {value!r}"
+    if key == "seed" and not 0 <= value <= MAX_SEED:
+        return f"must be an integer in 0..2^63-1, got {value!r}"
     if key == "top_k" and value < 0:
         return f"must be an integer >= 0 (0 = off), got {value!r}"
     if key == "top_p" and not 0 < value <= 1:
         return f"must be a number in (0, 1], got {value!r}"
     if key == "max_tokens" and value < 1:
         return f"must be an integer >= 1, got {value!r}"
-    if key == "device" and value not in DEVICES and not value.startswith("cuda:"):
-        return f"must be one of {', '.join(DEVICES)} or cuda:N, got {value!r}"
+    if key == "device" and value not in DEVICES and not (value.startswith("cuda:") and value[5:].isdigit()):
+        return f"must be one of {', '.join(DEVICES)} or cuda:N (N a GPU index), got {value!r}"
     if key == "dtype" and value not in DTYPES:
         return f"must be one of {', '.join(DTYPES)}, got {value!r}"
     if key == "rule":
@@ -138,6 +143,9 @@ def check_value(key: str, value: Any) -> str | None:
     return None
 
 
+FLAG_NAMES = {"rule_params": "--param", "num_draft_tokens": "-k/--num-draft-tokens"}
+
+
 def check_layer(layer: dict[str, Any], origin: str, lines: dict[str, int] | None = None) -> None:
     """Every key known, every value valid; errors name the origin (and the line, for a file)
     and the key (or flag)."""
@@ -145,7 +153,7 @@ def check_layer(layer: dict[str, Any], origin: str, lines: dict[str, int] | None
         if value is ...:
             continue
         where = f"{origin}:{lines.get(key, '?')}" if lines is not None else origin
-        name = "--" + key.replace("_", "-") if origin == "command line" else key
+        name = FLAG_NAMES.get(key, "--" + key.replace("_", "-")) if origin == "command line" else key
         if key not in _TYPES:
             raise ConfigError(f"{where}: unknown key {key!r} (known keys: {', '.join(_TYPES)})")
         problem = check_value(key, value)
@@ -205,6 +213,8 @@ def list_profiles() -> list[tuple[str, Path, str]]:
 
 def find_profile(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"profile {name_or_path} is a directory; give a profile name or a .yaml file")
     if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
         if not path.is_file():
             raise ConfigError(f"profile file {name_or_path} does not exist")
@@ -222,8 +232,13 @@ def load_profile(name_or_path: str) -> tuple[dict[str, Any], Path]:
     """Read and check a profile file: a mapping of known keys with valid values, nothing else."""
     import yaml
 
+    from cactus_cli.fileio import read_utf8_file
+
     path = find_profile(name_or_path)
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = read_utf8_file(path, "the profile")
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the profile ({err.strerror or err})") from None
     try:
         node = yaml.compose(text)
         data = yaml.safe_load(text)

@@ -18,6 +18,7 @@ import importlib
 import json
 import os
 import shutil
+import struct
 import tempfile
 import time
 from dataclasses import dataclass
@@ -226,8 +227,10 @@ def _convert(gguf: Path, out: Path, rep: Reporter, label: str) -> dict:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
     except ImportError as err:  # gguf / accelerate missing
         raise ModelError(f"cannot read GGUF files: {err}; {DEMO_HINT} (it brings gguf and accelerate)") from None
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
-        raise ModelError(f"could not convert {gguf}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    except (OSError, ValueError, KeyError, RuntimeError, struct.error, EOFError, IndexError, TypeError) as err:
+        # a truncated file with valid magic bytes fails deep inside the reader (struct.error)
+        detail = " ".join(str(err).split())[:300] or type(err).__name__
+        raise ModelError(f"could not convert {gguf}: not a readable GGUF file, truncated or corrupt? ({detail})") from None
     finally:
         if quiet is None:
             os.environ.pop("TQDM_DISABLE", None)

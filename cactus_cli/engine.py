@@ -16,7 +16,7 @@ import torch
 
 from cactus_cli.acceptance import divergences, emitted_distribution, greedy_verify, verify
 from cactus_cli.drafting import CachedLM, DraftModelDrafter, Drafter
-from cactus_cli.errors import ContextLimitError
+from cactus_cli.errors import ContextLimitError, ModelError
 from cactus_cli.events import Piece, StepEvent
 from cactus_cli.models import ModelPair
 from cactus_cli.policy import KPolicy, acceptance_key, cache_path, probe
@@ -250,10 +250,16 @@ class _RunState:
         last = torch.tensor([e.tokens[-1]], device=vdev)
         logits = e.verifier.forward(torch.cat([last, drafts]), keep=k + 1)  # [k+1, V]
         p = q = None
+        if torch.isnan(logits).any():  # never a valid output: an overflow in a low-precision dtype
+            raise ModelError(f"the verifier returned NaN logits (numerical overflow in "
+                             f"{str(e.pair.verifier.dtype).removeprefix('torch.')}?); try --dtype float32")
         if sp.greedy:
             verdict = greedy_verify(drafts.view(1, k), logits.argmax(-1).view(1, k + 1))
         else:
             q = probs_from_logits(logits, sp).unsqueeze(0)  # [1, k+1, V]
+            if not torch.isfinite(q).all():
+                raise ModelError(f"temperature {sp.temperature:g} made the verifier's probabilities non-finite; "
+                                 "use a larger temperature, or 0 for greedy")
             p = proposal.probs.to(vdev).unsqueeze(0) if k else q[:, :0]  # [1, k, V]
             verdict = verify(params.rule, p, q, drafts.view(1, k), generator=self.vgen, **params.rule_kwargs)
         m = int(verdict.num_accepted[0])

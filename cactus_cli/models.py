@@ -193,7 +193,30 @@ def resolve_source(name: str) -> Source:
     looks_like_path = name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1]
     if looks_like_path or name.count("/") > 1:
         raise ModelError(f"model folder {name} does not exist")
+    if not hub_cached(name):
+        # fail at once, naming both readings, instead of retrying the network for a minute
+        first = Path(name.split("/", 1)[0])
+        as_path = (f"no folder {name} (in {first}/: {', '.join(sorted(p.name for p in first.iterdir())[:6]) or 'nothing'})"
+                   if first.is_dir() else f"no folder {name} here")
+        raise ModelError(
+            f"{name!r}: {as_path}, and no Hugging Face model {name} in the local cache; fix the path, or "
+            f"download the model first (`huggingface-cli download {name}`)")
     return Source("hub", name)
+
+
+def hub_cached(repo_id: str) -> bool:
+    """Whether the local Hugging Face cache holds a config or tokenizer of ``repo_id`` (no network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    for filename in ("config.json", "tokenizer_config.json", "tokenizer.json"):
+        try:
+            if isinstance(try_to_load_from_cache(repo_id, filename), str):
+                return True
+        except Exception:  # an invalid repo id: not cached
+            return False
+    return False
 
 
 def materialize(src: Source, reporter=None) -> Source:
@@ -214,7 +237,8 @@ def _from_pretrained(loader, src: Source, what: str, **kwargs):
     try:
         return loader.from_pretrained(location, **kwargs)
     except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        # the whole message on one line (transformers' first line often ends in a colon)
+        first = " ".join(str(err).split())[:400] or type(err).__name__
         if src.kind == "hub":
             offline = os.environ.get("HF_HUB_OFFLINE") == "1"
             hint = (
@@ -254,7 +278,20 @@ def load_model(name: str, src: Source, device: torch.device, dtype: torch.dtype,
     return LoadedModel(model, name, src.location, device, dtype, ctx, width, time.perf_counter() - t0)
 
 
-def check_same_vocab(verifier_tok, draft_tok, verifier: str, draft: str) -> None:
+def _own_tokenizer(src: Source | None):
+    """The tokenizer a model folder ships, or None (a bare converted model, a hub id without one)."""
+    if src is None or src.kind != "folder":
+        return None
+    folder = Path(src.location)
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
+        return None
+    try:
+        return load_tokenizer(src)
+    except ModelError:
+        return None
+
+
+def check_same_vocab(verifier_tok, draft_tok, verifier: str, draft: str, what: str | None = None) -> None:
     """Draft and verifier must map every token string to the same id."""
     v, d = verifier_tok.get_vocab(), draft_tok.get_vocab()
     if v == d:
@@ -264,10 +301,12 @@ def check_same_vocab(verifier_tok, draft_tok, verifier: str, draft: str) -> None
     moved = [t for t in v if t in d and v[t] != d[t]][:3]
     detail = (
         f"{len(v)} vs {len(d)} tokens"
-        + (f"; only in verifier: {only_v}" if only_v else "")
-        + (f"; only in draft: {only_d}" if only_d else "")
+        + (f"; only in {'the model' if what else 'verifier'}: {only_v}" if only_v else "")
+        + (f"; only in {'--tokenizer' if what else 'draft'}: {only_d}" if only_d else "")
         + (f"; different ids for: {moved}" if moved else "")
     )
+    if what is not None:
+        raise ModelError(f"{what} do not share a vocabulary ({detail}); use the tokenizer that belongs to the models")
     raise ModelError(
         f"draft {draft!r} and verifier {verifier!r} do not share a tokenizer ({detail}); "
         "speculative decoding needs one vocabulary: pick a draft from the verifier's model family"
@@ -294,12 +333,19 @@ def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, de
         dsrc = materialize(dsrc, reporter)
         if tsrc is None:
             check_same_vocab(tok, load_tokenizer(dsrc), verifier, draft)
+    if tsrc is not None:  # the shared-vocabulary check holds whatever the tokenizer's source
+        for src, name in ((vsrc, verifier), (dsrc, draft)):
+            own = _own_tokenizer(src)
+            if own is not None:
+                check_same_vocab(own, tok, name, tokenizer, what=f"--tokenizer {tokenizer!r} and model {name!r}")
     dt, why = resolve_dtype(dtype, dev, mlp_shape(vsrc) if dtype == "auto" and dev.type == "cpu" else None)
     vm = load_model(verifier, vsrc, dev, dt, "verifier")
     dm = load_model(draft, dsrc, dev, dt, "draft") if dsrc is not None else None
     vocab = len(tok)
     for lm, role in ((vm, "verifier"), (dm, "draft")):
-        if lm is not None and lm.logits_width < vocab:
+        # padded output rows are a few hundred at most (Qwen2.5: 271); far fewer tokens than rows
+        # means the tokenizer belongs to another model
+        if lm is not None and not (lm.logits_width - max(1024, lm.logits_width // 100) <= vocab <= lm.logits_width):
             raise ModelError(
                 f"{role} {lm.source!r} has {lm.logits_width} output rows but the tokenizer has {vocab} tokens; "
                 "the tokenizer does not belong to this model"

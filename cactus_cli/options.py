@@ -111,6 +111,13 @@ def flags_to_settings(**flags: Any) -> dict[str, Any]:
         out["rule_params"] = parse_params(out["rule_params"]) or ...
     if out.get("stop") == []:
         out["stop"] = ...
+    from cactus_cli.fileio import clean_text
+
+    for key in ("system",):
+        if isinstance(out.get(key), str):
+            out[key] = clean_text(out[key], f"--{key}")
+    if isinstance(out.get("stop"), list):
+        out["stop"] = [clean_text(s, "--stop") for s in out["stop"]]
     if out.get("num_draft_tokens", ...) is not ...:
         out["num_draft_tokens"] = parse_k(out["num_draft_tokens"], "-k/--num-draft-tokens")
     return out

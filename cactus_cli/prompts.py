@@ -16,6 +16,7 @@ class Prompt:
     id: str
     category: str
     prompt: str
+    where: str = ""  # "FILE:LINE" for prompts read from a file, for error messages
 
 
 _BUILTIN = {
@@ -86,11 +87,15 @@ def load_prompts(path: str | None, limit: int | None) -> list[Prompt]:
     if path is None:
         prompts = interleaved(BUILTIN_PROMPTS)
     else:
+        from cactus_cli.fileio import read_utf8_file
+
         file = Path(path).expanduser()
+        if file.is_dir():
+            raise ConfigError(f"--prompts {path}: is a directory; give a JSONL file")
         if not file.is_file():
             raise ConfigError(f"--prompts {path}: no such file")
         prompts = []
-        for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+        for n, line in enumerate(read_utf8_file(file, "the prompts file").splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -99,7 +104,8 @@ def load_prompts(path: str | None, limit: int | None) -> list[Prompt]:
                 raise ConfigError(f"{path}:{n}: not valid JSON ({err.msg})") from None
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
                 raise ConfigError(f"{path}:{n}: each line must be an object with a non-empty string 'prompt'")
-            prompts.append(Prompt(str(row.get("id", f"p{n}")), str(row.get("category", "default")), row["prompt"]))
+            prompts.append(Prompt(str(row.get("id", f"p{n}")), str(row.get("category", "default")), row["prompt"],
+                                  f"{path}:{n}"))
         if not prompts:
             raise ConfigError(f"--prompts {path}: the file has no prompts")
     return prompts[:limit] if limit else prompts

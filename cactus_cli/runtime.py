@@ -68,3 +68,16 @@ def encode(tokenizer: Any, messages: list[dict[str, str]] | str, use_template: b
         return list(ids)
     text = "\n\n".join(m["content"] for m in messages if m["role"] != "system")
     return list(tokenizer(text)["input_ids"])
+
+
+def encode_prompts(engine: SpeculativeEngine, prompts: list, use_template: bool | None) -> list[tuple[Any, list[int]]]:
+    """Encode a prompt set, checking now (before a long run) that each one fits the context."""
+    out = []
+    for p in prompts:
+        ids = encode(engine.pair.tokenizer, p.prompt, use_template)
+        if len(ids) >= engine.context_length:
+            where = f"{p.where}: " if p.where else ""
+            raise ConfigError(f"{where}prompt {p.id!r} is {len(ids)} tokens but the context window is "
+                              f"{engine.context_length}; shorten it")
+        out.append((p, ids))
+    return out

@@ -435,7 +435,6 @@ def plot_calibration_png(doc: dict, path) -> None:
     from pathlib import Path
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp)
     plt.close(fig)

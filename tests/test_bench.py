@@ -107,7 +107,7 @@ def test_ctrl_c_keeps_what_finished(tiny, tmp_path, monkeypatch):
     "args,needle",
     [
         (["--rules", "sps,magic"], "unknown rule 'magic'"),
-        (["--rules", "cactus", "--delta", "0.5,-1"], "'delta' must be a finite number >= 0"),
+        (["--rules", "cactus", "--delta", "0.5,-1"], "--delta: each value must be a number in 0..1e+06"),
         (["-k", "2,0"], "-k: each value must be an integer in 1..64"),
         (["-k", "two"], "-k: expected an integer in 1..64 or auto"),
         (["--limit", "0"], "--limit must be >= 1"),

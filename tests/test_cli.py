@@ -120,7 +120,7 @@ def test_user_profile_by_name(tiny, isolated_home):
     "extra,needle",
     [
         (["--profile", "nope"], "unknown profile 'nope'"),
-        (["--delta", "-1"], "--delta must be a finite number >= 0"),
+        (["--delta", "-1"], "--delta must be a number in 0..1e+06"),
         (["-k", "0"], "--num-draft-tokens must be an integer in 1..64"),
         (["--rule", "magic"], "--rule must be one of sps, cactus"),
         (["--rule", "sps", "--delta", "0.5"], "--delta has no effect with rule 'sps'"),

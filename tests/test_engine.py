@@ -203,5 +203,5 @@ def test_mismatched_vocabularies_are_refused(tiny):
 def test_missing_models_are_clear_errors(tmp_path):
     with pytest.raises(ModelError, match="does not exist"):
         load_pair(str(tmp_path / "nope"), None, None, "cpu", "float32")
-    with pytest.raises(ModelError, match="HF_HUB_OFFLINE=1"):
+    with pytest.raises(ModelError, match="no Hugging Face model someone/some-model-that-is-not-cached in the local cache"):
         load_pair("someone/some-model-that-is-not-cached", None, None, "cpu", "float32")

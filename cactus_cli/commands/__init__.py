@@ -17,7 +17,9 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except CactusError as err:
-        typer.echo(f"error: {err}", err=True)
+        # a path given as undecodable bytes comes back as surrogates: print them as U+FFFD
+        message = str(err).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        typer.echo(f"error: {message}", err=True)
         raise typer.Exit(err.exit_code) from None
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)

@@ -47,14 +47,20 @@ def bench(
         prompts = load_prompts(str(prompts_file) if prompts_file else None, limit)
         if settings.seed is None:
             settings.seed = 0  # a benchmark is reproducible by default
+        # a 30-minute run must not die at the end on a path it could have checked now
+        from cactus_cli.fileio import check_output_dir, check_output_file, write_or_fail
+
+        if out_dir is not None:
+            out_dir = check_output_dir(out_dir, "--out")
+        if csv_path is not None:
+            csv_path = check_output_file(csv_path, "--csv")
 
         from cactus_cli import runtime, ui
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         with ui.LoadProgress(err) as progress:
             engine = runtime.load_engine(settings, progress, k_list)
-        tok = engine.pair.tokenizer
-        encoded = [(p, runtime.encode(tok, p.prompt, settings.chat_template)) for p in prompts]
+        encoded = runtime.encode_prompts(engine, prompts, settings.chat_template)
         base = runtime.generation_params(settings)
         base.measure = meter
 
@@ -73,21 +79,19 @@ def bench(
         doc = b.document(results, env, settings.to_dict(), prompts, interrupted,
                          engine.policy.describe(None, settings.max_draft_tokens))
 
-        if out_dir:
-            from cactus_cli.fileio import atomic_write
-
-            atomic_write(out_dir / "bench.json", json.dumps(doc, indent=2))
-            atomic_write(out_dir / "environment.json", json.dumps(env, indent=2))
-            b.write_csv(doc, out_dir / "bench.csv")
-        if csv_path:
-            b.write_csv(doc, csv_path)
+        # print first, then write: a failed write must not lose the results
         if as_json:
             typer.echo(json.dumps(doc, indent=2))
         else:
             console = ui.make_console(no_color=shared.no_color)
             ui.print_bench(console, doc)
         if out_dir:
+            write_or_fail(out_dir / "bench.json", json.dumps(doc, indent=2), "--out")
+            write_or_fail(out_dir / "environment.json", json.dumps(env, indent=2), "--out")
+            write_or_fail(out_dir / "bench.csv", b.csv_text(doc), "--out")
             err.print(f"wrote {out_dir}/bench.json, bench.csv, environment.json", style="dim")
+        if csv_path:
+            write_or_fail(csv_path, b.csv_text(doc), "--csv")
         if interrupted:
             err.print("interrupted: the results above cover what finished", style="yellow")
             raise typer.Exit(130)

@@ -51,6 +51,12 @@ def calibrate(
         target = cal_mod.save_target(save) if save else None
         if plot is not None and plot.suffix.lower() != ".png":
             raise ConfigError(f"--plot {plot}: give a .png path")
+        from cactus_cli.fileio import check_output_file
+
+        if plot is not None:
+            plot = check_output_file(plot, "--plot")
+        if target is not None:
+            cal_mod.check_save_target(target)
         if plot is not None:
             try:
                 import matplotlib  # noqa: F401
@@ -67,7 +73,7 @@ def calibrate(
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         with ui.LoadProgress(err) as progress:
             engine = runtime.load_engine(settings, progress, ["auto"])
-        encoded = [(p, runtime.encode(engine.pair.tokenizer, p.prompt, settings.chat_template)) for p in prompts]
+        encoded = runtime.encode_prompts(engine, prompts, settings.chat_template)
         base = runtime.generation_params(settings)
         runs = (len(set(delta_list) | {0.0}) + 2 + min(cal_mod.KEEP_K + 1, len(set(k_list)))) * len(prompts)
         with ui.bench_progress(err, runs) as advance:
@@ -77,19 +83,24 @@ def calibrate(
         env = b.environment(engine, settings.to_dict())
         doc = cal_mod.document(cal, settings, prompts, budget, max_quality_drop, env)
 
-        if plot is not None:
-            ui.plot_calibration_png(doc, plot)
+        # print first, then write: a failed write must not lose a finished calibration
         if target is not None:
-            path = cal_mod.save_profile(target, shared.profile, settings, doc)
-            doc["saved_profile"] = str(path)
+            doc["saved_profile"] = str(target)
         if as_json:
             typer.echo(json.dumps(doc, indent=2))
         else:
             ui.print_calibration(ui.make_console(no_color=shared.no_color), doc)
-            if plot is not None:
+        if plot is not None:
+            try:
+                ui.plot_calibration_png(doc, plot)
+            except OSError as e:
+                raise ConfigError(f"--plot: could not write {plot} ({e.strerror or e})") from None
+            if not as_json:
                 err.print(f"wrote {plot}", style="dim")
-            if target is not None:
-                err.print(f"saved delta={cal.chosen_delta:g} k={cal.chosen_k} to {doc['saved_profile']}", style="dim")
+        if target is not None:
+            cal_mod.save_profile(target, shared.profile, settings, doc)
+            if not as_json:
+                err.print(f"saved delta={cal.chosen_delta:g} k={cal.chosen_k} to {target}", style="dim")
 
 
 def register(app: typer.Typer) -> None:

@@ -31,6 +31,10 @@ def chat(*, shared: o.Shared) -> None:
         from cactus_cli.embedded import cache_dir
 
         runtime.fill_seed(settings)
+        if sys.stdin is None or sys.stdin.closed:
+            from cactus_cli.errors import ConfigError
+
+            raise ConfigError("chat: stdin is closed; run it on a terminal or pipe the turns in")
         interactive = sys.stdin.isatty()
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         out = ui.ChatOutput(ui.make_console(no_color=shared.no_color), err, live=interactive)

@@ -30,10 +30,19 @@ def generate(
         from cactus_cli.config import resolve_settings
         from cactus_cli.errors import ConfigError
 
+        from cactus_cli.fileio import clean_text, decode_input
+
         settings = resolve_settings(shared.profile, shared.flags)
         o.check_flags_apply(settings, shared.flags)
         if prompt == "-":
-            prompt = sys.stdin.read()
+            if sys.stdin is None or sys.stdin.closed:
+                raise ConfigError("generate -: stdin is closed; pipe the prompt in, or pass it as an argument")
+            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+            prompt = decode_input(data, "stdin")
+            if not prompt.strip():
+                raise ConfigError("generate -: stdin was empty; pipe the prompt in (echo 'hi' | cactus generate -) "
+                                  "or pass it as an argument")
+        prompt = clean_text(prompt, "the prompt")
         if not prompt.strip():
             raise ConfigError("the prompt is empty; pass some text, or - to read it from stdin")
 
@@ -57,17 +66,26 @@ def generate(
         else:
             view = ui.PlainView()
         text = []
-        with view:
-            for event in engine.generate(ids, params):
-                text.append(event.text)
-                view.update(event)
+        interrupted = False
+        try:
+            with view:
+                for event in engine.generate(ids, params):
+                    text.append(event.text)
+                    view.update(event)
+        except KeyboardInterrupt:
+            if not as_json:
+                raise  # the live view and plain text already show what was generated
+            interrupted = True
         if as_json:
-            doc = {"text": "".join(text), "settings": settings.to_dict(), "stats": view.stats.to_dict()}
+            doc = {"text": "".join(text), "interrupted": interrupted, "settings": settings.to_dict(),
+                   "stats": view.stats.to_dict()}
             doc["settings"]["dtype_resolved"] = str(engine.pair.verifier.dtype).removeprefix("torch.")
             doc["settings"]["device_resolved"] = str(engine.pair.verifier.device)
             doc["settings"]["dtype_reason"] = engine.pair.dtype_reason
             doc["cost_model"] = engine.cost_summary(params)
             typer.echo(json.dumps(doc, indent=2))
+            if interrupted:
+                raise typer.Exit(130)
 
 
 def register(app: typer.Typer) -> None:

@@ -27,14 +27,26 @@ def list_cmd() -> None:
         table.add_column("verifier / draft", overflow="fold")
         for col in ("rule", "delta", "k"):
             table.add_column(col, no_wrap=True)
+        from cactus_cli.errors import CactusError
+
+        bad = []
         for name, path, origin in list_profiles():
-            data, _ = load_profile(str(path))
+            try:
+                data, _ = load_profile(str(path))
+            except CactusError as err:  # one broken file must not hide the others
+                bad.append(str(err))
+                table.add_row(name, origin, "[red]invalid: see below[/]", "-", "-", "-")
+                continue
             models = f"{data.get('verifier', '-')}\n{data.get('draft', '-')}"
             table.add_row(name, origin, models, str(data.get("rule", "-")), str(data.get("delta", "-")),
                           str(data.get("num_draft_tokens", "-")))
         console = make_console()
         console.print(table)
         console.print(f"user profiles: {user_profile_dir()}", style="dim")
+        for problem in bad:
+            from rich.text import Text
+
+            make_console(stderr=True).print(Text.assemble(("invalid profile: ", "red"), problem))
 
 
 @profiles_app.command("show")
