@@ -133,29 +133,52 @@ class ConfigResult:
             "mean_verifier_loglik": s.mean_verifier_loglik,
         }
 
+    def add(self, prompt: Prompt, s: SpecStats) -> None:
+        self.stats.merge(s)
+        self.by_category.setdefault(prompt.category, SpecStats()).merge(s)
+        self.prompts_done += 1
+
+
+def run_one(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int], base: GenerationParams) -> SpecStats:
+    """One configuration on prompt ``i`` (seed = base seed + i, so every configuration sees the
+    same seeds)."""
+    if cfg.kind == "hf-assisted":
+        return _one_hf(engine, cfg, i, ids, base)
+    params = GenerationParams(sampling=base.sampling, rule=cfg.rule or "sps", rule_kwargs=cfg.rule_kwargs,
+                              num_draft_tokens=cfg.k, adaptive_k=cfg.adaptive, max_tokens=base.max_tokens,
+                              stop=base.stop, seed=base.seed + i, measure=base.measure)
+    s = SpecStats()
+    for ev in engine.generate(ids, params):
+        s.update(ev)
+    return s
+
 
 def run_speculative(engine: SpeculativeEngine, cfg: BenchConfig, prompts: list[tuple[Prompt, list[int]]],
                     base: GenerationParams, on_prompt: Callable[[], None], sink: list[ConfigResult]) -> None:
     """Run one configuration over every prompt. The result goes into ``sink`` before the first
     prompt, so an interrupted run keeps the prompts that finished."""
-    total, by_cat = SpecStats(), {}
-    result = ConfigResult(cfg, total, by_cat, 0)
+    result = ConfigResult(cfg, SpecStats(), {}, 0)
     sink.append(result)
     for i, (prompt, ids) in enumerate(prompts):
-        params = GenerationParams(sampling=base.sampling, rule=cfg.rule or "sps", rule_kwargs=cfg.rule_kwargs,
-                                  num_draft_tokens=cfg.k, adaptive_k=cfg.adaptive, max_tokens=base.max_tokens, stop=base.stop,
-                                  seed=base.seed + i, measure=base.measure)
-        s = SpecStats()
-        for ev in engine.generate(ids, params):
-            s.update(ev)
-        total.merge(s)
-        by_cat.setdefault(prompt.category, SpecStats()).merge(s)
-        result.prompts_done += 1
+        result.add(prompt, run_one(engine, cfg, i, ids, base))
         on_prompt()
 
 
-def run_hf(engine: SpeculativeEngine, cfg: BenchConfig, prompts: list[tuple[Prompt, list[int]]],
-           base: GenerationParams, on_prompt: Callable[[], None], sink: list[ConfigResult]) -> None:
+def run_grid(engine: SpeculativeEngine, grid: list[BenchConfig], prompts: list[tuple[Prompt, list[int]]],
+             base: GenerationParams, on_run: Callable[[BenchConfig], None], sink: list[ConfigResult]) -> None:
+    """Every configuration on every prompt, prompt by prompt (all configurations on prompt 1, then
+    prompt 2, ...): a machine that speeds up or slows down during a long run (another tenant,
+    heat) then moves every row alike instead of favouring whichever ran in its fast minutes.
+    Results go into ``sink`` first, so an interrupted run keeps what finished."""
+    results = [ConfigResult(cfg, SpecStats(), {}, 0) for cfg in grid]
+    sink.extend(results)
+    for i, (prompt, ids) in enumerate(prompts):
+        for result in results:
+            result.add(prompt, run_one(engine, result.config, i, ids, base))
+            on_run(result.config)
+
+
+def _one_hf(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int], base: GenerationParams) -> SpecStats:
     """transformers' assisted generation, like for like: a constant k draft tokens per step."""
     pair = engine.pair
     if pair.draft is None:
@@ -166,31 +189,23 @@ def run_hf(engine: SpeculativeEngine, cfg: BenchConfig, prompts: list[tuple[Prom
     gc.num_assistant_tokens_schedule = "constant"
     gc.assistant_confidence_threshold = 0.0
     sp = base.sampling
-    total, by_cat = SpecStats(), {}
-    result = ConfigResult(cfg, total, by_cat, 0)
-    sink.append(result)
     dev = pair.verifier.device
-    for i, (prompt, ids) in enumerate(prompts):
-        torch.manual_seed(base.seed + i)
-        x = torch.tensor([ids], device=dev)
-        kwargs: dict[str, Any] = dict(max_new_tokens=base.max_tokens, assistant_model=assistant,
-                                      attention_mask=torch.ones_like(x), pad_token_id=pair.tokenizer.pad_token_id
-                                      or pair.tokenizer.eos_token_id)
-        if sp.greedy:
-            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-        else:
-            kwargs.update(do_sample=True, temperature=sp.temperature, top_k=sp.top_k or None, top_p=sp.top_p)
-        sync(dev)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = pair.verifier.model.generate(x, **kwargs)
-        sync(dev)
-        s = SpecStats(prompt_tokens=len(ids), num_output_tokens=int(out.shape[1] - len(ids)),
-                      total_seconds=time.perf_counter() - t0)
-        total.merge(s)
-        by_cat.setdefault(prompt.category, SpecStats()).merge(s)
-        result.prompts_done += 1
-        on_prompt()
+    torch.manual_seed(base.seed + i)
+    x = torch.tensor([ids], device=dev)
+    kwargs: dict[str, Any] = dict(max_new_tokens=base.max_tokens, assistant_model=assistant,
+                                  attention_mask=torch.ones_like(x), pad_token_id=pair.tokenizer.pad_token_id
+                                  or pair.tokenizer.eos_token_id)
+    if sp.greedy:
+        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+    else:
+        kwargs.update(do_sample=True, temperature=sp.temperature, top_k=sp.top_k or None, top_p=sp.top_p)
+    sync(dev)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = pair.verifier.model.generate(x, **kwargs)
+    sync(dev)
+    return SpecStats(prompt_tokens=len(ids), num_output_tokens=int(out.shape[1] - len(ids)),
+                     total_seconds=time.perf_counter() - t0)
 
 
 def warm_up(engine: SpeculativeEngine, ids: list[int], base: GenerationParams, k: int) -> None:

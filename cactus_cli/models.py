@@ -157,7 +157,7 @@ def mlp_shape(src: "Source") -> tuple[int, int] | None:
     try:
         from transformers import AutoConfig
 
-        cfg = AutoConfig.from_pretrained(src.location)
+        cfg = AutoConfig.from_pretrained(src.location, local_files_only=True)
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         hidden = int(cfg.hidden_size)
         inter = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
@@ -183,6 +183,9 @@ def resolve_source(name: str) -> Source:
         return Source("embedded", embedded.get(name.split(":", 1)[1]).name)
     path = Path(name).expanduser()
     if path.is_dir():
+        if not any((path / f).is_file() for f in ("config.json", "tokenizer_config.json", "tokenizer.json")):
+            raise ModelError(f"{name} is a folder but not a model folder (it has no config.json); "
+                             "give a folder saved by transformers, a .gguf file or a hub id")
         return Source("folder", str(path))
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
@@ -235,6 +238,8 @@ def _from_pretrained(loader, src: Source, what: str, **kwargs):
     """Call a transformers from_pretrained, turning 'not found / offline' into one clear line."""
     location = src.location
     try:
+        if src.kind == "hub":
+            kwargs["local_files_only"] = True  # hub ids come from the local cache: no network round trips
         return loader.from_pretrained(location, **kwargs)
     except (OSError, ValueError) as err:
         # the whole message on one line (transformers' first line often ends in a colon)

@@ -312,13 +312,13 @@ class ChatOutput:
         return PlainView()
 
     def info(self, text: str) -> None:
-        self.console.print(Text(text))
+        self.console.print(Text(text), soft_wrap=True)
 
     def note(self, text: str) -> None:
-        self.err.print(Text(text, style="yellow"))
+        self.err.print(Text(text, style="yellow"), soft_wrap=True)
 
-    def error(self, text: str) -> None:
-        self.err.print(Text(f"error: {text}", style="red"))
+    def error(self, text: str) -> None:  # one line, whatever the width: scripts grep for it
+        self.err.print(Text(f"error: {text}", style="red"), soft_wrap=True)
 
     def stats_table(self, d: dict) -> None:
         def fmt(v):

@@ -86,7 +86,7 @@ def test_outputs_on_disk_and_hf_comparison(tiny, tmp_path):
 
 
 def test_ctrl_c_keeps_what_finished(tiny, tmp_path, monkeypatch):
-    real = bench_mod.run_speculative
+    real = bench_mod.run_one
     calls = []
 
     def interrupted_after_one(*args, **kwargs):
@@ -95,12 +95,27 @@ def test_ctrl_c_keeps_what_finished(tiny, tmp_path, monkeypatch):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(bench_mod, "run_speculative", interrupted_after_one)
+    monkeypatch.setattr(bench_mod, "run_one", interrupted_after_one)
     r = bench(tiny, "--rules", "sps,cactus", "-k", "2", "--out", tmp_path / "o")
     assert r.exit_code == 130
     doc = json.loads((tmp_path / "o" / "bench.json").read_text())
     assert doc["interrupted"] is True
     assert [row["config"] for row in doc["results"]] == ["verifier alone"]
+    assert doc["results"][0]["prompts"] == 1
+
+
+def test_configurations_run_prompt_by_prompt(tiny, monkeypatch):
+    # all configurations on prompt 1, then all on prompt 2: machine drift moves every row alike
+    real, order = bench_mod.run_one, []
+
+    def record(engine, cfg, i, ids, base):
+        order.append((i, cfg.label))
+        return real(engine, cfg, i, ids, base)
+
+    monkeypatch.setattr(bench_mod, "run_one", record)
+    assert bench(tiny, "--rules", "sps", "-k", "1,2").exit_code == 0
+    labels = ["verifier alone", "sps k=1", "sps k=2"]
+    assert order == [(0, c) for c in labels] + [(1, c) for c in labels]
 
 
 @pytest.mark.parametrize(

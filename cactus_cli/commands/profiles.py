@@ -46,7 +46,7 @@ def list_cmd() -> None:
         for problem in bad:
             from rich.text import Text
 
-            make_console(stderr=True).print(Text.assemble(("invalid profile: ", "red"), problem))
+            make_console(stderr=True).print(Text.assemble(("invalid profile: ", "red"), problem), soft_wrap=True)
 
 
 @profiles_app.command("show")
