@@ -121,6 +121,7 @@ class ConfigResult:
             "acceptance_histogram": list(s.acceptance_histogram),
             "k_histogram": list(s.k_histogram),
             "mean_k": s.mean_k,
+            "draft_sources": s.draft_sources,
             "per_position_acceptance_rate": s.per_position_acceptance_rate,
             "verifier_forward_passes_per_token": (s.verifier_forward_passes / s.num_output_tokens
                                                   if s.num_output_tokens and self.config.kind != "hf-assisted" else None),

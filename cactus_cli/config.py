@@ -37,6 +37,8 @@ class Settings:
     rule_params: dict[str, Any] = field(default_factory=dict)  # divergence, epsilon, alpha, topk
     num_draft_tokens: int | str = 4  # k, or "auto": the engine picks k in 0..max_draft_tokens per step
     max_draft_tokens: int = 8  # k_max for num_draft_tokens: auto
+    ngram_max: int = 4  # prompt lookup (draft: ngram or ngram+MODEL): the longest n-gram matched ...
+    ngram_min: int = 1  # ... and the shortest
     temperature: float = 0.6
     top_k: int = 20
     top_p: float = 0.95
@@ -79,6 +81,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "rule_params": (dict,),
     "num_draft_tokens": (int, str),
     "max_draft_tokens": (int,),
+    "ngram_max": (int,),
+    "ngram_min": (int,),
     "temperature": (int, float),
     "top_k": (int,),
     "top_p": (int, float),
@@ -115,6 +119,10 @@ def check_value(key: str, value: Any) -> str | None:
         return f"must be an integer in 1..64 or auto, got {value!r}"
     if key == "max_draft_tokens" and not 1 <= value <= 64:
         return f"must be an integer in 1..64, got {value!r}"
+    if key in ("ngram_max", "ngram_min") and not 1 <= value <= 16:
+        return f"must be an integer in 1..16, got {value!r}"
+    if key == "draft" and value.startswith("ngram+") and not value[len("ngram+"):].strip():
+        return "ngram+MODEL needs a model after the +, e.g. ngram+embedded:qwen2.5-coder-0.5b"
     if key == "temperature" and not (math.isfinite(value) and (value == 0 or MIN_TEMPERATURE <= value <= 1e4)):
         return f"must be 0 (greedy) or a number in {MIN_TEMPERATURE:g}..1e4, got {value!r}"
     if key == "seed" and not 0 <= value <= MAX_SEED:
@@ -174,6 +182,8 @@ def build_settings(*layers: tuple[dict[str, Any], str]) -> Settings:
             else:
                 merged[key] = value
     settings = Settings(**merged)
+    if settings.ngram_min > settings.ngram_max:
+        raise ConfigError(f"ngram_min ({settings.ngram_min}) must not exceed ngram_max ({settings.ngram_max})")
     if isinstance(settings.delta, int):
         settings.delta = float(settings.delta)
     settings.rule_kwargs()  # validates the rule's parameters now, not mid-generation

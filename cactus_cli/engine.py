@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 
 from cactus_cli.acceptance import divergences, emitted_distribution, greedy_verify, verify
-from cactus_cli.drafting import CachedLM, DraftModelDrafter, Drafter
+from cactus_cli.drafting import CachedLM, DraftModelDrafter, Drafter, NgramDrafter
 from cactus_cli.errors import ContextLimitError, ModelError
 from cactus_cli.events import Piece, StepEvent
 from cactus_cli.models import ModelPair
@@ -85,10 +85,15 @@ def sync(device: torch.device) -> None:
 
 
 class SpeculativeEngine:
-    def __init__(self, pair: ModelPair):
+    def __init__(self, pair: ModelPair, ngram: tuple[int, int] | None = None):
+        """``ngram`` = (n_max, n_min) drafts by prompt lookup, with the pair's draft model (if any)
+        for when nothing matches."""
         self.pair = pair
         self.verifier = CachedLM(pair.verifier, pair.vocab_size)
-        self.drafter: Drafter | None = DraftModelDrafter(pair.draft, pair.vocab_size) if pair.draft else None
+        model = DraftModelDrafter(pair.draft, pair.vocab_size) if pair.draft else None
+        self.drafter: Drafter | None = model
+        if ngram is not None:
+            self.drafter = NgramDrafter(pair.vocab_size, pair.verifier.device, ngram[0], ngram[1], fallback=model)
         self.eos = eos_ids(pair)
         limits = [pair.verifier.context_length] + ([pair.draft.context_length] if pair.draft else [])
         self.context_length = min(limits)
@@ -106,9 +111,10 @@ class SpeculativeEngine:
     def cache_lengths(self) -> dict[str, int]:
         """For tests and diagnostics: the verifier cache always holds the sequence minus its last token."""
         out = {"sequence": len(self.tokens), "verifier": self.verifier.cache_len}
-        if isinstance(self.drafter, DraftModelDrafter):
-            out["draft"] = self.drafter.runner.cache_len
-            out["draft_pending"] = len(self.drafter.pending)
+        model = self.drafter.fallback if isinstance(self.drafter, NgramDrafter) else self.drafter
+        if isinstance(model, DraftModelDrafter):
+            out["draft"] = model.runner.cache_len
+            out["draft_pending"] = len(model.pending)
         return out
 
     def probe_costs(self, k_max: int, length: int = 128) -> bool:
@@ -129,8 +135,9 @@ class SpeculativeEngine:
                 v.crop(length)
 
             draft = None
-            if isinstance(self.drafter, DraftModelDrafter):
-                d = self.drafter.runner
+            model = self.drafter.fallback if isinstance(self.drafter, NgramDrafter) else self.drafter
+            if isinstance(model, DraftModelDrafter):
+                d = model.runner
                 d.forward(ids[:length], keep=1)
 
                 def draft() -> None:
@@ -150,7 +157,8 @@ class SpeculativeEngine:
         """The cost model's figures and the acceptance estimate for ``params`` (for --json, /stats)."""
         sp = params.sampling
         akey = acceptance_key(params.rule, params.rule_kwargs, sp.temperature, sp.top_k, sp.top_p)
-        out = self.policy.describe(akey, max(params.num_draft_tokens, 1))
+        lookup_only = isinstance(self.drafter, NgramDrafter) and self.drafter.fallback is None
+        out = self.policy.describe(akey, max(params.num_draft_tokens, 1), "ngram" if lookup_only else "model")
         out["adaptive_k"] = params.adaptive_k
         return out
 
@@ -203,7 +211,7 @@ class _RunState:
         self.akey = acceptance_key(params.rule, params.rule_kwargs, self.sp.temperature, self.sp.top_k, self.sp.top_p)
         self.dgen = None
         if self.drafter is not None:
-            ddev = engine.pair.draft.device
+            ddev = self.drafter.device
             self.dgen = self.vgen if ddev == self.vdev else torch.Generator(device=ddev).manual_seed(params.seed + 1)
         self.detok = Detokenizer(engine.pair.tokenizer)
         self.produced = 0
@@ -236,14 +244,19 @@ class _RunState:
         drafter = self.drafter
         room = e.context_length - len(e.tokens)  # positions left for new tokens
         k = 0 if drafter is None else max(0, min(params.num_draft_tokens, room - 1, params.max_tokens - self.produced - 1))
-        if k and params.adaptive_k:
-            k = e.policy.choose(self.akey, k)  # from past steps only: SpS stays lossless
+        source = drafter.next_source() if k else None
+        if source is None:
+            k = 0  # a lookup with nothing to copy: a plain step, at no drafting cost
+        elif params.adaptive_k:
+            k = e.policy.choose(self.akey, k, source)  # from past steps only: SpS stays lossless
         catch_up = drafter.catch_up if drafter is not None else 0
 
         t0 = time.perf_counter()
         proposal = drafter.propose(k, sp, self.dgen) if drafter is not None else None
         if proposal is not None:
             sync(proposal.tokens.device)
+            k = len(proposal.tokens)  # a lookup may offer fewer than k
+            source = proposal.source if k else None
         t1 = time.perf_counter()
 
         drafts = proposal.tokens.to(vdev) if k else torch.zeros(0, dtype=torch.int64, device=vdev)  # [k]
@@ -266,7 +279,7 @@ class _RunState:
         new = verdict.tokens[0, : m + 1].tolist()  # accepted drafts + one extra token
         sync(vdev)
         t2 = time.perf_counter()
-        e.policy.observe(self.akey, k, m, t1 - t0, t2 - t1, catch_up)
+        e.policy.observe(self.akey, k, m, t1 - t0, t2 - t1, catch_up, source or "model")
         meter = self._meter(p, q, logits, new, m, k) if params.measure else ((), (), ())
 
         # keep both caches to exactly the verified sequence minus its last token
@@ -278,12 +291,13 @@ class _RunState:
         draft_list = drafts.tolist()
         rejected = tuple(draft_list[m:])
         extra_kind = "verifier" if k == 0 else ("bonus" if m == k else "correction")
-        emitted, pieces, finish = self._emit(new, m, extra_kind)
+        emitted, pieces, finish = self._emit(new, m, extra_kind, "copied" if source == "ngram" else "accepted")
         if finish is None and len(e.tokens) >= e.context_length:
             finish = "context"
 
         ev = StepEvent(
             num_drafted=k,
+            draft_source=source,
             accepted=tuple(new[:m]),
             rejected=rejected,
             extra=new[-1],
@@ -330,13 +344,13 @@ class _RunState:
         ll = logp.gather(-1, torch.tensor(new, device=logp.device).view(-1, 1)).squeeze(-1)
         return kl, tv, tuple(ll.tolist())
 
-    def _emit(self, new: list[int], m: int, extra_kind: str) -> tuple[list[int], list[Piece], str | None]:
+    def _emit(self, new: list[int], m: int, extra_kind: str, accepted_kind: str) -> tuple[list[int], list[Piece], str | None]:
         """Turn verified tokens into output, cut at EOS, a stop string or max_tokens."""
         params = self.params
         emitted: list[int] = []
         pieces: list[Piece] = []
         for i, token in enumerate(new):
-            kind = "accepted" if i < m else extra_kind
+            kind = accepted_kind if i < m else extra_kind
             emitted.append(token)
             self.produced += 1
             if token in self.e.eos and not params.ignore_eos:

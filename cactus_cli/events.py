@@ -13,12 +13,13 @@ class Piece:
     """A piece of emitted text and where its token came from."""
 
     text: str
-    kind: Literal["accepted", "correction", "bonus", "verifier"]
+    kind: Literal["accepted", "copied", "correction", "bonus", "verifier"]  # copied: an accepted n-gram draft
 
 
 @dataclass(frozen=True)
 class StepEvent:
     num_drafted: int  # k for this step (may shrink near max_tokens or the context limit)
+    draft_source: str | None  # "model" or "ngram" (prompt lookup); None for a plain step
     accepted: tuple[int, ...]  # draft tokens the verifier kept
     rejected: tuple[int, ...]  # draft tokens thrown away
     extra: int  # the correction (after a rejection), the bonus (all accepted), or the verifier's token

@@ -19,7 +19,7 @@ RUNTIME = "Runtime"
 
 Profile = Annotated[Optional[str], typer.Option("--profile", "-p", help="Profile name (see `cactus profiles list`) or path to a YAML file. Default: the `default` profile.", rich_help_panel=MODEL)]
 Verifier = Annotated[Optional[str], typer.Option("--verifier", help="Verifier (large) model: hub id, local folder, .gguf file, or embedded:NAME.", rich_help_panel=MODEL)]
-Draft = Annotated[Optional[str], typer.Option("--draft", help="Draft (small) model, same sources as --verifier; `none` runs the verifier alone.", rich_help_panel=MODEL)]
+Draft = Annotated[Optional[str], typer.Option("--draft", help="Draft (small) model, same sources as --verifier; `ngram` drafts by prompt lookup (copying what followed the last occurrence of the current n-gram; no model); `ngram+MODEL` looks up first and lets MODEL draft when nothing matches; `none` runs the verifier alone.", rich_help_panel=MODEL)]
 Tokenizer = Annotated[Optional[str], typer.Option("--tokenizer", help="Tokenizer for both models (default: the verifier's; needed for a bare .gguf).", rich_help_panel=MODEL)]
 Rule = Annotated[Optional[str], typer.Option("--rule", "-r", help="Acceptance rule: sps, cactus, cactus-exact, tas, topk, interp.", rich_help_panel=DECODING)]
 Delta = Annotated[Optional[float], typer.Option("--delta", "-d", help="Divergence budget for cactus / cactus-exact (0 = lossless SpS).", rich_help_panel=DECODING)]

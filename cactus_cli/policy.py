@@ -5,8 +5,8 @@ Speculation pays only when ``E[tokens | k, a] / (k t_d + t_v(k + 1))`` beats pla
 costs about what 1 token costs on a GPU or an AVX-512 BF16 CPU, and 4.5x more on an AVX2 CPU.
 
 - ``CostModel``: the draft's seconds per drafted token ``t_d`` and the verifier's seconds per
-  forward of width ``w``, ``t_v(w)``, as medians over the last few timings per width (robust to a
-  stray slow step), linearly interpolated between measured widths. Seeded by a short probe
+  forward of width ``w``, ``t_v(w)``: medians over the last few timings per width (robust to a
+  stray slow step), with a line fitted through them (robust to a noisy width). Seeded by a short probe
   (``probe``) when nothing is known; saved under ``$CACTUS_HOME/costs`` per (pair, device, dtype,
   threads, torch), so the next run starts informed.
 - ``Acceptance``: decayed estimates of the acceptance at each draft position, conditional on
@@ -40,18 +40,19 @@ SHRINK = 2.0  # ... and each position leans on the one before it with the weight
 A_MAX = 0.995  # E[tokens] would diverge at a = 1
 EXPLORE_BUDGET = 0.03  # while k = 0 wins, spend at most ~3% of the time re-testing k = 1
 REFRESH_EVERY = 64  # while drafting wins, one plain step in this many keeps t_v(1) fresh (~1% cost)
-SCHEMA = 2
+SCHEMA = 3
+MODEL, NGRAM = "model", "ngram"  # draft sources: a draft model's forwards, or prompt lookup (free)
 
 
 @dataclass
 class CostModel:
-    draft: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # seconds per drafted token
+    draft: dict[str, deque] = field(default_factory=dict)  # source -> seconds per drafted token
     verify: dict[int, deque] = field(default_factory=dict)  # width -> seconds per forward
     source: str = "none"  # "none", "probe", "cache", plus "+online" once the run has added timings
 
-    def add_draft(self, seconds_per_token: float) -> None:
+    def add_draft(self, seconds_per_token: float, source: str = MODEL) -> None:
         if seconds_per_token > 0 and math.isfinite(seconds_per_token):
-            self.draft.append(seconds_per_token)
+            self.draft.setdefault(source, deque(maxlen=WINDOW)).append(seconds_per_token)
 
     def add_verify(self, width: int, seconds: float) -> None:
         if seconds > 0 and math.isfinite(seconds):
@@ -59,45 +60,57 @@ class CostModel:
 
     @property
     def known(self) -> bool:
-        return bool(self.draft) and 1 in self.verify
+        """Enough to choose k for a draft model (a lookup drafter needs only the verifier's costs)."""
+        return self.knows(MODEL)
 
-    def t_d(self) -> float:
-        return statistics.median(self.draft) if self.draft else 0.0
+    def knows(self, source: str) -> bool:
+        return bool(self.verify) and (source != MODEL or bool(self.draft.get(MODEL)))
+
+    def t_d(self, source: str = MODEL) -> float:
+        """Seconds per drafted token; a lookup never timed yet counts as free (it costs microseconds)."""
+        values = self.draft.get(source)
+        return statistics.median(values) if values else 0.0
 
     def t_v(self, width: int) -> float:
-        """Median seconds of a verifier forward over ``width`` tokens; linear between measured
-        widths, and beyond the widest one along the last measured slope (never decreasing)."""
-        pts = sorted((w, statistics.median(v)) for w, v in self.verify.items() if v)
-        if not pts:
+        """Seconds of a verifier forward over ``width`` tokens: a line ``alpha + beta * width``
+        (``beta >= 0``) fitted to the per-width medians, weighted by how many timings each has.
+        A line because the marginal cost of a token is what k trades against, and per-width
+        medians alone are noisy enough (one machine: t_v(2) < t_v(1) by 20%) to flip the choice;
+        on the machines measured (CPU AVX2 or AVX-512 BF16; GPU up to ~16 tokens) cost is close to
+        linear in width over 1..9."""
+        fit = self._fit()
+        if fit is None:
             return 0.0
-        for w, t in pts:
-            if w == width:
-                return t
-        lo = [(w, t) for w, t in pts if w < width]
-        hi = [(w, t) for w, t in pts if w > width]
-        if lo and hi:
-            (w0, t0), (w1, t1) = lo[-1], hi[0]
-            return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
-        if hi:  # narrower than anything measured: take the narrowest measured (an upper bound)
-            return hi[0][1]
-        if len(lo) >= 2:
-            (w0, t0), (w1, t1) = lo[-2], lo[-1]
-            return t1 + max(t1 - t0, 0.0) / (w1 - w0) * (width - w1)
-        return lo[-1][1]
+        alpha, beta = fit
+        return max(alpha + beta * width, 1e-9)
+
+    def _fit(self) -> tuple[float, float] | None:
+        pts = [(w, statistics.median(v), len(v)) for w, v in self.verify.items() if v]
+        if not pts:
+            return None
+        n = sum(c for _, _, c in pts)
+        mw = sum(c * w for w, _, c in pts) / n
+        mt = sum(c * t for _, t, c in pts) / n
+        var = sum(c * (w - mw) ** 2 for w, _, c in pts)
+        beta = max(sum(c * (w - mw) * (t - mt) for w, t, c in pts) / var, 0.0) if var > 0 else 0.0
+        return mt - beta * mw, beta
 
     def describe(self, widths: int) -> dict[str, Any]:
-        return {"source": self.source, "draft_seconds_per_token": self.t_d() if self.draft else None,
+        return {"source": self.source, "draft_seconds_per_token": self.t_d() if self.draft.get(MODEL) else None,
+                "lookup_seconds_per_token": self.t_d(NGRAM) if self.draft.get(NGRAM) else None,
                 "verify_seconds_by_width": {str(w): self.t_v(w) for w in range(1, widths + 1)} if self.verify else {},
                 "measured_widths": sorted(self.verify)}
 
     def to_json(self) -> dict[str, Any]:
-        return {"draft": list(self.draft), "verify": {str(w): list(v) for w, v in self.verify.items()}}
+        return {"draft": {src: list(v) for src, v in self.draft.items()},
+                "verify": {str(w): list(v) for w, v in self.verify.items()}}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], source: str) -> CostModel:
         cm = cls(source=source)
-        for s in doc.get("draft", []):
-            cm.add_draft(float(s))
+        for src, values in doc.get("draft", {}).items():
+            for s in values:
+                cm.add_draft(float(s), src)
         for w, values in doc.get("verify", {}).items():
             for s in values:
                 cm.add_verify(int(w), float(s))
@@ -119,16 +132,16 @@ def expected_tokens(a: float | list[float], k: int) -> float:
     return total
 
 
-def tokens_per_second(costs: CostModel, a: float | list[float], k: int) -> float:
-    step = k * costs.t_d() + costs.t_v(k + 1)
+def tokens_per_second(costs: CostModel, a: float | list[float], k: int, source: str = MODEL) -> float:
+    step = k * costs.t_d(source) + costs.t_v(k + 1)
     return expected_tokens(a, k) / step if step > 0 else 0.0
 
 
-def best_k(costs: CostModel, a: float | list[float], k_max: int) -> int:
+def best_k(costs: CostModel, a: float | list[float], k_max: int, source: str = MODEL) -> int:
     """The k in 0..k_max with the most expected tokens per second (ties: the smaller k)."""
-    if not costs.known:
+    if not costs.knows(source):
         return min(k_max, 4)
-    rates = [tokens_per_second(costs, a, k) for k in range(k_max + 1)]
+    rates = [tokens_per_second(costs, a, k, source) for k in range(k_max + 1)]
     return max(range(k_max + 1), key=lambda k: (rates[k], -k))
 
 
@@ -195,16 +208,18 @@ class KPolicy:
 
     # ------------------------------------------------------------------ choosing
 
-    def estimate(self, akey: str) -> float:
-        return self.acceptance.setdefault(akey, Acceptance()).a
+    def estimate(self, akey: str, source: str = MODEL) -> float:
+        return self.acceptance.setdefault(f"{akey} {source}", Acceptance()).a
 
-    def choose(self, akey: str, k_max: int) -> int:
+    def choose(self, akey: str, k_max: int, source: str = MODEL) -> int:
+        """k for the next step, whose drafts will come from ``source``."""
+        akey = f"{akey} {source}"
         rates = self.acceptance.setdefault(akey, Acceptance()).rates(k_max)
-        k = best_k(self.costs, rates, k_max)
+        k = best_k(self.costs, rates, k_max, source)
         if k > 0 or k_max == 0:
             self.plain_steps = 0
             self.draft_steps += 1
-            if self.draft_steps >= REFRESH_EVERY and self.costs.known:
+            if self.draft_steps >= REFRESH_EVERY and self.costs.knows(source):
                 self.draft_steps = 0
                 return 0
             return k
@@ -214,7 +229,7 @@ class KPolicy:
         # keeps their overhead near EXPLORE_BUDGET of plain decoding.
         self.plain_steps += 1
         t1 = self.costs.t_v(1)
-        extra = max(self.costs.t_d() + self.costs.t_v(2) - t1, 0.0)
+        extra = max(self.costs.t_d(source) + self.costs.t_v(2) - t1, 0.0)
         every = max(8, math.ceil(extra / (EXPLORE_BUDGET * t1))) if t1 > 0 else 8
         if self.plain_steps >= every:
             self.plain_steps = 0
@@ -224,29 +239,32 @@ class KPolicy:
     # ------------------------------------------------------------------ learning
 
     def observe(self, akey: str, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
-                draft_catch_up: int = 1) -> None:
-        """One finished step: k drafts, ``accepted`` of them kept, its timings. A draft forward that
-        caught up on many missed tokens (after k = 0 steps) is not a typical drafted token: skip it."""
+                draft_catch_up: int = 1, source: str = MODEL) -> None:
+        """One finished step: k drafts from ``source``, ``accepted`` of them kept, its timings. A
+        draft forward that caught up on many missed tokens (after k = 0 steps) is not a typical
+        drafted token: its timing is skipped."""
         if k > 0:
-            self.acceptance.setdefault(akey, Acceptance()).add(accepted, k)
-            if draft_catch_up <= 2:
-                self.costs.add_draft(draft_seconds / k)
+            self.acceptance.setdefault(f"{akey} {source}", Acceptance()).add(accepted, k)
+            if source != MODEL or draft_catch_up <= 2:
+                self.costs.add_draft(draft_seconds / k, source)
         self.costs.add_verify(k + 1, verify_seconds)
         if not self.costs.source.endswith("+online"):
             self.costs.source += "+online"
         self.dirty = True
 
-    def describe(self, akey: str | None = None, k_max: int = 8) -> dict[str, Any]:
+    def describe(self, akey: str | None = None, k_max: int = 8, source: str = MODEL) -> dict[str, Any]:
         out = self.costs.describe(k_max + 1)
         if akey is not None:
-            acc = self.acceptance.setdefault(akey, Acceptance())
+            acc = self.acceptance.setdefault(f"{akey} {source}", Acceptance())
             rates = acc.rates(k_max)
+            out["draft_source"] = source
             out["acceptance_estimate"] = acc.a
             out["acceptance_by_position"] = rates
-            out["best_k"] = best_k(self.costs, rates, k_max) if self.costs.known else None
-            if self.costs.known:
+            known = self.costs.knows(source)
+            out["best_k"] = best_k(self.costs, rates, k_max, source) if known else None
+            if known:
                 base = 1 / self.costs.t_v(1)
-                out["predicted_speedup_by_k"] = {str(k): tokens_per_second(self.costs, rates, k) / base
+                out["predicted_speedup_by_k"] = {str(k): tokens_per_second(self.costs, rates, k, source) / base
                                                  for k in range(k_max + 1)}
         return out
 

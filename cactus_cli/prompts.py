@@ -1,5 +1,5 @@
 """The built-in benchmark prompts, written for this project: code, maths word problems,
-instruction following and open-ended writing (in the spirit of HumanEval / GSM8K / IFEval /
+instruction following, open-ended writing and input-grounded tasks (in the spirit of HumanEval / GSM8K / IFEval /
 MT-Bench categories, original text). Also the loader for --prompts FILE (JSONL)."""
 
 from __future__ import annotations
@@ -60,6 +60,66 @@ _BUILTIN = {
         "Write the opening paragraph of a mystery novel set on a night train.",
         "Compare living in a small town and a big city in a balanced short essay.",
     ],
+    # input-grounded: the answer reuses much of the input (edit code, answer from a passage),
+    # where prompt lookup drafts long runs for free
+    "grounded": [
+        "Add type hints to this function and return the whole function:\n\n"
+        "def average_price(items, currency):\n"
+        "    total = 0\n"
+        "    count = 0\n"
+        "    for item in items:\n"
+        "        if item.currency == currency:\n"
+        "            total += item.price\n"
+        "            count += 1\n"
+        "    if count == 0:\n"
+        "        return None\n"
+        "    return total / count\n",
+        "Fix the bug in this code and show the corrected code:\n\n"
+        "def find_max(numbers):\n"
+        "    best = 0\n"
+        "    for n in numbers:\n"
+        "        if n > best:\n"
+        "            best = n\n"
+        "    return best\n\n"
+        "print(find_max([-5, -2, -9]))\n",
+        "Rename the variable `data` to `records` everywhere in this code and return it:\n\n"
+        "def load(path):\n"
+        "    data = []\n"
+        "    with open(path) as f:\n"
+        "        for line in f:\n"
+        "            data.append(line.strip().split(','))\n"
+        "    print(len(data), 'rows')\n"
+        "    return data\n",
+        "Rewrite this code to use f-strings instead of format():\n\n"
+        "name = 'Ada'\n"
+        "age = 36\n"
+        "print('Name: {}'.format(name))\n"
+        "print('Age: {} years'.format(age))\n"
+        "print('{} will be {} next year'.format(name, age + 1))\n",
+        "Answer from the passage, quoting the sentence that supports your answer.\n\n"
+        "Passage: The Harbor Street library opened in 1952 in a former customs house. It was "
+        "enlarged in 1987, when a reading room for children was added on the east side. Since "
+        "2015 the library has lent tools as well as books, and its most borrowed item is a "
+        "cordless drill.\n\nQuestion: When was the children's reading room added, and where?",
+        "Answer from the passage, quoting it where you can.\n\n"
+        "Passage: The river ferry runs every 20 minutes from 6:00 to 22:00 on weekdays and every "
+        "30 minutes from 8:00 to 20:00 at weekends. Bicycles travel free; dogs need a half-price "
+        "ticket. The crossing takes seven minutes.\n\nQuestion: How often does the ferry run on "
+        "a Saturday, and what does a dog cost?",
+        "Continue this list with five more entries in exactly the same format:\n\n"
+        "- id: 101, name: alpha, status: active\n"
+        "- id: 102, name: beta, status: active\n"
+        "- id: 103, name: gamma, status: inactive\n"
+        "- id: 104, name: delta, status: active\n",
+        "Add a docstring to each method of this class and return the whole class:\n\n"
+        "class Counter:\n"
+        "    def __init__(self):\n"
+        "        self.counts = {}\n\n"
+        "    def add(self, key):\n"
+        "        self.counts[key] = self.counts.get(key, 0) + 1\n\n"
+        "    def most_common(self, n):\n"
+        "        return sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]\n",
+    ],
 }
 
 BUILTIN_PROMPTS: list[Prompt] = [
@@ -81,7 +141,9 @@ def interleaved(prompts: list[Prompt]) -> list[Prompt]:
     return out
 
 
-def load_prompts(path: str | None, limit: int | None) -> list[Prompt]:
+def load_prompts(path: str | None, limit: int | None, categories: list[str] | None = None) -> list[Prompt]:
+    """The built-in set (interleaved by category) or a JSONL file; ``categories`` keeps only
+    those categories, then ``limit`` the first N."""
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {limit}")
     if path is None:
@@ -108,4 +170,10 @@ def load_prompts(path: str | None, limit: int | None) -> list[Prompt]:
                                   f"{path}:{n}"))
         if not prompts:
             raise ConfigError(f"--prompts {path}: the file has no prompts")
+    if categories:
+        known = sorted({p.category for p in prompts})
+        unknown = [c for c in categories if c not in known]
+        if unknown:
+            raise ConfigError(f"--category: no prompts in category {unknown[0]!r} (there are: {', '.join(known)})")
+        prompts = [p for p in prompts if p.category in categories]
     return prompts[:limit] if limit else prompts

@@ -16,11 +16,15 @@ from cactus_cli.sampling import SamplingParams
 def load_engine(settings: Settings, reporter=None, k_values: list[int | str] | None = None) -> SpeculativeEngine:
     """Load the pair; when -k auto will run (``k_values`` lists the k a command will use) and this
     pair has never been timed on this machine, seed the cost model with a short probe."""
-    pair: ModelPair = load_pair(settings.verifier, settings.draft, settings.tokenizer, settings.device,
+    from cactus_cli.drafting import parse_draft
+
+    lookup, model = parse_draft(settings.draft)
+    pair: ModelPair = load_pair(settings.verifier, model, settings.tokenizer, settings.device,
                                 settings.dtype, reporter)
-    engine = SpeculativeEngine(pair)
+    engine = SpeculativeEngine(pair, (settings.ngram_max, settings.ngram_min) if lookup else None)
     ks = k_values if k_values is not None else [settings.num_draft_tokens]
-    if pair.draft is not None and "auto" in ks and not engine.policy.costs.known:
+    source = "model" if pair.draft is not None else "ngram"
+    if engine.drafter is not None and "auto" in ks and not engine.policy.costs.knows(source):
         if reporter is not None:
             reporter.task("measuring step costs on this machine (once per pair, device and dtype)")
         engine.probe_costs(settings.max_draft_tokens)

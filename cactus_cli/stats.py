@@ -23,6 +23,8 @@ class SpecStats:
     acceptance_histogram: list[int] = field(default_factory=list)  # [j]: drafts with j accepted
     position_drafted: list[int] = field(default_factory=list)  # [i]: drafts that reached position i
     position_accepted: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+    drafted_by_source: dict[str, int] = field(default_factory=dict)  # "model" / "ngram" -> drafted tokens
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
     k_histogram: list[int] = field(default_factory=list)  # [k]: steps that drafted k tokens (k = 0: plain step)
     verifier_forward_passes: int = 0
     draft_forward_passes: int = 0
@@ -64,6 +66,9 @@ class SpecStats:
         self.num_draft_tokens += k
         self.num_accepted_tokens += m
         self.num_rejections += m < k
+        src = ev.draft_source or "model"
+        self.drafted_by_source[src] = self.drafted_by_source.get(src, 0) + k
+        self.accepted_by_source[src] = self.accepted_by_source.get(src, 0) + m
         _grow(self.acceptance_histogram, k + 1)
         _grow(self.position_drafted, k)
         _grow(self.position_accepted, k)
@@ -81,6 +86,10 @@ class SpecStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("realized_kl", "realized_tv", "verifier_loglik"):
             getattr(self, name).extend(getattr(other, name))
+        for name in ("drafted_by_source", "accepted_by_source"):
+            mine = getattr(self, name)
+            for src, v in getattr(other, name).items():
+                mine[src] = mine.get(src, 0) + v
         for name in ("acceptance_histogram", "position_drafted", "position_accepted", "k_histogram"):
             mine, theirs = getattr(self, name), getattr(other, name)
             _grow(mine, len(theirs))
@@ -112,6 +121,13 @@ class SpecStats:
         over tokens the rule tested (a step tests tokens up to and including its first rejection)."""
         tested = self.num_accepted_tokens + self.num_rejections  # (k varies: not the histogram's last bucket)
         return self.num_accepted_tokens / tested if tested else None
+
+    @property
+    def draft_sources(self) -> dict[str, dict[str, Any]]:
+        """Drafted and accepted tokens per draft source (the model, prompt lookup)."""
+        return {src: {"drafted": n, "accepted": self.accepted_by_source.get(src, 0),
+                      "acceptance_rate": self.accepted_by_source.get(src, 0) / n if n else None}
+                for src, n in sorted(self.drafted_by_source.items())}
 
     @property
     def mean_k(self) -> float | None:
@@ -151,6 +167,7 @@ class SpecStats:
             "mean_accepted_tokens_per_step": self.mean_accepted_tokens_per_step,
             "acceptance_histogram": list(self.acceptance_histogram),
             "k_histogram": list(self.k_histogram),
+            "draft_sources": self.draft_sources,
             "mean_k": self.mean_k,
             "per_position_acceptance_rate": self.per_position_acceptance_rate,
             "tokens_per_second": self.tokens_per_second,

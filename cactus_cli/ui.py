@@ -1,6 +1,7 @@
 """All Rich code: the live view of step events, the stats line, tables and progress.
 
-The live view shows the text as it grows: accepted draft tokens in green, tokens the verifier
+The live view shows the text as it grows: accepted draft tokens in green (italic blue when the
+draft was copied from the context by prompt lookup), tokens the verifier
 chose (corrections after a rejection, bonus tokens after a full acceptance) in bold, underlined
 yellow/cyan, and the last step's rejected draft tokens struck through in a side lane under the
 text. Without colour (--no-color or NO_COLOR) the same styles keep them apart: plain, bold
@@ -22,6 +23,7 @@ from cactus_cli.stats import SpecStats
 
 STYLES = {
     "accepted": "green",
+    "copied": "italic blue",  # an accepted draft copied from the context (prompt lookup)
     "correction": "bold underline yellow",
     "bonus": "bold underline cyan",
     "verifier": "default",
@@ -38,6 +40,8 @@ def make_console(no_color: bool = False, stderr: bool = False, file: TextIO | No
 def legend() -> Text:
     t = Text("legend: ", style=STYLES["dim"])
     t.append("accepted draft", style=STYLES["accepted"])
+    t.append("  ")
+    t.append("copied (n-gram)", style=STYLES["copied"])
     t.append("  ")
     t.append("verifier correction", style=STYLES["correction"])
     t.append("  ")

@@ -107,8 +107,8 @@ def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs
         real_choose, calls = engine.policy.choose, itertools.count()
         script = itertools.cycle([0, 1, 2, 2, 0, 1])
 
-        def choose(akey, k_max):
-            k = real_choose(akey, k_max)
+        def choose(akey, k_max, source="model"):
+            k = real_choose(akey, k_max, source)
             return min(next(script), k_max) if next(calls) % 3 else k
 
         monkeypatch.setattr(engine.policy, "choose", choose)

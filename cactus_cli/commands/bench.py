@@ -20,6 +20,7 @@ def bench(
     ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of draft lengths, `auto` included (default: the profile's).", rich_help_panel=o.DECODING)] = None,
     prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL file with 'prompt' and optional 'id', 'category' (default: the built-in set).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Use only the first N prompts (the built-in set is interleaved by category).")] = None,
+    category: Annotated[Optional[str], typer.Option("--category", help="Comma list of prompt categories to keep (built-in: code, math, instructions, writing, grounded).")] = None,
     meter: Annotated[bool, typer.Option("--meter", help="Also measure the realized divergence KL(h_alg || q) and TV per position (costs time).")] = False,
     compare_hf: Annotated[bool, typer.Option("--compare-hf", help="Also time transformers' assisted generation (constant k) on the same pair and prompts.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (schema_version 1) instead of the table.")] = False,
@@ -40,11 +41,14 @@ def bench(
         settings = resolve_settings(shared.profile, shared.flags)
         if settings.draft is None:
             raise ConfigError("bench compares speculative decoding with the verifier alone: it needs a --draft")
+        if compare_hf and settings.draft.startswith("ngram"):
+            raise ConfigError("--compare-hf compares draft-model drafting; use a --draft MODEL without ngram")
         delta_list = b.parse_list(deltas, float, "--delta") if deltas else [settings.delta]
         k_list = b.parse_ks(ks) if ks else [settings.num_draft_tokens]
         rule_list = b.parse_list(rules, str, "--rules")
         grid = b.build_grid(rule_list, delta_list, k_list, settings.rule_params, compare_hf, settings.max_draft_tokens)
-        prompts = load_prompts(str(prompts_file) if prompts_file else None, limit)
+        prompts = load_prompts(str(prompts_file) if prompts_file else None, limit,
+                               b.parse_list(category, str, "--category") if category else None)
         if settings.seed is None:
             settings.seed = 0  # a benchmark is reproducible by default
         # a 30-minute run must not die at the end on a path it could have checked now
