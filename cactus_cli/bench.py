@@ -221,6 +221,7 @@ def environment(engine: SpeculativeEngine, settings: dict[str, Any]) -> dict[str
     import transformers
 
     from cactus_cli import __version__
+    from cactus_cli.models import device_name
 
     dev = engine.pair.verifier.device
     return {
@@ -230,7 +231,7 @@ def environment(engine: SpeculativeEngine, settings: dict[str, Any]) -> dict[str
         "transformers": transformers.__version__,
         "platform": platform.platform(),
         "device": str(dev),
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        "device_name": device_name(dev),  # the GPU, or the CPU model and the flags that decide matmul speed
         "cpu_threads": torch.get_num_threads(),
         "dtype": str(engine.pair.verifier.dtype).removeprefix("torch."),
         "verifier": settings.get("verifier"),
