@@ -101,6 +101,12 @@ class SpeculativeEngine:
         key = cost_key(pair)
         self.policy = KPolicy(cache_path(key), key)  # what a step costs here; picks k for -k auto
 
+    @property
+    def draft_model(self) -> DraftModelDrafter | None:
+        """The draft model's drafter (alone, or behind prompt lookup), if there is a draft model."""
+        d = self.drafter.fallback if isinstance(self.drafter, NgramDrafter) else self.drafter
+        return d if isinstance(d, DraftModelDrafter) else None
+
     def reset(self) -> None:
         """Forget both caches (the next generate prefills from scratch)."""
         self.verifier.reset()
@@ -111,8 +117,8 @@ class SpeculativeEngine:
     def cache_lengths(self) -> dict[str, int]:
         """For tests and diagnostics: the verifier cache always holds the sequence minus its last token."""
         out = {"sequence": len(self.tokens), "verifier": self.verifier.cache_len}
-        model = self.drafter.fallback if isinstance(self.drafter, NgramDrafter) else self.drafter
-        if isinstance(model, DraftModelDrafter):
+        model = self.draft_model
+        if model is not None:
             out["draft"] = model.runner.cache_len
             out["draft_pending"] = len(model.pending)
         return out
@@ -135,9 +141,8 @@ class SpeculativeEngine:
                 v.crop(length)
 
             draft = None
-            model = self.drafter.fallback if isinstance(self.drafter, NgramDrafter) else self.drafter
-            if isinstance(model, DraftModelDrafter):
-                d = model.runner
+            if self.draft_model is not None:
+                d = self.draft_model.runner
                 d.forward(ids[:length], keep=1)
 
                 def draft() -> None:

@@ -199,8 +199,11 @@ def resolve_source(name: str) -> Source:
     if not hub_cached(name):
         # fail at once, naming both readings, instead of retrying the network for a minute
         first = Path(name.split("/", 1)[0])
-        as_path = (f"no folder {name} (in {first}/: {', '.join(sorted(p.name for p in first.iterdir())[:6]) or 'nothing'})"
-                   if first.is_dir() else f"no folder {name} here")
+        try:
+            listing = ", ".join(sorted(p.name for p in first.iterdir())[:6]) or "nothing"
+            as_path = f"no folder {name} (in {first}/: {listing})"
+        except OSError:  # no such folder, or an unreadable one
+            as_path = f"no folder {name} here"
         raise ModelError(
             f"{name!r}: {as_path}, and no Hugging Face model {name} in the local cache; fix the path, or "
             f"download the model first (`huggingface-cli download {name}`)")
