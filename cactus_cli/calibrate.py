@@ -161,7 +161,7 @@ def run(engine, settings: Settings, prompts, base, deltas: list[float], ks: list
     measured["auto"] = auto
     cal.auto_tokens_per_second = auto.stats.tokens_per_second
     metered_s = chosen.result.stats.total_seconds
-    sweep_s = next((r.stats.total_seconds for k, r in measured.items() if k == k0), None)
+    sweep_s = measured[k0].stats.total_seconds  # the metered sweep's twin, meter off
     cal.meter_overhead = metered_s / sweep_s - 1 if sweep_s else None
     for k in sorted(ks):
         res = measured.get(k)

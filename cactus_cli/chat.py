@@ -135,7 +135,7 @@ class ChatSession:
         d["prefill_tokens_saved"] = d["reused_prefix_tokens"]
         from cactus_cli import runtime
 
-        if self.engine.pair.draft is not None:
+        if self.engine.drafter is not None:  # a draft model or prompt lookup
             d["cost_model"] = self.engine.cost_summary(runtime.generation_params(self.settings))
         self.out.stats_table(d)
 

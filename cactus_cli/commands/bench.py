@@ -73,8 +73,6 @@ def bench(
         with ui.bench_progress(err, len(grid) * len(prompts)) as advance:
             try:
                 b.warm_up(engine, encoded[0][1], base, max(c.k for c in grid))
-                if compare_hf and engine.pair.draft is None:
-                    raise ConfigError("--compare-hf needs a draft model")
                 b.run_grid(engine, grid, encoded, base, lambda cfg: advance(1, cfg.label), results)
             except KeyboardInterrupt:
                 interrupted = True
