@@ -30,7 +30,7 @@ Temperature = Annotated[Optional[float], typer.Option("--temperature", "-t", hel
 TopK = Annotated[Optional[int], typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).", rich_help_panel=SAMPLING)]
 TopP = Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass (1 = off).", rich_help_panel=SAMPLING)]
 MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="Stop after this many new tokens.", rich_help_panel=SAMPLING)]
-Seed = Annotated[Optional[int], typer.Option("--seed", "-s", help="Random seed (same seed, same device: same text).", rich_help_panel=SAMPLING)]
+Seed = Annotated[Optional[int], typer.Option("--seed", "-s", help="Random seed (same seed, device and fixed k: same text; -k auto follows measured timings).", rich_help_panel=SAMPLING)]
 Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this string appears; repeatable.", rich_help_panel=SAMPLING)]
 Device = Annotated[Optional[str], typer.Option("--device", help="auto (CUDA if present), cpu, cuda, cuda:N, mps.", rich_help_panel=RUNTIME)]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="auto, float32, float16, bfloat16.", rich_help_panel=RUNTIME)]
@@ -71,8 +71,9 @@ def shared_options(*names: str) -> Callable:
     def deco(fn: Callable) -> Callable:
         sig = inspect.signature(fn, eval_str=True)
         own = [p for p in sig.parameters.values() if p.name != "shared"]
+        ordered = sorted(names, key=list(SHARED).index)  # --help lists them in SHARED's order
         added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=SHARED[n][0],
-                                   default=False if n == "no_color" else None) for n in names]
+                                   default=False if n == "no_color" else None) for n in ordered]
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
