@@ -67,16 +67,10 @@ def build_grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_
                compare_hf: bool, k_max: int = 8) -> list[BenchConfig]:
     """The baseline first, then each rule (x delta where it takes one) x k, then HF rows.
     ``auto`` in ``ks`` is the adaptive k (0..k_max)."""
-    for k in ks:
-        if k != "auto" and not 1 <= k <= 64:
-            raise ConfigError(f"-k: each value must be an integer in 1..64 or auto, got {k}")
-    if not 1 <= k_max <= 64:
-        raise ConfigError(f"--max-draft-tokens must be an integer in 1..64, got {k_max}")
-    from cactus_cli.config import check_value
+    from cactus_cli.config import check_each
 
-    for d in deltas:
-        if problem := check_value("delta", d):
-            raise ConfigError(f"--delta: each value {problem}")
+    check_each("num_draft_tokens", ks, "-k")
+    check_each("delta", deltas, "--delta")
     grid = [BenchConfig("autoregressive")]
     for rule in rules:
         if rule not in RULES:

@@ -68,7 +68,6 @@ class Calibration:
     cost_ratio: float | None = None  # draft seconds per token over a 1-token verify
     verify_cost_by_width: dict[str, float] = field(default_factory=dict)  # relative to a 1-token verify
     plain_tokens_per_second: float | None = None
-    auto_tokens_per_second: float | None = None
     meter_overhead: float | None = None
     reason: str = ""
     advice: str = ""  # said plainly when speculation with this draft does not pay here
@@ -94,16 +93,12 @@ def choose_delta(rows: list[dict[str, Any]], max_divergence: float, max_quality_
 
 def validate(settings: Settings, deltas: list[float], ks: list[int]) -> None:
     """Everything a calibration checks, before any model loads."""
-    from cactus_cli.config import check_value
+    from cactus_cli.config import check_each
 
     if settings.rule not in ("cactus", "cactus-exact"):
         raise ConfigError(f"calibrate tunes delta: use --rule cactus or cactus-exact (got {settings.rule!r})")
-    for d in deltas:
-        if problem := check_value("delta", d):
-            raise ConfigError(f"--delta: each value {problem}")
-    for k in ks:
-        if not 1 <= k <= 64:
-            raise ConfigError(f"-k: each value must be an integer in 1..64, got {k}")
+    check_each("delta", deltas, "--delta")
+    check_each("max_draft_tokens", ks, "-k")  # fixed k only: the same 1..64 range
 
 
 def sweep_k(settings: Settings, ks: list[int]) -> int:
@@ -159,7 +154,6 @@ def run(engine, settings: Settings, prompts, base, deltas: list[float], ks: list
         measured[k] = time_config(BenchConfig("speculative", rule, k, kd), f"timing k={k}")
     auto = time_config(BenchConfig("speculative", rule, k_max, kd, adaptive=True), "timing k=auto")
     measured["auto"] = auto
-    cal.auto_tokens_per_second = auto.stats.tokens_per_second
     metered_s = chosen.result.stats.total_seconds
     sweep_s = measured[k0].stats.total_seconds  # the metered sweep's twin, meter off
     cal.meter_overhead = metered_s / sweep_s - 1 if sweep_s else None

@@ -151,6 +151,13 @@ def check_value(key: str, value: Any) -> str | None:
     return None
 
 
+def check_each(key: str, values: list[Any], flag: str) -> None:
+    """Every value of a comma list (bench and calibrate sweep several) valid for ``key``."""
+    for value in values:
+        if problem := check_value(key, value):
+            raise ConfigError(f"{flag}: each value {problem}")
+
+
 FLAG_NAMES = {"rule_params": "--param", "num_draft_tokens": "-k/--num-draft-tokens"}
 
 

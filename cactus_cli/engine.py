@@ -107,6 +107,11 @@ class SpeculativeEngine:
         d = self.drafter.fallback if isinstance(self.drafter, NgramDrafter) else self.drafter
         return d if isinstance(d, DraftModelDrafter) else None
 
+    @property
+    def cost_source(self) -> str:
+        """Whose draft costs a choice of k mostly rests on: the draft model's, or (lookup alone) none."""
+        return "model" if self.draft_model is not None else "ngram"
+
     def reset(self) -> None:
         """Forget both caches (the next generate prefills from scratch)."""
         self.verifier.reset()
@@ -162,8 +167,7 @@ class SpeculativeEngine:
         """The cost model's figures and the acceptance estimate for ``params`` (for --json, /stats)."""
         sp = params.sampling
         akey = acceptance_key(params.rule, params.rule_kwargs, sp.temperature, sp.top_k, sp.top_p)
-        lookup_only = isinstance(self.drafter, NgramDrafter) and self.drafter.fallback is None
-        out = self.policy.describe(akey, max(params.num_draft_tokens, 1), "ngram" if lookup_only else "model")
+        out = self.policy.describe(akey, max(params.num_draft_tokens, 1), self.cost_source)
         out["adaptive_k"] = params.adaptive_k
         return out
 
@@ -281,8 +285,7 @@ class _RunState:
             p = proposal.probs.to(vdev).unsqueeze(0) if k else q[:, :0]  # [1, k, V]
             verdict = verify(params.rule, p, q, drafts.view(1, k), generator=self.vgen, **params.rule_kwargs)
         m = int(verdict.num_accepted[0])
-        new = verdict.tokens[0, : m + 1].tolist()  # accepted drafts + one extra token
-        sync(vdev)
+        new = verdict.tokens[0, : m + 1].tolist()  # accepted drafts + one extra token (waits for the device)
         t2 = time.perf_counter()
         e.policy.observe(self.akey, k, m, t1 - t0, t2 - t1, catch_up, source or "model")
         meter = self._meter(p, q, logits, new, m, k) if params.measure else ((), (), ())

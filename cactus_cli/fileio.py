@@ -36,14 +36,12 @@ def atomic_write(path: str | Path, text: str) -> Path:
     return path
 
 
-def check_output_file(path: str | Path, flag: str, overwrite: bool = True) -> Path:
+def check_output_file(path: str | Path, flag: str) -> Path:
     """Fail now, before a long run, if ``path`` cannot be written: a directory, a missing or
     read-only folder, a pseudo-file system. Tries a temp file in the folder, then removes it."""
     path = Path(path).expanduser()
     if path.is_dir():
         raise ConfigError(f"{flag} {path}: is a directory; give a file path")
-    if path.exists() and not overwrite:
-        raise ConfigError(f"{flag} {path}: already exists")
     if not path.parent.is_dir():
         raise ConfigError(f"{flag} {path}: folder {path.parent} does not exist")
     _try_write_in(path.parent, f"{flag} {path}")

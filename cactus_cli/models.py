@@ -106,14 +106,13 @@ def fastest_cpu_dtype(hidden: int, inter: int) -> tuple[torch.dtype, str]:
     step, one short verify) and keep the faster; cached per machine, threads, torch and shape,
     so only the first run on a machine pays the ~1 s. CPU flags alone mislead: on a 2-core AVX2
     EPYC bfloat16 is 2.6x faster for a 1-token forward although it has no AVX-512 BF16."""
-    import hashlib
     import json
 
-    from cactus_cli.embedded import cache_dir
+    from cactus_cli.policy import cache_path
 
     key = {"cpu": device_name(torch.device("cpu")), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "shape": [hidden, inter]}
-    path = cache_dir() / "costs" / f"dtype-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    path = cache_path(key, "dtype-")
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
         times = {name: float(v) for name, v in doc["seconds"].items() if name in ("float32", "bfloat16")}

@@ -114,9 +114,8 @@ def flags_to_settings(**flags: Any) -> dict[str, Any]:
         out["stop"] = ...
     from cactus_cli.fileio import clean_text
 
-    for key in ("system",):
-        if isinstance(out.get(key), str):
-            out[key] = clean_text(out[key], f"--{key}")
+    if isinstance(out.get("system"), str):
+        out["system"] = clean_text(out["system"], "--system")
     if isinstance(out.get("stop"), list):
         out["stop"] = [clean_text(s, "--stop") for s in out["stop"]]
     if out.get("num_draft_tokens", ...) is not ...:

@@ -49,6 +49,7 @@ class CostModel:
     draft: dict[str, deque] = field(default_factory=dict)  # source -> seconds per drafted token
     verify: dict[int, deque] = field(default_factory=dict)  # width -> seconds per forward
     source: str = "none"  # "none", "probe", "cache", plus "+online" once the run has added timings
+    _line: tuple[float, float] | None = field(default=None, repr=False)  # the fit, until a timing arrives
 
     def add_draft(self, seconds_per_token: float, source: str = MODEL) -> None:
         if seconds_per_token > 0 and math.isfinite(seconds_per_token):
@@ -57,13 +58,10 @@ class CostModel:
     def add_verify(self, width: int, seconds: float) -> None:
         if seconds > 0 and math.isfinite(seconds):
             self.verify.setdefault(width, deque(maxlen=WINDOW)).append(seconds)
-
-    @property
-    def known(self) -> bool:
-        """Enough to choose k for a draft model (a lookup drafter needs only the verifier's costs)."""
-        return self.knows(MODEL)
+            self._line = None
 
     def knows(self, source: str) -> bool:
+        """Enough to choose k for drafts from ``source`` (a lookup needs only the verifier's costs)."""
         return bool(self.verify) and (source != MODEL or bool(self.draft.get(MODEL)))
 
     def t_d(self, source: str = MODEL) -> float:
@@ -85,6 +83,12 @@ class CostModel:
         return max(alpha + beta * width, 1e-9)
 
     def _fit(self) -> tuple[float, float] | None:
+        """Fitted once per new timing: each step asks t_v for every candidate k."""
+        if self._line is None and self.verify:
+            self._line = self._fit_line()
+        return self._line
+
+    def _fit_line(self) -> tuple[float, float] | None:
         pts = [(w, statistics.median(v), len(v)) for w, v in self.verify.items() if v]
         if not pts:
             return None
@@ -208,9 +212,6 @@ class KPolicy:
 
     # ------------------------------------------------------------------ choosing
 
-    def estimate(self, akey: str, source: str = MODEL) -> float:
-        return self.acceptance.setdefault(f"{akey} {source}", Acceptance()).a
-
     def choose(self, akey: str, k_max: int, source: str = MODEL) -> int:
         """k for the next step, whose drafts will come from ``source``."""
         akey = f"{akey} {source}"
@@ -286,11 +287,12 @@ class KPolicy:
             pass
 
 
-def cache_path(key: dict[str, Any]) -> Path:
+def cache_path(key: dict[str, Any], prefix: str = "") -> Path:
+    """Where a measurement keyed by ``key`` is cached: ``$CACTUS_HOME/costs/<prefix><hash>.json``."""
     from cactus_cli.embedded import cache_dir
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "costs" / f"{digest}.json"
+    return cache_dir() / "costs" / f"{prefix}{digest}.json"
 
 
 def probe(costs: CostModel, verify_forward: Callable[[int], None], draft_forward: Callable[[], None] | None,

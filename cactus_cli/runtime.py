@@ -23,8 +23,7 @@ def load_engine(settings: Settings, reporter=None, k_values: list[int | str] | N
                                 settings.dtype, reporter)
     engine = SpeculativeEngine(pair, (settings.ngram_max, settings.ngram_min) if lookup else None)
     ks = k_values if k_values is not None else [settings.num_draft_tokens]
-    source = "model" if pair.draft is not None else "ngram"
-    if engine.drafter is not None and "auto" in ks and not engine.policy.costs.knows(source):
+    if engine.drafter is not None and "auto" in ks and not engine.policy.costs.knows(engine.cost_source):
         if reporter is not None:
             reporter.task("measuring step costs on this machine (once per pair, device and dtype)")
         engine.probe_costs(settings.max_draft_tokens)

@@ -75,7 +75,7 @@ def test_cost_model_fits_a_line_and_ignores_outliers():
     assert cm.t_v(1) == pytest.approx(1.0)  # the median does not move
     assert cm.t_d() == 0.5
     unknown = CostModel()
-    assert not unknown.known and best_k(unknown, 0.9, 8) == 4  # nothing known: a middling k
+    assert not unknown.knows("model") and best_k(unknown, 0.9, 8) == 4  # nothing known: a middling k
 
 
 def test_acceptance_estimate_follows_recent_steps():
@@ -132,12 +132,12 @@ def test_cache_round_trip(tmp_path):
     policy.observe("greedy", 0, 0, 0.0, 0.1)
     policy.save()
     again = KPolicy(path)
-    assert again.costs.known and again.costs.source == "cache"
+    assert again.costs.knows("model") and again.costs.source == "cache"
     assert again.costs.t_v(4) == pytest.approx(0.2) and again.costs.t_d() == pytest.approx(0.1)
-    assert again.estimate("greedy") == pytest.approx(policy.estimate("greedy"))
+    assert again.acceptance["greedy model"].a == pytest.approx(policy.acceptance["greedy model"].a)
     assert again.acceptance["greedy model"].rates(3) == pytest.approx(policy.acceptance["greedy model"].rates(3))
     path.write_text("{not json")
-    assert not KPolicy(path).costs.known  # a broken cache is ignored, not fatal
+    assert not KPolicy(path).costs.knows("model")  # a broken cache is ignored, not fatal
 
 
 # ---------------------------------------------------------------------- the engine
@@ -176,7 +176,7 @@ def test_catch_up_after_plain_steps_keeps_caches_exact(close_pair, monkeypatch):
 def test_adaptive_k_learns_and_reports(close_pair):
     engine = SpeculativeEngine(close_pair)
     assert engine.probe_costs(4)
-    assert engine.policy.costs.known and engine.policy.costs.source == "probe"
+    assert engine.policy.costs.knows("model") and engine.policy.costs.source == "probe"
     assert set(engine.policy.costs.verify) == {1, 2, 3, 5}
     params = GenerationParams(sampling=SamplingParams(0.8, 0, 1.0), rule="cactus", rule_kwargs={"delta": 1.0},
                               num_draft_tokens=4, adaptive_k=True, max_tokens=30, ignore_eos=True, seed=2)
