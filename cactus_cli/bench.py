@@ -26,6 +26,12 @@ class BenchConfig:
     k: int = 0  # k_max when adaptive
     rule_kwargs: dict[str, Any] = field(default_factory=dict)
     adaptive: bool = False  # -k auto
+    compiled: bool = False  # which engine runs it: bench --compile off,on times both side by side
+    tag: str = ""  # names the engine in the label when a grid has more than one
+
+    @property
+    def variant(self) -> bool:
+        return self.compiled
 
     @property
     def k_label(self) -> str:
@@ -33,6 +39,9 @@ class BenchConfig:
 
     @property
     def label(self) -> str:
+        return self._label() + (f" · {self.tag}" if self.tag else "")
+
+    def _label(self) -> str:
         if self.kind == "autoregressive":
             return "verifier alone"
         if self.kind == "hf-assisted":
@@ -64,9 +73,23 @@ def parse_ks(text: str) -> list[int | str]:
 
 
 def build_grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_params: dict[str, Any],
-               compare_hf: bool, k_max: int = 8) -> list[BenchConfig]:
-    """The baseline first, then each rule (x delta where it takes one) x k, then HF rows.
-    ``auto`` in ``ks`` is the adaptive k (0..k_max)."""
+               compare_hf: bool, k_max: int = 8, variants: list[bool] = (False,)) -> list[BenchConfig]:
+    """Per engine variant (eager, compiled): the baseline, then each rule (x delta where it takes
+    one) x k; then HF rows (eager only). ``auto`` in ``ks`` is the adaptive k (0..k_max)."""
+    import dataclasses
+
+    grid: list[BenchConfig] = []
+    for compiled in variants:
+        tag = ("compiled" if compiled else "eager") if len(variants) > 1 else ""
+        grid += [dataclasses.replace(c, compiled=compiled, tag=tag)
+                 for c in _grid(rules, deltas, ks, rule_params, k_max)]
+    if compare_hf:
+        grid += [BenchConfig("hf-assisted", None, k) for k in ks if k != "auto"]
+    return grid
+
+
+def _grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_params: dict[str, Any],
+          k_max: int) -> list[BenchConfig]:
     from cactus_cli.config import check_each
 
     check_each("num_draft_tokens", ks, "-k")
@@ -86,8 +109,6 @@ def build_grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_
             for k in ks:
                 grid.append(BenchConfig("speculative", rule, k_max, kwargs, adaptive=True) if k == "auto"
                             else BenchConfig("speculative", rule, k, kwargs))
-    if compare_hf:
-        grid += [BenchConfig("hf-assisted", None, k) for k in ks if k != "auto"]
     return grid
 
 
@@ -159,17 +180,18 @@ def run_speculative(engine: SpeculativeEngine, cfg: BenchConfig, prompts: list[t
         on_prompt()
 
 
-def run_grid(engine: SpeculativeEngine, grid: list[BenchConfig], prompts: list[tuple[Prompt, list[int]]],
+def run_grid(engines: dict[Any, SpeculativeEngine], grid: list[BenchConfig], prompts: list[tuple[Prompt, list[int]]],
              base: GenerationParams, on_run: Callable[[BenchConfig], None], sink: list[ConfigResult]) -> None:
     """Every configuration on every prompt, prompt by prompt (all configurations on prompt 1, then
     prompt 2, ...): a machine that speeds up or slows down during a long run (another tenant,
     heat) then moves every row alike instead of favouring whichever ran in its fast minutes.
-    Results go into ``sink`` first, so an interrupted run keeps what finished."""
+    Results go into ``sink`` first, so an interrupted run keeps what finished. ``engines`` maps
+    each configuration's ``variant`` to the engine that runs it."""
     results = [ConfigResult(cfg, SpecStats(), {}, 0) for cfg in grid]
     sink.extend(results)
     for i, (prompt, ids) in enumerate(prompts):
         for result in results:
-            result.add(prompt, run_one(engine, result.config, i, ids, base))
+            result.add(prompt, run_one(engines[result.config.variant], result.config, i, ids, base))
             on_run(result.config)
 
 
@@ -245,7 +267,7 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
     for r in results:
         m = r.metrics()
         tps = m["tokens_per_second"]
-        row = {"config": r.config.label, "kind": r.config.kind, "rule": r.config.rule,
+        row = {"config": r.config.label, "kind": r.config.kind, "rule": r.config.rule, "compiled": r.config.compiled,
                "k": "auto" if r.config.adaptive else r.config.k, "max_draft_tokens": r.config.k if r.config.adaptive else None,
                "rule_params": r.config.rule_kwargs, "prompts": r.prompts_done, **m,
                "speedup": tps / base_tps if tps and base_tps else None,
@@ -267,7 +289,7 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
             "settings": settings, "prompts": [p.id for p in prompts], "results": rows, "cost_model": cost_model}
 
 
-CSV_COLUMNS = ["config", "kind", "rule", "k", "prompts", "num_output_tokens", "total_seconds", "tokens_per_second",
+CSV_COLUMNS = ["config", "kind", "rule", "k", "compiled", "prompts", "num_output_tokens", "total_seconds", "tokens_per_second",
                "ms_per_output_token", "speedup", "tokens_per_second_vs_hf", "mean_accepted_tokens_per_step",
                "mean_acceptance_length", "draft_acceptance_rate", "per_token_acceptance",
                "verifier_forward_passes_per_token", "mean_k",

@@ -21,6 +21,7 @@ MAX_DELTA = 1e6  # nats; any budget this large already accepts every draft, and 
 MIN_TEMPERATURE = 1e-3  # below this, logits / T overflows to inf and probabilities to NaN: use 0 (greedy)
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; bench adds the prompt index
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+COMPILE = ("auto", "on", "off")
 RULE_PARAM_KEYS = ("divergence", "epsilon", "alpha", "topk")  # rule parameters other than delta
 
 
@@ -46,6 +47,7 @@ class Settings:
     seed: int | None = None
     device: str = "auto"
     dtype: str = "auto"
+    compile: str = "auto"  # static caches + compiled steps: on for CUDA; on a CPU only where measured faster
     chat_template: bool | None = None  # None: use the tokenizer's chat template when it has one
     system: str | None = None
     stop: list[str] = field(default_factory=list)
@@ -90,6 +92,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "seed": (int, type(None)),
     "device": (str,),
     "dtype": (str,),
+    "compile": (str,),
     "chat_template": (bool, type(None)),
     "system": (str, type(None)),
     "stop": (list,),
@@ -137,6 +140,8 @@ def check_value(key: str, value: Any) -> str | None:
         return f"must be one of {', '.join(DEVICES)} or cuda:N (N a GPU index), got {value!r}"
     if key == "dtype" and value not in DTYPES:
         return f"must be one of {', '.join(DTYPES)}, got {value!r}"
+    if key == "compile" and value not in COMPILE:
+        return f"must be one of {', '.join(COMPILE)}, got {value!r}"
     if key == "rule":
         from cactus_cli.acceptance import RULES
 

@@ -5,13 +5,12 @@ optional draft model for when nothing matches)."""
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from cactus_cli.models import LoadedModel
+from cactus_cli.runners import CachedLM
 from cactus_cli.sampling import SamplingParams, probs_from_logits, sample
 
 
@@ -46,53 +45,6 @@ class Drafter(Protocol):
         the sequence grew by (the accepted drafts and the correction or bonus token)."""
 
 
-class CachedLM:
-    """A causal LM and its KV cache: feed new tokens, read logits, crop back. The one place
-    a model is called, so forward passes are counted here."""
-
-    def __init__(self, lm: LoadedModel, vocab_size: int):
-        self.lm = lm
-        self.vocab_size = vocab_size
-        self.cache = None
-        self.forward_passes = 0
-        # transformers 5 renamed past_key_values to cache (argument and output alike)
-        self._cache_arg = "cache" if "cache" in inspect.signature(lm.model.forward).parameters else "past_key_values"
-
-    def reset(self) -> None:
-        self.cache = None
-
-    @property
-    def cache_len(self) -> int:
-        return 0 if self.cache is None else int(self.cache.get_seq_length())
-
-    @torch.inference_mode()
-    def forward(self, ids: torch.Tensor | list[int], keep: int) -> torch.Tensor:
-        """Append ``ids`` [L] to the cache; return the last ``keep`` logits rows [keep, V]."""
-        ids = torch.as_tensor(ids, dtype=torch.int64, device=self.lm.device).view(1, -1)
-        out = self.lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{self._cache_arg: self.cache})
-        self.cache = out[self._cache_arg]
-        self.forward_passes += 1
-        return out.logits[0, -keep:, : self.vocab_size]  # padded embedding rows are never tokens
-
-    def prefill(self, prompt: list[int], previous: list[int], reuse: bool) -> int:
-        """Make the cache hold ``prompt[:-1]`` (the last token is fed by the next step). With
-        ``reuse``, keep the longest prefix it shares with ``previous`` (the sequence the cache
-        was built from). Returns the number of tokens kept."""
-        keep = min(common_prefix(previous[: self.cache_len], prompt), len(prompt) - 1) if reuse else 0
-        if keep:
-            self.crop(keep)
-        else:
-            self.reset()
-        if len(prompt) - 1 > keep:
-            self.forward(prompt[keep:-1], keep=1)
-        return keep
-
-    def crop(self, length: int) -> None:
-        extra = self.cache_len - length
-        if extra > 0:
-            self.cache.crop(-extra)  # negative: remove from the end (transformers 4.x and 5.x alike)
-
-
 class DraftModelDrafter:
     """Drafts with a small causal LM sharing the verifier's tokenizer.
 
@@ -100,8 +52,8 @@ class DraftModelDrafter:
     (1 token, or 2 after a full acceptance: the last draft and the bonus) in its first
     forward, so no forward pass is spent only on catching up."""
 
-    def __init__(self, lm: LoadedModel, vocab_size: int):
-        self.runner = CachedLM(lm, vocab_size)
+    def __init__(self, runner: CachedLM):
+        self.runner = runner  # eager or compiled: the same forward / crop calls
         self.seq: list[int] = []  # the sequence so far; the cache holds seq[: cache_len]
         self.pending: list[int] = []  # seq[cache_len:], fed by the next proposal
         self._k = 0  # size of the last proposal
@@ -263,11 +215,3 @@ def parse_draft(spec: str | None) -> tuple[bool, str | None]:
         return True, model
     return False, spec
 
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

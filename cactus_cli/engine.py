@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from cactus_cli.acceptance import divergences, emitted_distribution, greedy_verify, verify
-from cactus_cli.drafting import CachedLM, DraftModelDrafter, Drafter, NgramDrafter
+from cactus_cli.drafting import DraftModelDrafter, Drafter, NgramDrafter
+from cactus_cli.runners import CompileUnavailable, make_runner
 from cactus_cli.errors import ContextLimitError, ModelError
 from cactus_cli.events import Piece, StepEvent
 from cactus_cli.models import ModelPair
@@ -68,14 +69,17 @@ def eos_ids(pair: ModelPair) -> set[int]:
     return ids
 
 
-def cost_key(pair: ModelPair) -> dict[str, Any]:
-    """What step costs depend on: the models, device, dtype, threads and torch."""
+def cost_key(pair: ModelPair, compiled: bool = False) -> dict[str, Any]:
+    """What step costs depend on: the models, device, dtype, threads, torch and compilation."""
     from cactus_cli.models import device_name
 
     v = pair.verifier
-    return {"verifier": v.path, "draft": pair.draft.path if pair.draft else None, "device": device_name(v.device),
-            "dtype": str(v.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+    key = {"verifier": v.path, "draft": pair.draft.path if pair.draft else None, "device": device_name(v.device),
+           "dtype": str(v.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+           "torch": torch.__version__}
+    if compiled:
+        key["compiled"] = True  # (absent when eager, so eager caches from earlier versions still apply)
+    return key
 
 
 def sync(device: torch.device) -> None:
@@ -84,22 +88,70 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+DRAFT_WIDTHS = (1, 2)  # the draft's compiled steps: one token, or the last draft + the bonus after a full acceptance
+MAX_GRAPHS = 4  # verifier widths compiled as asked; a longer list (a sweep over k) is bucketed to powers of two
+
+
 class SpeculativeEngine:
-    def __init__(self, pair: ModelPair, ngram: tuple[int, int] | None = None):
+    def __init__(self, pair: ModelPair, ngram: tuple[int, int] | None = None, compiled: bool = False):
         """``ngram`` = (n_max, n_min) drafts by prompt lookup, with the pair's draft model (if any)
-        for when nothing matches."""
+        for when nothing matches. ``compiled``: static caches and compiled steps (runners.py)."""
         self.pair = pair
-        self.verifier = CachedLM(pair.verifier, pair.vocab_size)
-        model = DraftModelDrafter(pair.draft, pair.vocab_size) if pair.draft else None
-        self.drafter: Drafter | None = model
-        if ngram is not None:
-            self.drafter = NgramDrafter(pair.vocab_size, pair.verifier.device, ngram[0], ngram[1], fallback=model)
+        self.ngram = ngram
         self.eos = eos_ids(pair)
         limits = [pair.verifier.context_length] + ([pair.draft.context_length] if pair.draft else [])
         self.context_length = min(limits)
         self.tokens: list[int] = []  # the verified sequence; the verifier cache holds tokens[: cache_len]
-        key = cost_key(pair)
+        self.compile_note: str | None = None  # why a compiled engine runs eagerly, if it does
+        self.report: Callable[[str], None] | None = None  # progress lines (a compile during generate)
+        self._build(compiled)
+
+    def _build(self, compiled: bool) -> None:
+        """Runners, drafter and k policy; called again if compiling turns out not to work."""
+        pair, ngram = self.pair, self.ngram
+        self.compiled = compiled
+        self.verifier = make_runner(pair.verifier, pair.vocab_size, compiled, self.context_length, "verifier")
+        model = (DraftModelDrafter(make_runner(pair.draft, pair.vocab_size, compiled, self.context_length, "draft"))
+                 if pair.draft else None)
+        self.drafter: Drafter | None = model
+        if ngram is not None:
+            self.drafter = NgramDrafter(pair.vocab_size, pair.verifier.device, ngram[0], ngram[1], fallback=model)
+        self.tokens = []
+        key = cost_key(pair, compiled)
         self.policy = KPolicy(cache_path(key), key)  # what a step costs here; picks k for -k auto
+
+    def step_widths(self, k: int) -> tuple[int, ...]:
+        """The verifier's step width for draft length k (k_max with -k auto): every step of such a
+        run, k = 0 and shorter lookups included, is padded to it when compiled."""
+        return (k + 1,) if k > 0 and self.drafter is not None else (1,)
+
+    def prepare(self, tokens: int, widths: set[int] | tuple[int, ...], report: Callable[[str], None] | None = None,
+                exact: bool = True) -> None:
+        """Size the caches for ``tokens`` and compile the verifier's steps of these ``widths`` (and
+        the draft's) now, before anything is timed; more than MAX_GRAPHS widths (a sweep over k)
+        become power-of-two widths that shorter steps pad to. ``exact=False`` compiles only what no
+        compiled width covers. Eager runners: nothing to do. If compiling fails, the engine goes
+        eager and ``compile_note`` says why."""
+        if not self.compiled:
+            return
+        tokens = min(tokens, self.context_length + 1)
+        widths = sorted(set(widths))
+        if len(widths) > MAX_GRAPHS:
+            widths = sorted({1 << (w - 1).bit_length() for w in widths})
+        try:
+            self.verifier.reserve(tokens, tuple(widths), report, exact)
+            if self.draft_model is not None:
+                self.draft_model.runner.reserve(tokens, DRAFT_WIDTHS, report, exact)
+        except CompileUnavailable as err:
+            self.compile_note = f"compiling failed ({err}); running eagerly"
+            if report is not None:
+                report(self.compile_note)
+            self._build(False)
+
+    @property
+    def compile_seconds(self) -> float:
+        runners = [self.verifier] + ([self.draft_model.runner] if self.draft_model else [])
+        return sum(getattr(r, "compile_seconds", 0.0) for r in runners)
 
     @property
     def draft_model(self) -> DraftModelDrafter | None:
@@ -136,6 +188,7 @@ class SpeculativeEngine:
         if length < 4:
             return False
         ids = [(7 + 31 * i) % self.pair.vocab_size for i in range(length + k_max + 1)]
+        self.prepare(length + k_max + 2, self.step_widths(k_max))  # compiled: every width pads to k_max + 1
         self.reset()
         v = self.verifier
         with torch.inference_mode():
@@ -181,6 +234,8 @@ class SpeculativeEngine:
                 f"the prompt is {len(prompt_ids)} tokens but the context window is {self.context_length}; "
                 "shorten the prompt"
             )
+        self.prepare(len(prompt_ids) + params.max_tokens + 1, self.step_widths(params.num_draft_tokens), self.report,
+                     exact=False)
         return self._run(list(prompt_ids), params, reuse_cache)
 
     def _run(self, prompt: list[int], params: GenerationParams, reuse: bool) -> Iterator[StepEvent]:

@@ -13,21 +13,73 @@ from cactus_cli.models import ModelPair, load_pair
 from cactus_cli.sampling import SamplingParams
 
 
-def load_engine(settings: Settings, reporter=None, k_values: list[int | str] | None = None) -> SpeculativeEngine:
-    """Load the pair; when -k auto will run (``k_values`` lists the k a command will use) and this
-    pair has never been timed on this machine, seed the cost model with a short probe."""
+def load_engine(settings: Settings, reporter=None, compile_mode: str | None = None,
+                pair: ModelPair | None = None) -> SpeculativeEngine:
+    """Load the pair (or take ``pair``, already loaded) and build the engine, compiled or not
+    (``compile_mode`` overrides the settings': bench times several)."""
     from cactus_cli.drafting import parse_draft
 
     lookup, model = parse_draft(settings.draft)
-    pair: ModelPair = load_pair(settings.verifier, model, settings.tokenizer, settings.device,
-                                settings.dtype, reporter)
-    engine = SpeculativeEngine(pair, (settings.ngram_max, settings.ngram_min) if lookup else None)
+    if pair is None:
+        pair = load_pair(settings.verifier, model, settings.tokenizer, settings.device, settings.dtype, reporter)
+    compiled, note = resolve_compile(compile_mode or settings.compile, pair)
+    if note and reporter is not None:
+        reporter.warn(note)
+    return SpeculativeEngine(pair, (settings.ngram_max, settings.ngram_min) if lookup else None, compiled)
+
+
+PROMPT_ALLOWANCE = 512  # tokens of prompt a compiled engine is sized for before it sees the prompt (chat)
+
+
+def prepare(engine: SpeculativeEngine, settings: Settings, reporter=None, prompt_tokens: int = PROMPT_ALLOWANCE,
+            k_values: list[int | str] | None = None) -> None:
+    """Before anything is timed: compile the steps the run will take (a compiled engine), and
+    when -k auto will run (``k_values`` lists the k a command will use) on a pair never timed on
+    this machine, seed the cost model with a short probe."""
     ks = k_values if k_values is not None else [settings.num_draft_tokens]
+    report = reporter.task if reporter is not None else None
+    widths = {w for k in ks for w in engine.step_widths(settings.max_draft_tokens if k == "auto" else int(k))}
+    if engine.drafter is not None and k_values is not None:
+        widths.add(1)  # bench and calibrate also time the verifier alone
+    engine.prepare(prompt_tokens + settings.max_tokens + 1, widths, report)
+    if engine.compile_note and reporter is not None:
+        reporter.warn(engine.compile_note)
     if engine.drafter is not None and "auto" in ks and not engine.policy.costs.knows(engine.cost_source):
         if reporter is not None:
             reporter.task("measuring step costs on this machine (once per pair, device and dtype)")
         engine.probe_costs(settings.max_draft_tokens)
-    return engine
+
+
+def resolve_compile(mode: str, pair: ModelPair) -> tuple[bool, str | None]:
+    """``--compile`` to on/off, and a warning line when "on" cannot be honoured. auto: on for
+    CUDA; on a CPU only where earlier runs of this pair measured the compiled verifier faster
+    (compiling there costs a minute and pays only when a forward is overhead-bound)."""
+    from cactus_cli.runners import compile_problem
+
+    if mode == "off":
+        return False, None
+    device = pair.verifier.device
+    problem = compile_problem(device)
+    if mode == "on":
+        return (False, f"--compile on: {problem}; running eagerly") if problem else (True, None)
+    if problem or device.type != "cuda" and not _measured_faster(pair):
+        return False, None
+    return True, None
+
+
+def _measured_faster(pair: ModelPair) -> bool:
+    """Both cost caches exist and the compiled verifier's one-token step was >= 10% faster."""
+    from cactus_cli.engine import cost_key
+    from cactus_cli.policy import KPolicy, cache_path
+
+    t = []
+    for compiled in (False, True):
+        key = cost_key(pair, compiled)
+        costs = KPolicy(cache_path(key), key).costs
+        if not costs.verify:
+            return False
+        t.append(costs.t_v(1))
+    return t[1] < 0.9 * t[0]
 
 
 def draft_limit(settings: Settings) -> int:

@@ -185,6 +185,9 @@ class LoadProgress:
     def done(self, description: str) -> None:
         self.console.print(f"[green]✓[/] {description}")
 
+    def warn(self, message: str) -> None:
+        self.console.print(f"[yellow]warning:[/] {message}")
+
 
 def cost_line(cm: dict) -> str:
     """One line of the cost model: draft ms per token, verifier ms by width, a, best k."""

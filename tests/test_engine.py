@@ -11,6 +11,7 @@ import torch
 from cactus_cli.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.errors import ContextLimitError, ModelError
 from cactus_cli.models import load_pair
+from cactus_cli.runners import compile_problem
 from cactus_cli.sampling import SamplingParams, probs_from_logits
 from cactus_cli.stats import SpecStats
 from tests.stats_helpers import assert_matches
@@ -81,13 +82,16 @@ def test_test_drafts_cover_rejection_and_partial_acceptance(pairs):
     assert sum(stats.acceptance_histogram[1:4]) > 0
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs, adaptive, monkeypatch):
+@pytest.mark.parametrize("adaptive,compiled", [(False, False), (True, False), (False, True)])
+def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs, adaptive, compiled, monkeypatch):
     # The first two generated tokens' joint distribution over many seeds must equal the verifier's
     # exact one (top-k 3 sampling: 9 cells). N = 1500 runs; L1 bound at false-failure odds 1e-4.
     # With -k auto the k of each step comes from the policy: here its real choice on the first run
     # of each seed's step, overridden on every third step by a scripted 0/1/2 cycle so all three k
     # (and the draft's catch-up after k = 0) are exercised; the choice never sees the current step.
+    # compiled: static caches and compiled steps (test_compile.py), same bound.
+    if compiled and compile_problem(torch.device("cpu")) is not None:
+        pytest.skip(f"torch.compile cannot run here: {compile_problem(torch.device('cpu'))}")
     pair = pairs["disagree"]
     sp = SamplingParams(temperature=1.5, top_k=3, top_p=1.0)
     ids = prompt_ids(pair, "the dog")
@@ -102,7 +106,7 @@ def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs
                 exact[(t1, t2)] = (q1[t1] * q2[t2]).item()
     cells = sorted(exact)
     index = {c: i for i, c in enumerate(cells)}
-    engine = SpeculativeEngine(pair)
+    engine = SpeculativeEngine(pair, compiled=compiled)
     if adaptive:
         real_choose, calls = engine.policy.choose, itertools.count()
         script = itertools.cycle([0, 1, 2, 2, 0, 1])

@@ -18,6 +18,7 @@ def bench(
     rules: Annotated[str, typer.Option("--rules", help="Comma list of rules: sps,cactus,cactus-exact,tas,topk,interp.", rich_help_panel=o.DECODING)] = "sps,cactus",
     deltas: Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values for the rules that take one (default: the profile's).", rich_help_panel=o.DECODING)] = None,
     ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of draft lengths, `auto` included (default: the profile's).", rich_help_panel=o.DECODING)] = None,
+    compiles: Annotated[Optional[str], typer.Option("--compile", help="Comma list of auto, on, off: time eager and compiled engines side by side, e.g. --compile off,on (default: the profile's).", rich_help_panel=o.RUNTIME)] = None,
     prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL file with 'prompt' and optional 'id', 'category' (default: the built-in set).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Use only the first N prompts (the built-in set is interleaved by category).")] = None,
     category: Annotated[Optional[str], typer.Option("--category", help="Comma list of prompt categories to keep (built-in: code, math, instructions, writing, grounded).")] = None,
@@ -46,6 +47,10 @@ def bench(
         delta_list = b.parse_list(deltas, float, "--delta") if deltas else [settings.delta]
         k_list = b.parse_ks(ks) if ks else [settings.num_draft_tokens]
         rule_list = b.parse_list(rules, str, "--rules")
+        compile_list = b.parse_list(compiles, str, "--compile") if compiles else [settings.compile]
+        from cactus_cli.config import check_each
+
+        check_each("compile", compile_list, "--compile")
         grid = b.build_grid(rule_list, delta_list, k_list, settings.rule_params, compare_hf, settings.max_draft_tokens)
         prompts = load_prompts(str(prompts_file) if prompts_file else None, limit,
                                b.parse_list(category, str, "--category") if category else None)
@@ -63,8 +68,23 @@ def bench(
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         with ui.LoadProgress(err) as progress:
-            engine = runtime.load_engine(settings, progress, k_list)
-        encoded = runtime.encode_prompts(engine, prompts, settings.chat_template)
+            engines: dict = {}
+            for mode in compile_list:  # one pair in memory, an engine per distinct variant
+                pair = next(iter(engines.values())).pair if engines else None
+                engine = runtime.load_engine(settings, progress, mode, pair)
+                engines.setdefault(engine.compiled, engine)
+            engine = next(iter(engines.values()))
+            encoded = runtime.encode_prompts(engine, prompts, settings.chat_template)
+            longest = max(len(ids) for _, ids in encoded)
+            for e in engines.values():
+                runtime.prepare(e, settings, progress, longest, k_list)
+            # a compiled engine that fell back to eager (the warning says why) is not a second variant
+            ready: dict = {}
+            for e in engines.values():
+                ready.setdefault(e.compiled, e)
+            engines = ready
+            grid = b.build_grid(rule_list, delta_list, k_list, settings.rule_params, compare_hf,
+                                settings.max_draft_tokens, list(engines))
         base = runtime.generation_params(settings)
         base.measure = meter
 
@@ -72,8 +92,9 @@ def bench(
         interrupted = False
         with ui.bench_progress(err, len(grid) * len(prompts)) as advance:
             try:
-                b.warm_up(engine, encoded[0][1], base, max(c.k for c in grid))
-                b.run_grid(engine, grid, encoded, base, lambda cfg: advance(1, cfg.label), results)
+                for e in engines.values():
+                    b.warm_up(e, encoded[0][1], base, max(c.k for c in grid))
+                b.run_grid(engines, grid, encoded, base, lambda cfg: advance(1, cfg.label), results)
             except KeyboardInterrupt:
                 interrupted = True
         env = b.environment(engine, settings.to_dict())

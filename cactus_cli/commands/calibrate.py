@@ -12,7 +12,7 @@ from cactus_cli import options as o
 from cactus_cli.commands import user_errors
 
 
-@o.shared_options(*o.MODEL_AND_SAMPLING, "rule")
+@o.shared_options(*o.MODEL_AND_SAMPLING, "rule", "compile")
 def calibrate(
     deltas: Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values to sweep (0 is always added). Default: 0,0.1,0.25,0.5,0.75,1,1.5,2.", rich_help_panel=o.DECODING)] = None,
     ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of candidate k (default 1..12), timed against the verifier alone and -k auto; the delta sweep runs at the profile's k (for auto: the candidate nearest 4).", rich_help_panel=o.DECODING)] = None,
@@ -72,8 +72,9 @@ def calibrate(
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         with ui.LoadProgress(err) as progress:
-            engine = runtime.load_engine(settings, progress, ["auto"])
-        encoded = runtime.encode_prompts(engine, prompts, settings.chat_template)
+            engine = runtime.load_engine(settings, progress)
+            encoded = runtime.encode_prompts(engine, prompts, settings.chat_template)
+            runtime.prepare(engine, settings, progress, max(len(ids) for _, ids in encoded), [*k_list, "auto"])
         base = runtime.generation_params(settings)
         runs = (len(set(delta_list) | {0.0}) + 2 + min(cal_mod.KEEP_K + 1, len(set(k_list)))) * len(prompts)
         with ui.bench_progress(err, runs) as advance:

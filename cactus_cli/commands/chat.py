@@ -41,7 +41,10 @@ def chat(*, shared: o.Shared) -> None:
 
         def load(s):
             with ui.LoadProgress(err) as progress:
-                return runtime.load_engine(s, progress)
+                engine = runtime.load_engine(s, progress)
+                runtime.prepare(engine, s, progress)
+            engine.report = out.note  # a long conversation outgrows the compiled cache now and then
+            return engine
 
         session = ChatSession(settings, flags, load, out)
         if interactive:

@@ -50,12 +50,13 @@ def generate(
 
         runtime.fill_seed(settings)
         err_console = ui.make_console(no_color=shared.no_color, stderr=True)
-        with ui.LoadProgress(err_console) as progress:
-            engine = runtime.load_engine(settings, progress)
         messages = ([{"role": "system", "content": settings.system}] if settings.system else []) + [
             {"role": "user", "content": prompt}
         ]
-        ids = runtime.encode(engine.pair.tokenizer, messages, settings.chat_template)
+        with ui.LoadProgress(err_console) as progress:
+            engine = runtime.load_engine(settings, progress)
+            ids = runtime.encode(engine.pair.tokenizer, messages, settings.chat_template)
+            runtime.prepare(engine, settings, progress, len(ids))
         params = runtime.generation_params(settings)
 
         out_console = ui.make_console(no_color=shared.no_color)
@@ -82,6 +83,8 @@ def generate(
             doc["settings"]["dtype_resolved"] = str(engine.pair.verifier.dtype).removeprefix("torch.")
             doc["settings"]["device_resolved"] = str(engine.pair.verifier.device)
             doc["settings"]["dtype_reason"] = engine.pair.dtype_reason
+            doc["settings"]["compiled"] = engine.compiled
+            doc["settings"]["compile_seconds"] = engine.compile_seconds
             doc["cost_model"] = engine.cost_summary(params)
             typer.echo(json.dumps(doc, indent=2))
             if interrupted:

@@ -1,0 +1,265 @@
+"""Model runners: a causal LM and its KV cache behind one interface (``forward`` new tokens and
+read logits, ``crop`` back after a rejection, ``prefill`` a prompt, ``reserve`` room for a
+request). The engine and the drafters only ever call these.
+
+- ``CachedLM``: eager calls with transformers' dynamic cache (grows and shrinks as needed).
+- ``CompiledLM``: a static cache sized once per request and fixed-shape step functions compiled
+  with ``torch.compile`` (``fullgraph=True, dynamic=False``; CUDA graphs on CUDA through
+  ``mode="reduce-overhead"``). Rollback rewinds the cache length: stale slots are masked (the
+  mask is causal over slot index, and slot index = position) and then overwritten.
+
+A forward of width w runs the smallest compiled width >= w, padding the input (the padded
+rows' logits are dropped and their cache slots rewound); widths above every compiled one, and
+prefills, run eagerly over the same static cache. Masks and positions are built outside the
+graph, so a graph sees the same shapes every call and never recompiles after its warm-up.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Callable
+
+import torch
+
+from cactus_cli.models import LoadedModel
+
+COMPILE_MODES = ("auto", "on", "off")
+MIN_CAPACITY = 512  # static caches come in powers of two from here, so a growing chat recompiles rarely
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def cache_argument(model) -> str:
+    """transformers 5 renamed past_key_values to cache (argument and output alike)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+class CachedLM:
+    """A causal LM and its dynamic KV cache, called eagerly. The one place a model is called
+    (with ``CompiledLM``), so forward passes are counted here."""
+
+    compiled = False
+
+    def __init__(self, lm: LoadedModel, vocab_size: int):
+        self.lm = lm
+        self.vocab_size = vocab_size
+        self.cache = None
+        self.forward_passes = 0
+        self._cache_arg = cache_argument(lm.model)
+
+    def reset(self) -> None:
+        self.cache = None
+
+    @property
+    def cache_len(self) -> int:
+        return 0 if self.cache is None else int(self.cache.get_seq_length())
+
+    def reserve(self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None,
+                exact: bool = True) -> None:
+        """Room for ``tokens`` cached tokens and steps of these widths: nothing to do for a dynamic cache."""
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor | list[int], keep: int) -> torch.Tensor:
+        """Append ``ids`` [L] to the cache; return the last ``keep`` logits rows [keep, V]."""
+        ids = torch.as_tensor(ids, dtype=torch.int64, device=self.lm.device).view(1, -1)
+        out = self.lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{self._cache_arg: self.cache})
+        self.cache = out[self._cache_arg]
+        self.forward_passes += 1
+        return out.logits[0, -keep:, : self.vocab_size]  # padded embedding rows are never tokens
+
+    def prefill(self, prompt: list[int], previous: list[int], reuse: bool) -> int:
+        """Make the cache hold ``prompt[:-1]`` (the last token is fed by the next step). With
+        ``reuse``, keep the longest prefix it shares with ``previous`` (the sequence the cache
+        was built from). Returns the number of tokens kept."""
+        keep = min(common_prefix(previous[: self.cache_len], prompt), len(prompt) - 1) if reuse else 0
+        if keep:
+            self.crop(keep)
+        else:
+            self.reset()
+        if len(prompt) - 1 > keep:
+            self.forward(prompt[keep:-1], keep=1)
+        return keep
+
+    def crop(self, length: int) -> None:
+        extra = self.cache_len - length
+        if extra > 0:
+            self.cache.crop(-extra)  # negative: remove from the end (transformers 4.x and 5.x alike)
+
+
+class CompileUnavailable(RuntimeError):
+    """torch.compile cannot run here (no C++ compiler, an unsupported model, an old torch)."""
+
+
+def compile_problem(device: torch.device) -> str | None:
+    """Why compiling cannot work on ``device``, checked before trying (None: worth a try)."""
+    import shutil
+
+    if not hasattr(torch, "compile"):
+        return f"torch {torch.__version__} has no torch.compile"
+    if device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        return "no C++ compiler (g++ or clang++) for torch.compile's CPU backend"
+    if device.type == "mps":
+        return "torch.compile does not support MPS well enough yet"
+    try:
+        from transformers import StaticCache  # noqa: F401
+    except ImportError:
+        return "this transformers has no StaticCache"
+    return None
+
+
+def _raise_recompile_limit() -> None:
+    """One graph per (runner, width, cache size): more than dynamo's default of 8 entries per
+    function in a bench over many k, so raise the limit once."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 256))
+    if hasattr(cfg, "accumulated_recompile_limit"):
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4096)
+
+
+class CompiledLM(CachedLM):
+    """A static KV cache and compiled fixed-width steps (see the module docstring)."""
+
+    compiled = True
+
+    def __init__(self, lm: LoadedModel, vocab_size: int, context_length: int, role: str = "model"):
+        super().__init__(lm, vocab_size)
+        self.role = role
+        self.context_length = context_length
+        self.capacity = 0
+        self.length = 0  # tokens cached (the static cache's own counter is a device tensor: no syncs)
+        self.widths: dict[int, Callable] = {}  # compiled width -> step function
+        self.compile_seconds = 0.0
+        self._slots: torch.Tensor | None = None
+        self._mode = "reduce-overhead" if lm.device.type == "cuda" else None
+        _raise_recompile_limit()
+
+    # -- the cache ---------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        if self.cache is not None and self.length:
+            self.cache.crop(-self.length)
+        self.length = 0
+
+    @property
+    def cache_len(self) -> int:
+        return self.length
+
+    def crop(self, length: int) -> None:
+        extra = self.length - length
+        if extra > 0:
+            self.cache.crop(-extra)  # rewinds each layer's length in place: the graphs keep their addresses
+            self.length = length
+
+    def reserve(self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None,
+                exact: bool = True) -> None:
+        """Size the static cache for ``tokens`` plus the widest step, and compile (with a warm-up)
+        each width not compiled yet (``exact=False``: only widths no compiled one can pad to). A
+        bigger cache is a new allocation (its contents are lost, so the next prefill starts over)
+        and new graphs."""
+        if not exact:
+            widths = tuple(w for w in widths if not any(c >= w for c in self.widths))
+        need = tokens + max(widths + tuple(self.widths) + (1,))
+        if need > self.capacity:
+            cap = MIN_CAPACITY
+            while cap < need:
+                cap *= 2
+            self._allocate(min(cap, self.context_length + max(widths + (1,)) + 1))
+        for w in sorted(set(widths) - set(self.widths)):
+            self._compile(w, report)
+
+    def _allocate(self, capacity: int) -> None:
+        from transformers import StaticCache
+
+        self.cache = StaticCache(config=self.lm.model.config, max_cache_len=capacity)
+        self.capacity, self.length = capacity, 0
+        self._slots = torch.arange(capacity, device=self.lm.device)
+        with torch.inference_mode():  # one eager token allocates every layer (static addresses) before any tracing
+            pos, mask = self._inputs(0, 1)
+            self._call(torch.zeros(1, 1, dtype=torch.int64, device=self.lm.device), pos, mask, 1)
+            self.cache.crop(-1)
+        old, self.widths = sorted(self.widths), {}
+        for w in old:  # the graphs captured the old cache: build them again for the new one
+            self._compile(w, None)
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def _inputs(self, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [1, width] and the additive mask [1, 1, width, capacity]: query i (at
+        position start + i) sees slots 0..start + i; later slots are stale or padding."""
+        dev = self.lm.device
+        pos = torch.arange(start, start + width, device=dev).clamp_(max=self.capacity - 1).view(1, width)
+        blocked = self._slots.view(1, -1) > pos.view(width, 1)  # [width, capacity]
+        mask = torch.zeros(1, 1, width, self.capacity, dtype=self.lm.dtype, device=dev)
+        mask.masked_fill_(blocked, torch.finfo(self.lm.dtype).min)
+        return pos, mask
+
+    def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, keep: int) -> torch.Tensor:
+        out = self.lm.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                            logits_to_keep=keep, **{self._cache_arg: self.cache})
+        return out.logits
+
+    @torch.inference_mode()  # as forward runs: a graph traced outside it would be traced again inside
+    def _compile(self, width: int, report: Callable[[str], None] | None) -> None:
+        if report is not None:
+            report(f"compiling the {self.role}'s {width}-token step (once per run; excluded from tokens/s)")
+        fn = torch.compile(self._call, fullgraph=True, dynamic=False, mode=self._mode)
+        t0 = time.perf_counter()
+        ids = torch.zeros(1, width, dtype=torch.int64, device=self.lm.device)
+        saved = self.length
+        try:
+            # warm-up at the end of what is cached, then rewind: on CUDA the first calls warm up
+            # and record the graph, so three calls leave it ready to replay
+            for _ in range(3 if self._mode else 1):
+                pos, mask = self._inputs(self.length, width)
+                fn(ids, pos, mask, width)
+                self.cache.crop(-width)
+        except Exception as err:  # noqa: BLE001 - any compiler failure means "run eagerly"
+            raise CompileUnavailable(first_line(err)) from err
+        finally:
+            self.length = saved
+        if self.lm.device.type == "cuda":
+            torch.cuda.synchronize(self.lm.device)
+        self.compile_seconds += time.perf_counter() - t0
+        self.widths[width] = fn
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor | list[int], keep: int) -> torch.Tensor:
+        ids = torch.as_tensor(ids, dtype=torch.int64, device=self.lm.device).view(1, -1)
+        w = ids.shape[1]
+        if self.length + w > self.capacity:
+            raise RuntimeError(f"the static cache holds {self.capacity} tokens; reserve() more before this forward")
+        width = min((c for c in self.widths if c >= w), default=None)
+        if width is None or self.length + width > self.capacity:  # a prefill or a long catch-up: eager
+            pos, mask = self._inputs(self.length, w)
+            rows = self._call(ids, pos, mask, keep)[0]  # [keep, V]
+        else:
+            if width > w:
+                ids = torch.cat([ids, ids.new_zeros(1, width - w)], 1)  # padding: rows dropped, slots rewound
+            pos, mask = self._inputs(self.length, width)
+            if self._mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            rows = self.widths[width](ids, pos, mask, width)[0, w - keep : w].clone()  # a CUDA graph reuses its output
+            if width > w:
+                self.cache.crop(-(width - w))
+        self.length += w
+        self.forward_passes += 1
+        return rows[:, : self.vocab_size]
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".strip().rstrip(":")
+
+
+def make_runner(lm: LoadedModel, vocab_size: int, compiled: bool, context_length: int, role: str) -> CachedLM:
+    return CompiledLM(lm, vocab_size, context_length, role) if compiled else CachedLM(lm, vocab_size)

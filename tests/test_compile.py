@@ -1,0 +1,186 @@
+"""The compiled fast path (runners.CompiledLM): static KV caches, fixed-width compiled steps,
+rollback by rewinding the cache length. Checked on CPU in float32 against the eager engine:
+greedy output token for token, logits after rewinds, SpS exactness (test_engine), no
+recompilation after warm-up, and a clean fall back to eager when compiling fails."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cactus_cli.cli import app
+from cactus_cli.engine import GenerationParams, SpeculativeEngine, cost_key
+from cactus_cli.models import load_pair
+from cactus_cli.policy import KPolicy, cache_path
+from cactus_cli.runners import CachedLM, CompiledLM, compile_problem
+from cactus_cli.runtime import resolve_compile
+from cactus_cli.sampling import SamplingParams
+from tests.test_engine import GREEDY, hf_greedy, prompt_ids, run
+
+needs_compiler = pytest.mark.skipif(compile_problem(torch.device("cpu")) is not None,
+                                    reason=f"torch.compile cannot run here: {compile_problem(torch.device('cpu'))}")
+K_MAX = 8
+
+
+@pytest.fixture(scope="module")
+def close_pair(tiny):
+    return load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32")
+
+
+@pytest.fixture(scope="module")
+def compiled(close_pair):
+    """One compiled engine for the module: widths for k = 1, 4 and auto (k_max 8) and the draft's."""
+    engine = SpeculativeEngine(close_pair, compiled=True)
+    engine.prepare(64, {2, 5, K_MAX + 1})
+    assert engine.compiled and engine.compile_note is None
+    return engine
+
+
+def greedy(k, adaptive=False, n=40):
+    return GenerationParams(sampling=GREEDY, rule="cactus", rule_kwargs={"delta": 1.0}, num_draft_tokens=k,
+                            adaptive_k=adaptive, max_tokens=n, ignore_eos=True)
+
+
+@needs_compiler
+@pytest.mark.parametrize("k,adaptive", [(1, False), (4, False), (K_MAX, True)])
+def test_compiled_greedy_equals_eager_greedy(close_pair, compiled, k, adaptive):
+    ids = prompt_ids(close_pair)
+    eager_tokens, _, _ = run(SpeculativeEngine(close_pair), ids, greedy(k, adaptive))
+    tokens, stats, _ = run(compiled, ids, greedy(k, adaptive))
+    assert tokens == eager_tokens == hf_greedy(close_pair, ids, 40)
+    if not adaptive:  # (auto mostly picks k = 0 on this pair: every step padded to k_max + 1)
+        assert 0 < stats.draft_acceptance_rate < 1  # rejections happened: rewinds were exercised
+    lengths = compiled.cache_lengths()
+    assert lengths["verifier"] == lengths["sequence"] - 1
+
+
+@needs_compiler
+def test_rewound_cache_gives_the_logits_of_a_fresh_prefill(close_pair, compiled):
+    # a 5-token verify step, then a rejection at every position j: rewind to the prompt + j
+    # drafts, feed a correction token through the compiled (padded) step, and compare with a
+    # fresh full pass over the same sequence
+    v = compiled.verifier
+    assert isinstance(v, CompiledLM) and 5 in v.widths
+    ids = prompt_ids(close_pair)
+    drafts, correction = [10, 11, 12, 13], 20
+    for j in range(5):
+        v.prefill(ids, [], reuse=False)  # the cache holds ids[:-1]; the step feeds ids[-1]
+        v.forward([ids[-1]] + drafts, keep=5)
+        v.crop(len(ids) + j)
+        got = v.forward([correction], keep=1)[0]
+        seq = ids + drafts[:j] + [correction]
+        with torch.no_grad():
+            want = close_pair.verifier.model(torch.tensor([seq])).logits[0, -1, : close_pair.vocab_size]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert v.cache_len == len(seq)
+    compiled.reset()
+
+
+@needs_compiler
+def test_no_recompilation_after_warm_up(close_pair, compiled):
+    from torch._dynamo.utils import counters
+
+    ids = prompt_ids(close_pair)
+    sampled = GenerationParams(sampling=SamplingParams(0.8, 0, 1.0), rule="cactus", rule_kwargs={"delta": 0.5},
+                               num_draft_tokens=4, max_tokens=30, ignore_eos=True, seed=3)
+    run(compiled, ids, greedy(4))  # anything left to trace is traced here
+    before = (dict(counters["stats"]), dict(counters["frames"]))
+    for params in (greedy(1), greedy(4), greedy(K_MAX, True), sampled):
+        run(compiled, ids, params)
+        run(compiled, prompt_ids(close_pair, "the dog ran on the road and"), params)
+    assert (dict(counters["stats"]), dict(counters["frames"])) == before
+
+
+@needs_compiler
+def test_chat_reuse_keeps_working_compiled(close_pair, compiled):
+    ids = prompt_ids(close_pair)
+    first, _, _ = run(compiled, ids, greedy(4, n=10))
+    turn2 = ids + first + prompt_ids(close_pair, "the cat")
+    params = greedy(4, n=12)
+    reused = list(compiled.generate(turn2, params, reuse_cache=True))
+    assert reused[0].reused_tokens == len(ids) + len(first) - 1
+    tokens = [t for ev in reused for t in ev.emitted]
+    assert tokens == hf_greedy(close_pair, turn2, 12)
+
+
+def test_a_failing_compiler_falls_back_to_eager_with_one_line(close_pair, monkeypatch):
+    def broken(*args, **kwargs):
+        def step(*a, **k):
+            raise RuntimeError("InductorError: no working C++ compiler\nlong traceback text")
+        return step
+
+    monkeypatch.setattr(torch, "compile", broken)
+    engine = SpeculativeEngine(close_pair, compiled=True)
+    lines = []
+    engine.prepare(64, {5}, lines.append)
+    assert not engine.compiled and isinstance(engine.verifier, CachedLM) and not isinstance(engine.verifier, CompiledLM)
+    assert engine.compile_note == "compiling failed (RuntimeError: InductorError: no working C++ compiler); running eagerly"
+    assert lines[-1] == engine.compile_note
+    ids = prompt_ids(close_pair)
+    assert run(engine, ids, greedy(4))[0] == hf_greedy(close_pair, ids, 40)
+
+
+def test_compile_auto_is_off_on_cpu_until_measured_faster(close_pair):
+    assert resolve_compile("auto", close_pair) == (False, None)
+    assert resolve_compile("off", close_pair) == (False, None)
+    for compiled, seconds in ((False, 0.010), (True, 0.004)):  # what two earlier runs measured
+        key = cost_key(close_pair, compiled)
+        policy = KPolicy(cache_path(key), key)
+        for _ in range(3):
+            policy.costs.add_verify(1, seconds)
+        policy.dirty = True
+        policy.save()
+    expected = compile_problem(torch.device("cpu")) is None
+    assert resolve_compile("auto", close_pair) == (expected, None)
+
+
+def test_compile_on_without_a_compiler_warns_and_runs_eagerly(close_pair, monkeypatch):
+    import cactus_cli.runners as runners
+
+    monkeypatch.setattr(runners, "compile_problem", lambda device: "no C++ compiler (g++ or clang++) for torch.compile's CPU backend")
+    assert resolve_compile("on", close_pair) == (
+        False, "--compile on: no C++ compiler (g++ or clang++) for torch.compile's CPU backend; running eagerly")
+
+
+# --------------------------------------------------------------------------- the CLI
+
+cli = CliRunner()
+
+
+def pair_args(tiny):
+    return ["--verifier", tiny["verifier"], "--draft", tiny["draft_close"], "--device", "cpu", "--dtype", "float32"]
+
+
+@needs_compiler
+def test_generate_compile_on(tiny):
+    r = cli.invoke(app, ["generate", "the cat sat", *pair_args(tiny), "-k", "4", "-n", "12", "-t", "0",
+                         "--compile", "on", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["settings"]["compiled"] is True and doc["settings"]["compile_seconds"] > 0
+    off = json.loads(cli.invoke(app, ["generate", "the cat sat", *pair_args(tiny), "-k", "4", "-n", "12", "-t", "0",
+                                      "--compile", "off", "--json"]).stdout)
+    assert off["settings"]["compiled"] is False and off["text"] == doc["text"]
+
+
+@needs_compiler
+def test_bench_times_eager_and_compiled_side_by_side(tiny):
+    r = cli.invoke(app, ["bench", *pair_args(tiny), "--compile", "off,on", "--rules", "sps", "-k", "2", "-t", "0",
+                         "--limit", "2", "-n", "8", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["results"]
+    assert [(row["config"], row["compiled"]) for row in rows] == [
+        ("verifier alone · eager", False), ("sps k=2 · eager", False),
+        ("verifier alone · compiled", True), ("sps k=2 · compiled", True)]
+    assert rows[1]["num_output_tokens"] == rows[3]["num_output_tokens"]
+    assert rows[1]["acceptance_histogram"] == rows[3]["acceptance_histogram"]  # greedy: the same steps
+
+
+def test_bad_compile_values_are_one_line_errors(tiny):
+    for cmd in (["generate", "hi"], ["bench"]):
+        r = cli.invoke(app, [*cmd, *pair_args(tiny), "--compile", "maybe"])
+        assert r.exit_code == 2
+        assert "--compile" in r.stderr and "auto, on, off" in r.stderr and "Traceback" not in r.output
