@@ -27,11 +27,12 @@ class BenchConfig:
     rule_kwargs: dict[str, Any] = field(default_factory=dict)
     adaptive: bool = False  # -k auto
     compiled: bool = False  # which engine runs it: bench --compile off,on times both side by side
+    quantize: str = "none"  # ... and --quantize none,int8
     tag: str = ""  # names the engine in the label when a grid has more than one
 
     @property
-    def variant(self) -> bool:
-        return self.compiled
+    def variant(self) -> tuple[str, bool]:
+        return self.quantize, self.compiled
 
     @property
     def k_label(self) -> str:
@@ -73,18 +74,21 @@ def parse_ks(text: str) -> list[int | str]:
 
 
 def build_grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_params: dict[str, Any],
-               compare_hf: bool, k_max: int = 8, variants: list[bool] = (False,)) -> list[BenchConfig]:
-    """Per engine variant (eager, compiled): the baseline, then each rule (x delta where it takes
-    one) x k; then HF rows (eager only). ``auto`` in ``ks`` is the adaptive k (0..k_max)."""
+               compare_hf: bool, k_max: int = 8, variants: list[tuple[str, bool]] = (("none", False),)) -> list[BenchConfig]:
+    """Per engine variant (quantize, compiled): the baseline, then each rule (x delta where it
+    takes one) x k; then HF rows (first variant's models, eager). ``auto`` in ``ks`` is the
+    adaptive k (0..k_max)."""
     import dataclasses
 
     grid: list[BenchConfig] = []
-    for compiled in variants:
-        tag = ("compiled" if compiled else "eager") if len(variants) > 1 else ""
-        grid += [dataclasses.replace(c, compiled=compiled, tag=tag)
+    several_q = len({q for q, _ in variants}) > 1
+    several_c = len({c for _, c in variants}) > 1
+    for quantize, compiled in variants:
+        tag = ", ".join(([quantize] if several_q else []) + (["compiled" if compiled else "eager"] if several_c else []))
+        grid += [dataclasses.replace(c, quantize=quantize, compiled=compiled, tag=tag)
                  for c in _grid(rules, deltas, ks, rule_params, k_max)]
     if compare_hf:
-        grid += [BenchConfig("hf-assisted", None, k) for k in ks if k != "auto"]
+        grid += [BenchConfig("hf-assisted", None, k, quantize=variants[0][0], compiled=variants[0][1]) for k in ks if k != "auto"]
     return grid
 
 
@@ -268,6 +272,7 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
         m = r.metrics()
         tps = m["tokens_per_second"]
         row = {"config": r.config.label, "kind": r.config.kind, "rule": r.config.rule, "compiled": r.config.compiled,
+               "quantize": r.config.quantize,
                "k": "auto" if r.config.adaptive else r.config.k, "max_draft_tokens": r.config.k if r.config.adaptive else None,
                "rule_params": r.config.rule_kwargs, "prompts": r.prompts_done, **m,
                "speedup": tps / base_tps if tps and base_tps else None,
@@ -289,7 +294,7 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
             "settings": settings, "prompts": [p.id for p in prompts], "results": rows, "cost_model": cost_model}
 
 
-CSV_COLUMNS = ["config", "kind", "rule", "k", "compiled", "prompts", "num_output_tokens", "total_seconds", "tokens_per_second",
+CSV_COLUMNS = ["config", "kind", "rule", "k", "quantize", "compiled", "prompts", "num_output_tokens", "total_seconds", "tokens_per_second",
                "ms_per_output_token", "speedup", "tokens_per_second_vs_hf", "mean_accepted_tokens_per_step",
                "mean_acceptance_length", "draft_acceptance_rate", "per_token_acceptance",
                "verifier_forward_passes_per_token", "mean_k",

@@ -22,6 +22,7 @@ MIN_TEMPERATURE = 1e-3  # below this, logits / T overflows to inf and probabilit
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; bench adds the prompt index
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 COMPILE = ("auto", "on", "off")
+QUANTIZE = ("auto", "none", "int8", "int4")
 RULE_PARAM_KEYS = ("divergence", "epsilon", "alpha", "topk")  # rule parameters other than delta
 
 
@@ -48,6 +49,7 @@ class Settings:
     device: str = "auto"
     dtype: str = "auto"
     compile: str = "auto"  # static caches + compiled steps: on for CUDA; on a CPU only where measured faster
+    quantize: str = "none"  # weight-only int8 / int4 Linear layers; auto: int8 on a CPU, none on a GPU
     chat_template: bool | None = None  # None: use the tokenizer's chat template when it has one
     system: str | None = None
     stop: list[str] = field(default_factory=list)
@@ -93,6 +95,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "device": (str,),
     "dtype": (str,),
     "compile": (str,),
+    "quantize": (str,),
     "chat_template": (bool, type(None)),
     "system": (str, type(None)),
     "stop": (list,),
@@ -142,6 +145,8 @@ def check_value(key: str, value: Any) -> str | None:
         return f"must be one of {', '.join(DTYPES)}, got {value!r}"
     if key == "compile" and value not in COMPILE:
         return f"must be one of {', '.join(COMPILE)}, got {value!r}"
+    if key == "quantize" and value not in QUANTIZE:
+        return f"must be one of {', '.join(QUANTIZE)}, got {value!r}"
     if key == "rule":
         from cactus_cli.acceptance import RULES
 

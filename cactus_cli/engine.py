@@ -79,6 +79,8 @@ def cost_key(pair: ModelPair, compiled: bool = False) -> dict[str, Any]:
            "torch": torch.__version__}
     if compiled:
         key["compiled"] = True  # (absent when eager, so eager caches from earlier versions still apply)
+    if v.quantize != "none":
+        key["quantize"] = v.quantize
     return key
 
 

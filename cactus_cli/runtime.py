@@ -14,14 +14,15 @@ from cactus_cli.sampling import SamplingParams
 
 
 def load_engine(settings: Settings, reporter=None, compile_mode: str | None = None,
-                pair: ModelPair | None = None) -> SpeculativeEngine:
+                pair: ModelPair | None = None, quantize: str | None = None) -> SpeculativeEngine:
     """Load the pair (or take ``pair``, already loaded) and build the engine, compiled or not
-    (``compile_mode`` overrides the settings': bench times several)."""
+    (``compile_mode`` and ``quantize`` override the settings': bench times several)."""
     from cactus_cli.drafting import parse_draft
 
     lookup, model = parse_draft(settings.draft)
     if pair is None:
-        pair = load_pair(settings.verifier, model, settings.tokenizer, settings.device, settings.dtype, reporter)
+        pair = load_pair(settings.verifier, model, settings.tokenizer, settings.device, settings.dtype, reporter,
+                         quantize or settings.quantize)
     compiled, note = resolve_compile(compile_mode or settings.compile, pair)
     if note and reporter is not None:
         reporter.warn(note)

@@ -446,3 +446,21 @@ def plot_calibration_png(doc: dict, path) -> None:
     fig.savefig(tmp)
     plt.close(fig)
     tmp.replace(path)
+
+
+def print_quality(console: Console, doc: dict) -> None:
+    """`cactus models quality`: one row per quantization."""
+    from rich.table import Table
+
+    table = Table(title=f"{doc['verifier']} · {doc['texts']} texts · teacher-forced", title_justify="left")
+    for col in ("quantize", "weights", "mean NLL", "Δ NLL", "greedy agreement", f"within {doc['tolerance_nats']:g}"):
+        table.add_column(col, justify="left" if col == "quantize" else "right")
+    for r in doc["results"]:
+        ref = r["quantize"] == "none"
+        table.add_row("none, bfloat16" if ref else r["quantize"], f"{r['weight_gb']:.2f} GB",
+                      f"{r['mean_nll']:.4f}", "-" if ref else f"{r['nll_vs_reference']:+.4f}",
+                      "-" if ref else f"{100 * r['greedy_agreement']:.1f}%",
+                      "-" if ref else ("yes" if r["within_tolerance"] else "no"))
+    console.print(table)
+    console.print("Δ NLL: nats per token above the unquantized model; greedy agreement: positions where both "
+                  "pick the same next token", style="dim")

@@ -19,6 +19,7 @@ def bench(
     deltas: Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values for the rules that take one (default: the profile's).", rich_help_panel=o.DECODING)] = None,
     ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of draft lengths, `auto` included (default: the profile's).", rich_help_panel=o.DECODING)] = None,
     compiles: Annotated[Optional[str], typer.Option("--compile", help="Comma list of auto, on, off: time eager and compiled engines side by side, e.g. --compile off,on (default: the profile's).", rich_help_panel=o.RUNTIME)] = None,
+    quantizes: Annotated[Optional[str], typer.Option("--quantize", help="Comma list of none, int8, int4, auto: time weight-only quantized models side by side, e.g. --quantize none,int8 (default: the profile's).", rich_help_panel=o.RUNTIME)] = None,
     prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL file with 'prompt' and optional 'id', 'category' (default: the built-in set).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Use only the first N prompts (the built-in set is interleaved by category).")] = None,
     category: Annotated[Optional[str], typer.Option("--category", help="Comma list of prompt categories to keep (built-in: code, math, instructions, writing, grounded).")] = None,
@@ -51,6 +52,8 @@ def bench(
         from cactus_cli.config import check_each
 
         check_each("compile", compile_list, "--compile")
+        quantize_list = b.parse_list(quantizes, str, "--quantize") if quantizes else [settings.quantize]
+        check_each("quantize", quantize_list, "--quantize")
         grid = b.build_grid(rule_list, delta_list, k_list, settings.rule_params, compare_hf, settings.max_draft_tokens)
         prompts = load_prompts(str(prompts_file) if prompts_file else None, limit,
                                b.parse_list(category, str, "--category") if category else None)
@@ -69,10 +72,12 @@ def bench(
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         with ui.LoadProgress(err) as progress:
             engines: dict = {}
-            for mode in compile_list:  # one pair in memory, an engine per distinct variant
-                pair = next(iter(engines.values())).pair if engines else None
-                engine = runtime.load_engine(settings, progress, mode, pair)
-                engines.setdefault(engine.compiled, engine)
+            for quantize in quantize_list:  # a pair in memory per quantization, an engine per variant
+                pair = None
+                for mode in compile_list:
+                    engine = runtime.load_engine(settings, progress, mode, pair, quantize)
+                    pair = engine.pair
+                    engines.setdefault((pair.verifier.quantize, engine.compiled), engine)
             engine = next(iter(engines.values()))
             encoded = runtime.encode_prompts(engine, prompts, settings.chat_template)
             longest = max(len(ids) for _, ids in encoded)
@@ -81,7 +86,7 @@ def bench(
             # a compiled engine that fell back to eager (the warning says why) is not a second variant
             ready: dict = {}
             for e in engines.values():
-                ready.setdefault(e.compiled, e)
+                ready.setdefault((e.pair.verifier.quantize, e.compiled), e)
             engines = ready
             grid = b.build_grid(rule_list, delta_list, k_list, settings.rule_params, compare_hf,
                                 settings.max_draft_tokens, list(engines))

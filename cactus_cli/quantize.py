@@ -1,0 +1,234 @@
+"""Weight-only quantization of every Linear layer (lm_head included), with torch's own packed
+kernels, the way gpt-fast does it:
+
+- ``int8``: symmetric, one scale per output channel. CPU: ``aten._weight_int8pack_mm``;
+  elsewhere ``F.linear(x, w.to(x.dtype)) * scales``, which torch.compile fuses (CUDA).
+- ``int4``: asymmetric, one scale and zero per group of ``INT4_GROUP`` input channels.
+  CPU: ``aten._weight_int4pack_mm_for_cpu``; CUDA: ``aten._weight_int4pack_mm`` (tinygemm).
+
+Activations stay in the model's dtype (bfloat16: the packed CPU kernels are fast only there).
+torchao was the first choice and was measured first: torchao 0.18 with torch 2.13 could not load
+its compiled extension, its Int8WeightOnlyConfig ran a 1536x8960 matmul 2.3x *slower* than
+bfloat16 (3.85 vs 1.70 ms) and its CPU int4 layout is gone; torch's kernels ran it in 0.60 ms
+(int8) and 0.56 ms (int4). See CHANGELOG.
+
+Quantized tensors are cached (``$CACTUS_HOME/quantized``, keyed by the weights, method, group
+and versions), so a second start does not quantize again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+METHODS = ("none", "int8", "int4")
+INT4_GROUP = 32  # input channels per int4 scale/zero: 32 keeps the embedded verifier within 0.03 nats
+INT4_TILES = 8  # inner k tiles of the CUDA int4 packing
+FORMAT = 2  # bump when what is cached changes (2: int4 keeps the head in int8)
+
+
+# --------------------------------------------------------------------------- the arithmetic
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (q int8 [N, K], scales float32 [N]) with w ~= q * scales[:, None]."""
+    w = w.float()
+    scales = (w.abs().amax(1) / 127).clamp(min=1e-10)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return q.float() * scales[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] -> (q in 0..15 as uint8 [N, K], scales [N, K/group], mins [N, K/group]) with
+    w ~= q * scale + min per group (asymmetric: the group's range maps onto 16 levels)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = ((hi - lo) / 15).clamp(min=1e-10)
+    q = torch.round((g - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scales, lo
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    g = q.float().reshape(n, scales.shape[1], -1)
+    return (g * scales[..., None] + mins[..., None]).reshape(n, k)
+
+
+# --------------------------------------------------------------------------- the layers
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.register_buffer("weight", q)
+        self.register_buffer("scales", scales.to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.device.type == "cpu":
+            out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales)
+        else:
+            out = F.linear(x2, self.weight.to(x2.dtype)) * self.scales
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.group = q.shape[1] // scales.shape[1]
+        # the kernels compute w = (q - 8) * scale + zero per group, so zero = min + 8 * scale;
+        # scales_and_zeros is [K/group, N, 2]
+        zeros = mins + 8 * scales
+        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
+                             .to(device=device, dtype=dtype))
+        q32 = q.to(device=device, dtype=torch.int32)
+        if device.type == "cpu":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32, INT4_TILES)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack((q32[:, ::2] << 4 | q32[:, 1::2]).to(torch.uint8),
+                                                                INT4_TILES)
+        self.register_buffer("weight", packed)
+        self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        if x2.device.type == "cpu":
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.group, self.scales_and_zeros)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm(x2, self.weight, self.group, self.scales_and_zeros)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+
+def fits(method: str, linear: nn.Linear) -> bool:
+    """Whether the packed kernel takes this layer's shape (int4: whole groups, an even width)."""
+    n, k = linear.weight.shape
+    return method == "int8" or (k % INT4_GROUP == 0 and n % 8 == 0)
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def cache_file(weights_key: dict, method: str) -> Path:
+    from cactus_cli.embedded import cache_dir
+
+    key = {"weights": weights_key, "method": method, "group": INT4_GROUP if method == "int4" else None,
+           "format": FORMAT, "torch": torch.__version__.split("+")[0]}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "quantized" / f"{method}-{digest}.safetensors"
+
+
+def weights_key(location: str) -> dict:
+    """What identifies the weights: each weight file's name, size and modification time (a
+    folder), or the cached hub snapshot they come from."""
+    folder = Path(location)
+    if not folder.is_dir():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(location, "config.json")
+            if isinstance(found, str):
+                folder = Path(found).parent  # .../snapshots/<commit>
+        except Exception:  # noqa: BLE001 - no hub cache: key by name alone
+            return {"source": location}
+    files = sorted(p for p in folder.glob("*") if p.suffix in (".safetensors", ".bin", ".json"))
+    return {"source": str(folder.resolve()), "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+
+
+def quantize_model(model: nn.Module, method: str, location: str, report: Callable[[str], None] | None = None) -> str:
+    """Replace every nn.Linear of ``model`` (lm_head included) by its ``method`` version, from the
+    cache when this model was quantized before. Returns a short description for the user."""
+    from safetensors.torch import load_file, save_file
+
+    param = next(model.parameters())
+    dtype, device = param.dtype, param.device
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    out = model.get_output_embeddings()
+    head = next((name for name, m in linears if m is out), None)  # int4 keeps the head in int8: logits are what we sample
+    path = cache_file(weights_key(location), method)
+    cached: dict[str, torch.Tensor] = {}
+    if path.is_file():
+        try:
+            # copies, not views of a memory map: a cache file replaced or truncated while this
+            # process runs must not pull the weights from under it
+            cached = {k: v.clone() for k, v in load_file(str(path)).items()}
+        except Exception:  # noqa: BLE001 - a damaged cache is quantized again
+            cached = {}
+    fresh: dict[str, torch.Tensor] = {}
+    if report is not None and not cached:
+        report(f"quantizing {len(linears)} layers to {method} (once; cached for the next start)")
+    skipped = 0
+    for name, lin in linears:
+        kind = "int8" if name == head else method
+        if not fits(kind, lin):
+            skipped += 1
+            continue
+        bias = lin.bias.detach() if lin.bias is not None else None
+        if kind == "int8":
+            if f"{name}.q" in cached:
+                q, scales = cached[f"{name}.q"], cached[f"{name}.scales"]
+            else:
+                q, scales = quantize_int8(lin.weight.detach())
+                fresh.update({f"{name}.q": q.cpu(), f"{name}.scales": scales.cpu()})
+            new: nn.Module = Int8Linear(q.to(device), scales.to(device), bias, dtype)
+        else:
+            if f"{name}.q" in cached:
+                packed, scales, mins = cached[f"{name}.q"], cached[f"{name}.scales"], cached[f"{name}.mins"]
+                q = torch.stack([packed >> 4, packed & 15], -1).reshape(packed.shape[0], -1)
+            else:
+                q, scales, mins = quantize_int4(lin.weight.detach())
+                fresh.update({f"{name}.q": (q[:, ::2] << 4 | q[:, 1::2]).cpu(), f"{name}.scales": scales.cpu(),
+                              f"{name}.mins": mins.cpu()})
+            new = Int4Linear(q, scales, mins, bias, dtype, device)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
+    if fresh:
+        _save(path, {**cached, **fresh}, save_file)
+    return f"{method} weights ({len(linears) - skipped} layers{f', {skipped} kept in full precision' if skipped else ''})"
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor], save_file) -> None:
+    """Atomically (a crash leaves no half-written cache); a failure only costs the next start."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of parameters and buffers (what a forward reads, roughly)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total

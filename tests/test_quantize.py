@@ -1,0 +1,155 @@
+"""Weight-only quantization (quantize.py): round-trip error bounds, the packed kernels against
+the dequantized weights, a quantized pair's greedy speculative output against its own verifier,
+the on-disk cache, and the quality report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import cactus_cli.quantize as qz
+from cactus_cli.cli import app
+from cactus_cli.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.models import load_pair
+from tests.test_engine import GREEDY, prompt_ids, run
+
+cli = CliRunner()
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (256, 128), (96, 1536)])
+def test_int8_round_trip_is_within_half_a_step_per_channel(shape):
+    torch.manual_seed(shape[0])
+    w = torch.randn(shape) * torch.rand(shape[0], 1) * 3  # channels of very different ranges
+    q, scales = qz.quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.shape == (shape[0],)
+    err = (qz.dequantize_int8(q, scales) - w).abs()
+    assert (err <= scales[:, None] / 2 + 1e-6).all()
+    assert (q.abs() <= 127).all()
+    assert (q.abs().amax(1) == 127).all()  # each channel's largest weight uses the full range
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (256, 128), (96, 1536)])
+def test_int4_round_trip_is_within_half_a_step_per_group(shape):
+    torch.manual_seed(shape[1])
+    w = torch.randn(shape) + torch.linspace(-2, 2, shape[1])  # groups with offsets: asymmetric ranges
+    q, scales, mins = qz.quantize_int4(w)
+    assert q.min() >= 0 and q.max() <= 15
+    err = (qz.dequantize_int4(q, scales, mins) - w).abs().reshape(shape[0], -1, qz.INT4_GROUP)
+    assert (err <= scales[..., None] / 2 + 1e-6).all()
+    # the group's extremes are represented exactly (up to float rounding)
+    g = w.reshape(shape[0], -1, qz.INT4_GROUP)
+    torch.testing.assert_close(mins, g.amin(-1))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_packed_kernels_compute_the_dequantized_matmul(method):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 96, bias=True)
+    w = lin.weight.detach()
+    if method == "int8":
+        q, s = qz.quantize_int8(w)
+        layer, deq = qz.Int8Linear(q, s, lin.bias.detach(), torch.bfloat16), qz.dequantize_int8(q, s)
+    else:
+        q, s, m = qz.quantize_int4(w)
+        layer = qz.Int4Linear(q, s, m, lin.bias.detach(), torch.bfloat16, torch.device("cpu"))
+        deq = qz.dequantize_int4(q, s, m)
+    for rows in (1, 5):
+        x = torch.randn(2, rows, 128).to(torch.bfloat16)
+        want = x.float() @ deq.t() + lin.bias.detach()
+        got = layer(x).float()
+        assert got.shape == (2, rows, 96)
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)  # bfloat16 activations and scales
+
+
+@pytest.fixture(scope="module")
+def quantized_pairs(tiny):
+    return {m: load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "auto", quantize=m) for m in ("int8", "int4")}
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_quantized_pair_greedy_speculative_equals_its_verifier_alone(quantized_pairs, method, k):
+    pair = quantized_pairs[method]
+    assert pair.verifier.dtype == torch.bfloat16 and pair.verifier.quantize == method
+    assert isinstance(pair.verifier.model.lm_head, qz.Int8Linear)  # the head is int8 in both methods
+    ids = prompt_ids(pair)
+    n = 40
+    alone, _, _ = run(SpeculativeEngine(pair), ids, GenerationParams(sampling=GREEDY, num_draft_tokens=0,
+                                                                      max_tokens=n, ignore_eos=True))
+    spec, stats, _ = run(SpeculativeEngine(pair), ids, GenerationParams(sampling=GREEDY, num_draft_tokens=k,
+                                                                        max_tokens=n, ignore_eos=True))
+    assert spec == alone
+    assert 0 < stats.draft_acceptance_rate < 1
+
+
+def test_quantized_weights_are_cached_and_reused(tiny, monkeypatch, isolated_home):
+    calls = []
+    real = qz.quantize_int8
+
+    def counting(w):
+        calls.append(w.shape)
+        return real(w)
+
+    monkeypatch.setattr(qz, "quantize_int8", counting)
+    first = load_pair(tiny["verifier"], None, None, "cpu", "auto", quantize="int8")
+    n_layers = len(calls)
+    assert n_layers == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
+    files = list((isolated_home / "quantized").glob("int8-*.safetensors"))
+    assert len(files) == 1 and not list((isolated_home / "quantized").glob(".*tmp"))
+    second = load_pair(tiny["verifier"], None, None, "cpu", "auto", quantize="int8")
+    assert len(calls) == n_layers  # nothing quantized again
+    ids = torch.tensor([prompt_ids(first)])
+    with torch.no_grad():
+        torch.testing.assert_close(first.verifier.model(ids).logits, second.verifier.model(ids).logits, atol=0, rtol=0)
+    files[0].write_bytes(b"not a safetensors file")  # a damaged cache is rebuilt, not trusted
+    load_pair(tiny["verifier"], None, None, "cpu", "auto", quantize="int8")
+    assert len(calls) == 2 * n_layers
+
+
+def test_quantize_needs_bfloat16_activations_on_cpu(tiny):
+    r = cli.invoke(app, ["generate", "hi", "--verifier", tiny["verifier"], "--draft", "none", "--device", "cpu",
+                         "--dtype", "float32", "--quantize", "int8"])
+    assert r.exit_code == 2
+    assert r.stderr.strip() == ("error: --quantize int8 runs on bfloat16 activations; use --dtype bfloat16 (or auto), "
+                                "or --quantize none to run in float32")
+    r = cli.invoke(app, ["generate", "hi", "--verifier", tiny["verifier"], "--quantize", "int3"])
+    assert r.exit_code == 2 and "--quantize must be one of auto, none, int8, int4" in r.stderr
+
+
+def test_quantize_auto_is_int8_on_cpu(tiny):
+    r = cli.invoke(app, ["generate", "the cat", "--verifier", tiny["verifier"], "--draft", tiny["draft_close"],
+                         "--device", "cpu", "--quantize", "auto", "-n", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["settings"]["dtype_resolved"] == "bfloat16"
+    assert doc["settings"]["dtype_reason"] == "int8 weights run on bfloat16 activations"
+
+
+def test_models_quality_reports_nll_and_agreement(tiny):
+    r = cli.invoke(app, ["models", "quality", "--verifier", tiny["verifier"], "--device", "cpu", "--limit", "6", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    rows = {row["quantize"]: row for row in doc["results"]}
+    assert list(rows) == ["none", "int8", "int4"]
+    assert rows["none"]["nll_vs_reference"] == 0 and rows["none"]["greedy_agreement"] == 1
+    assert rows["int8"]["tokens"] == rows["none"]["tokens"] > 20
+    # int8 barely moves a model; int4 moves it more (random weights, so only loose bounds)
+    assert abs(rows["int8"]["nll_vs_reference"]) < 0.05 and rows["int8"]["greedy_agreement"] > 0.9
+    assert abs(rows["int8"]["nll_vs_reference"]) <= abs(rows["int4"]["nll_vs_reference"]) + 1e-3
+    assert rows["int4"]["weight_gb"] < rows["int8"]["weight_gb"] < rows["none"]["weight_gb"]
+    bad = cli.invoke(app, ["models", "quality", "--verifier", tiny["verifier"], "--quantize", "none"])
+    assert bad.exit_code == 2 and "the unquantized model is always the reference" in bad.stderr
+
+
+def test_bench_times_quantizations_side_by_side(tiny):
+    r = cli.invoke(app, ["bench", "--verifier", tiny["verifier"], "--draft", tiny["draft_close"], "--device", "cpu",
+                         "--dtype", "bfloat16", "--compile", "off", "--quantize", "none,int8", "--rules", "sps",
+                         "-k", "2", "-t", "0", "--limit", "2", "-n", "8", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["results"]
+    assert [(row["config"], row["quantize"]) for row in rows] == [
+        ("verifier alone · none", "none"), ("sps k=2 · none", "none"),
+        ("verifier alone · int8", "int8"), ("sps k=2 · int8", "int8")]
