@@ -132,12 +132,15 @@ def fits(method: str, linear: nn.Linear) -> bool:
 
 
 def cache_file(weights_key: dict, method: str) -> Path:
+    """``<method>-<weights>-<everything>.safetensors``: the middle part names the model, so a new
+    cache for it (new weights, a new torch) replaces the old one instead of piling up."""
     from cactus_cli.embedded import cache_dir
 
     key = {"weights": weights_key, "method": method, "group": INT4_GROUP if method == "int4" else None,
            "format": FORMAT, "torch": torch.__version__.split("+")[0]}
+    model = hashlib.sha256(json.dumps(weights_key.get("source")).encode()).hexdigest()[:8]
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "quantized" / f"{method}-{digest}.safetensors"
+    return cache_dir() / "quantized" / f"{method}-{model}-{digest}.safetensors"
 
 
 def weights_key(location: str) -> dict:
@@ -218,6 +221,10 @@ def _save(path: Path, tensors: dict[str, torch.Tensor], save_file) -> None:
         try:
             save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
             os.replace(tmp, path)
+            method, model, _ = path.name.split("-", 2)
+            for stale in path.parent.glob(f"{method}-{model}-*.safetensors"):
+                if stale != path:
+                    stale.unlink(missing_ok=True)
         finally:
             Path(tmp).unlink(missing_ok=True)
     except OSError:

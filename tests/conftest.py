@@ -100,6 +100,15 @@ def tiny(tmp_path_factory) -> dict[str, str]:
     return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_home(tmp_path_factory):
+    """Module- and session-scoped fixtures run before the per-test home below is set: they
+    write (cost and quantization caches) here, never in the user's ~/.cache/cactus."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CACTUS_HOME", str(tmp_path_factory.mktemp("session_home")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def isolated_home(tmp_path, monkeypatch):
     monkeypatch.setenv("CACTUS_HOME", str(tmp_path / "cactus_home"))

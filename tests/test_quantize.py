@@ -107,6 +107,11 @@ def test_quantized_weights_are_cached_and_reused(tiny, monkeypatch, isolated_hom
     files[0].write_bytes(b"not a safetensors file")  # a damaged cache is rebuilt, not trusted
     load_pair(tiny["verifier"], None, None, "cpu", "auto", quantize="int8")
     assert len(calls) == 2 * n_layers
+    monkeypatch.setattr(qz, "FORMAT", qz.FORMAT + 1)  # a new cache format (or torch) replaces the old file
+    load_pair(tiny["verifier"], None, None, "cpu", "auto", quantize="int8")
+    assert len(calls) == 3 * n_layers
+    assert [f.name for f in (isolated_home / "quantized").glob("int8-*")] != [files[0].name]
+    assert len(list((isolated_home / "quantized").glob("int8-*"))) == 1
 
 
 def test_quantize_needs_bfloat16_activations_on_cpu(tiny):
