@@ -155,12 +155,13 @@ def resolve_dtype(name: str, device: torch.device, mlp_shape: tuple[int, int] | 
 AUTO_QUANTIZE_CPU = "int8"  # what quantize: auto picks on a CPU (README: measured on the embedded pair)
 
 
-def resolve_quantize(name: str, device: torch.device) -> str:
+def resolve_quantize(name: str, device: torch.device, dtype: str = "auto") -> str:
     """``auto``: weight-only quantization on a CPU (decoding there is bound by bytes read per
-    token), none on a GPU (whose kernels here need a compiled graph to pay)."""
+    token), none on a GPU (whose kernels here need a compiled graph to pay), and none when the
+    user asked for activations the kernels do not run fast on (``--dtype float32``)."""
     if name != "auto":
         return name
-    return AUTO_QUANTIZE_CPU if device.type == "cpu" else "none"
+    return AUTO_QUANTIZE_CPU if device.type == "cpu" and dtype in ("auto", "bfloat16") else "none"
 
 
 def quantized_dtype(method: str, dtype: str, device: torch.device) -> tuple[torch.dtype, str]:
@@ -380,7 +381,7 @@ def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, de
             own = _own_tokenizer(src)
             if own is not None:
                 check_same_vocab(own, tok, name, tokenizer, what=f"--tokenizer {tokenizer!r} and model {name!r}")
-    quantize = resolve_quantize(quantize, dev)
+    quantize = resolve_quantize(quantize, dev, dtype)
     if quantize != "none":
         dt, why = quantized_dtype(quantize, dtype, dev)
     else:

