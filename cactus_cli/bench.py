@@ -122,6 +122,9 @@ class ConfigResult:
     stats: SpecStats
     by_category: dict[str, SpecStats]
     prompts_done: int
+    correct: int = 0  # eval: problems answered correctly, out of ``graded``
+    graded: int = 0
+    answers: list[dict[str, Any]] = field(default_factory=list)  # eval: one per problem
 
     def metrics(self, stats: SpecStats | None = None) -> dict[str, Any]:
         s = stats or self.stats
@@ -153,24 +156,31 @@ class ConfigResult:
             "mean_verifier_loglik": s.mean_verifier_loglik,
         }
 
-    def add(self, prompt: Prompt, s: SpecStats) -> None:
+    def add(self, prompt: Prompt, s: SpecStats, verdict: tuple[bool, str | None] | None = None) -> None:
         self.stats.merge(s)
         self.by_category.setdefault(prompt.category, SpecStats()).merge(s)
         self.prompts_done += 1
+        if verdict is not None:
+            ok, given = verdict
+            self.graded += 1
+            self.correct += int(ok)
+            self.answers.append({"id": prompt.id, "category": prompt.category, "answer": given, "correct": ok})
 
 
-def run_one(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int], base: GenerationParams) -> SpecStats:
+def run_one(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int],
+            base: GenerationParams) -> tuple[SpecStats, str]:
     """One configuration on prompt ``i`` (seed = base seed + i, so every configuration sees the
-    same seeds)."""
+    same seeds): its stats and the text it generated."""
     if cfg.kind == "hf-assisted":
         return _one_hf(engine, cfg, i, ids, base)
     params = GenerationParams(sampling=base.sampling, rule=cfg.rule or "sps", rule_kwargs=cfg.rule_kwargs,
                               num_draft_tokens=cfg.k, adaptive_k=cfg.adaptive, max_tokens=base.max_tokens,
                               stop=base.stop, seed=base.seed + i, measure=base.measure)
-    s = SpecStats()
+    s, text = SpecStats(), []
     for ev in engine.generate(ids, params):
         s.update(ev)
-    return s
+        text.append(ev.text)
+    return s, "".join(text)
 
 
 def run_speculative(engine: SpeculativeEngine, cfg: BenchConfig, prompts: list[tuple[Prompt, list[int]]],
@@ -180,26 +190,30 @@ def run_speculative(engine: SpeculativeEngine, cfg: BenchConfig, prompts: list[t
     result = ConfigResult(cfg, SpecStats(), {}, 0)
     sink.append(result)
     for i, (prompt, ids) in enumerate(prompts):
-        result.add(prompt, run_one(engine, cfg, i, ids, base))
+        result.add(prompt, run_one(engine, cfg, i, ids, base)[0])
         on_prompt()
 
 
 def run_grid(engines: dict[Any, SpeculativeEngine], grid: list[BenchConfig], prompts: list[tuple[Prompt, list[int]]],
-             base: GenerationParams, on_run: Callable[[BenchConfig], None], sink: list[ConfigResult]) -> None:
+             base: GenerationParams, on_run: Callable[[BenchConfig], None], sink: list[ConfigResult],
+             grade: Callable[[Prompt, str], tuple[bool, str | None]] | None = None) -> None:
     """Every configuration on every prompt, prompt by prompt (all configurations on prompt 1, then
     prompt 2, ...): a machine that speeds up or slows down during a long run (another tenant,
     heat) then moves every row alike instead of favouring whichever ran in its fast minutes.
     Results go into ``sink`` first, so an interrupted run keeps what finished. ``engines`` maps
-    each configuration's ``variant`` to the engine that runs it."""
+    each configuration's ``variant`` to the engine that runs it. With ``grade`` (eval), each
+    generated text is graded against its prompt's answer."""
     results = [ConfigResult(cfg, SpecStats(), {}, 0) for cfg in grid]
     sink.extend(results)
     for i, (prompt, ids) in enumerate(prompts):
         for result in results:
-            result.add(prompt, run_one(engines[result.config.variant], result.config, i, ids, base))
+            stats, text = run_one(engines[result.config.variant], result.config, i, ids, base)
+            result.add(prompt, stats, grade(prompt, text) if grade is not None else None)
             on_run(result.config)
 
 
-def _one_hf(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int], base: GenerationParams) -> SpecStats:
+def _one_hf(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int],
+            base: GenerationParams) -> tuple[SpecStats, str]:
     """transformers' assisted generation, like for like: a constant k draft tokens per step."""
     pair = engine.pair
     if pair.draft is None:
@@ -225,8 +239,9 @@ def _one_hf(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int],
     with torch.inference_mode():
         out = pair.verifier.model.generate(x, **kwargs)
     sync(dev)
+    text = pair.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
     return SpecStats(prompt_tokens=len(ids), num_output_tokens=int(out.shape[1] - len(ids)),
-                     total_seconds=time.perf_counter() - t0)
+                     total_seconds=time.perf_counter() - t0), text
 
 
 def warm_up(engine: SpeculativeEngine, ids: list[int], base: GenerationParams, k: int) -> None:
@@ -279,6 +294,12 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
                "tokens_per_second_vs_hf": (tps / hf[r.config.k] if r.config.kind == "speculative"
                                            and not r.config.adaptive and hf.get(r.config.k) and tps else None),
                "by_category": {}}
+        if r.graded:  # eval: accuracy with its 95% Wilson interval
+            from cactus_cli.tasks import wilson
+
+            lo, hi = wilson(r.correct, r.graded)
+            row.update(problems=r.graded, correct=r.correct, accuracy=r.correct / r.graded,
+                       accuracy_ci95_low=lo, accuracy_ci95_high=hi, answers=r.answers)
         for cat, s in sorted(r.by_category.items()):
             cm = r.metrics(s)
             base_cat = base.by_category.get(cat) if base else None
@@ -289,12 +310,16 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
                 "draft_acceptance_rate": cm["draft_acceptance_rate"],
                 "speedup": cm["tokens_per_second"] / btps if cm["tokens_per_second"] and btps else None,
             }
+            graded = [a["correct"] for a in r.answers if a["category"] == cat]
+            if graded:
+                row["by_category"][cat]["accuracy"] = sum(graded) / len(graded)
         rows.append(row)
     return {"schema_version": SCHEMA_VERSION, "interrupted": interrupted, "environment": env,
             "settings": settings, "prompts": [p.id for p in prompts], "results": rows, "cost_model": cost_model}
 
 
-CSV_COLUMNS = ["config", "kind", "rule", "k", "quantize", "compiled", "prompts", "num_output_tokens", "total_seconds", "tokens_per_second",
+CSV_COLUMNS = ["config", "kind", "rule", "k", "quantize", "compiled", "prompts", "problems", "correct", "accuracy",
+               "accuracy_ci95_low", "accuracy_ci95_high", "num_output_tokens", "total_seconds", "tokens_per_second",
                "ms_per_output_token", "speedup", "tokens_per_second_vs_hf", "mean_accepted_tokens_per_step",
                "mean_acceptance_length", "draft_acceptance_rate", "per_token_acceptance",
                "verifier_forward_passes_per_token", "mean_k",

@@ -299,6 +299,46 @@ def print_bench(console: Console, doc: dict) -> None:
         console.print(t2)
 
 
+def print_eval(console: Console, doc: dict) -> None:
+    """Accuracy (95% Wilson interval) beside speed, one row per configuration; a note when the
+    intervals of the verifier alone and a configuration overlap."""
+    from rich.table import Table
+
+    if not console.is_terminal:
+        console.width = max(console.width, 132)
+    rows = doc["results"]
+    env = doc["environment"]
+    title = (f"{env['verifier']} / {env['draft']} · {env['device']} {env['dtype']} · "
+             f"{len(doc['prompts'])} problems · T={doc['settings']['temperature']}")
+    table = Table(title=title, title_justify="left", caption_justify="left", padding=(0, 1),
+                  caption="accuracy with its 95% Wilson interval; MAL: mean acceptance length (1 + accepted drafts "
+                  "per step); a: per-token acceptance; speedup over the verifier alone")
+    table.add_column("config", overflow="fold", min_width=12)
+    metered = any(r.get("realized_kl_mean") is not None for r in rows)
+    for header in ("accuracy", "95% interval", "n", "MAL", "a", "tok/s", "speedup") + (("KL",) if metered else ()):
+        table.add_column(header, justify="right", no_wrap=True)
+    for r in rows:
+        if r.get("problems") is None:
+            continue
+        al = r.get("mean_acceptance_length")
+        cells = [f"{100 * r['accuracy']:.1f}%", f"{100 * r['accuracy_ci95_low']:.1f}–{100 * r['accuracy_ci95_high']:.1f}%",
+                 str(r["problems"]), "-" if r["kind"] == "autoregressive" or al is None else f"{al:.2f}",
+                 "-" if r.get("per_token_acceptance") is None else f"{r['per_token_acceptance']:.3f}",
+                 "-" if r.get("tokens_per_second") is None else f"{r['tokens_per_second']:.2f}",
+                 "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"]
+        if metered:
+            cells.append("-" if r.get("realized_kl_mean") is None else f"{r['realized_kl_mean']:.4f}")
+        table.add_row(r["config"], *cells)
+    console.print(table)
+    base = next((r for r in rows if r["kind"] == "autoregressive" and r.get("problems")), None)
+    if base is not None:
+        inside = [r["config"] for r in rows if r is not base and r.get("problems")
+                  and r["accuracy_ci95_low"] <= base["accuracy_ci95_high"] and base["accuracy_ci95_low"] <= r["accuracy_ci95_high"]]
+        if inside:
+            console.print(Text(f"inside the verifier's interval (no difference shown at this n): {', '.join(inside)}",
+                               style=STYLES["dim"]))
+
+
 # --------------------------------------------------------------------------- chat
 
 

@@ -27,7 +27,7 @@ def user_errors() -> Iterator[None]:
 
 
 def register(app: typer.Typer) -> None:
-    from cactus_cli.commands import bench, calibrate, chat, generate, models, profiles
+    from cactus_cli.commands import bench, calibrate, chat, eval, generate, models, profiles
 
-    for module in (generate, chat, bench, calibrate, profiles, models):
+    for module in (generate, chat, bench, eval, calibrate, profiles, models):
         module.register(app)

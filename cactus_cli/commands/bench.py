@@ -34,15 +34,24 @@ def bench(
     """Benchmark acceptance rules, delta and k on one model pair, with the verifier-alone
     baseline always included (same prompts, sampling and seeds). Ctrl-C stops early and
     still prints and saves what finished."""
+    run_grid_command("bench", shared, rules, deltas, ks, compiles, quantizes, prompts_file, limit, category, meter,
+                     compare_hf, as_json, csv_path, out_dir)
+
+
+def run_grid_command(kind: str, shared: o.Shared, rules: str, deltas: str | None, ks: str | None,
+                     compiles: str | None, quantizes: str | None, prompts_file: Path | None, limit: int | None,
+                     category: str | None, meter: bool, compare_hf: bool, as_json: bool, csv_path: Path | None,
+                     out_dir: Path | None) -> None:
+    """bench and eval: the same grid (variants x rules x delta x k, the verifier alone first),
+    the same runner, the same outputs; eval also grades each answer."""
     with user_errors():
         from cactus_cli import bench as b
         from cactus_cli.config import resolve_settings
         from cactus_cli.errors import ConfigError
-        from cactus_cli.prompts import load_prompts
 
         settings = resolve_settings(shared.profile, shared.flags)
         if settings.draft is None:
-            raise ConfigError("bench compares speculative decoding with the verifier alone: it needs a --draft")
+            raise ConfigError(f"{kind} compares speculative decoding with the verifier alone: it needs a --draft")
         if compare_hf and settings.draft.startswith("ngram"):
             raise ConfigError("--compare-hf compares draft-model drafting; use a --draft MODEL without ngram")
         delta_list = b.parse_list(deltas, float, "--delta") if deltas else [settings.delta]
@@ -55,8 +64,17 @@ def bench(
         quantize_list = b.parse_list(quantizes, str, "--quantize") if quantizes else [settings.quantize]
         check_each("quantize", quantize_list, "--quantize")
         grid = b.build_grid(rule_list, delta_list, k_list, settings.rule_params, compare_hf, settings.max_draft_tokens)
-        prompts = load_prompts(str(prompts_file) if prompts_file else None, limit,
-                               b.parse_list(category, str, "--category") if category else None)
+        categories = b.parse_list(category, str, "--category") if category else None
+        grade = None
+        if kind == "eval":
+            from cactus_cli.tasks import is_correct, load_tasks
+
+            prompts = load_tasks(str(prompts_file) if prompts_file else None, limit, categories)
+            grade = is_correct
+        else:
+            from cactus_cli.prompts import load_prompts
+
+            prompts = load_prompts(str(prompts_file) if prompts_file else None, limit, categories)
         if settings.seed is None:
             settings.seed = 0  # a benchmark is reproducible by default
         # a 30-minute run must not die at the end on a path it could have checked now
@@ -99,7 +117,7 @@ def bench(
             try:
                 for e in engines.values():
                     b.warm_up(e, encoded[0][1], base, max(c.k for c in grid))
-                b.run_grid(engines, grid, encoded, base, lambda cfg: advance(1, cfg.label), results)
+                b.run_grid(engines, grid, encoded, base, lambda cfg: advance(1, cfg.label), results, grade)
             except KeyboardInterrupt:
                 interrupted = True
         env = b.environment(engine, settings.to_dict())
@@ -111,12 +129,12 @@ def bench(
             typer.echo(json.dumps(doc, indent=2))
         else:
             console = ui.make_console(no_color=shared.no_color)
-            ui.print_bench(console, doc)
+            (ui.print_eval if kind == "eval" else ui.print_bench)(console, doc)
         if out_dir:
-            write_or_fail(out_dir / "bench.json", json.dumps(doc, indent=2), "--out")
+            write_or_fail(out_dir / f"{kind}.json", json.dumps(doc, indent=2), "--out")
             write_or_fail(out_dir / "environment.json", json.dumps(env, indent=2), "--out")
-            write_or_fail(out_dir / "bench.csv", b.csv_text(doc), "--out")
-            err.print(f"wrote {out_dir}/bench.json, bench.csv, environment.json", style="dim")
+            write_or_fail(out_dir / f"{kind}.csv", b.csv_text(doc), "--out")
+            err.print(f"wrote {out_dir}/{kind}.json, {kind}.csv, environment.json", style="dim")
         if csv_path:
             write_or_fail(csv_path, b.csv_text(doc), "--csv")
         if interrupted:
