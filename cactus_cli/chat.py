@@ -28,7 +28,7 @@ multi-line input: end a line with \\ to continue, or wrap a block in triple quot
 SETTABLE = {"rule": "rule", "delta": "delta", "k": "num_draft_tokens", "num_draft_tokens": "num_draft_tokens",
             "max_draft_tokens": "max_draft_tokens",
             "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_tokens": "max_tokens"}
-MODEL_KEYS = ("verifier", "draft", "tokenizer", "device", "dtype", "ngram_max", "ngram_min", "compile", "quantize")
+MODEL_KEYS = ("verifier", "draft", "tokenizer", "device", "dtype", "ngram_max", "ngram_min", "compile", "quantize", "tp")
 
 
 @dataclass
@@ -208,6 +208,9 @@ class ChatSession:
         new = resolve_settings(name, self.flags)
         new.seed = self.settings.seed
         if any(getattr(new, k) != getattr(self.settings, k) for k in MODEL_KEYS):
+            if self.settings.tp > 1 or new.tp > 1:
+                raise ConfigError(f"/profile {name}: other models under --tp need a new `cactus chat`; "
+                                  "this session keeps its tensor-parallel group")
             self.out.info(f"loading the models of profile {name}…")
             self.engine = self.load_engine(new)
         self.settings = new

@@ -50,6 +50,7 @@ class Settings:
     dtype: str = "auto"
     compile: str = "auto"  # static caches + compiled steps: on for CUDA; on a CPU only where measured faster
     quantize: str = "none"  # weight-only int8 / int4 Linear layers; auto: int8 on a CPU, none on a GPU
+    tp: int = 1  # tensor-parallel ranks for the verifier (distributed.py)
     chat_template: bool | None = None  # None: use the tokenizer's chat template when it has one
     system: str | None = None
     stop: list[str] = field(default_factory=list)
@@ -96,6 +97,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "dtype": (str,),
     "compile": (str,),
     "quantize": (str,),
+    "tp": (int,),
     "chat_template": (bool, type(None)),
     "system": (str, type(None)),
     "stop": (list,),
@@ -145,6 +147,8 @@ def check_value(key: str, value: Any) -> str | None:
         return f"must be one of {', '.join(DTYPES)}, got {value!r}"
     if key == "compile" and value not in COMPILE:
         return f"must be one of {', '.join(COMPILE)}, got {value!r}"
+    if key == "tp" and not 1 <= value <= 64:
+        return f"must be an integer in 1..64, got {value!r}"
     if key == "quantize" and value not in QUANTIZE:
         return f"must be one of {', '.join(QUANTIZE)}, got {value!r}"
     if key == "rule":

@@ -81,6 +81,8 @@ def cost_key(pair: ModelPair, compiled: bool = False) -> dict[str, Any]:
         key["compiled"] = True  # (absent when eager, so eager caches from earlier versions still apply)
     if v.quantize != "none":
         key["quantize"] = v.quantize
+    if v.tp > 1:
+        key["tp"] = v.tp
     return key
 
 

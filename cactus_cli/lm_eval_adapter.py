@@ -148,12 +148,13 @@ class CactusLM(LM):
     @torch.inference_mode()
     def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
         """log P(continuation | context) under the verifier (temperature 1, no filtering)."""
-        model = self.engine.pair.verifier.model
         limit = self.engine.context_length
         whole = (context + continuation)[-(limit + 1):]
         n = len(continuation)
-        x = torch.tensor([whole[:-1]], device=self.engine.pair.verifier.device)
-        logits = model(input_ids=x).logits[0, -n:, : self.engine.pair.vocab_size].float()
+        runner = self.engine.verifier  # the engine's own runner: sharded under tp, like generation
+        self.engine.reset()
+        logits = runner.forward(whole[:-1], keep=n).float()
+        self.engine.reset()  # the next generation prefills from scratch
         logp = torch.log_softmax(logits, -1)
         target = torch.tensor(whole[-n:], device=logp.device)
         total = float(logp.gather(-1, target.view(-1, 1)).sum())

@@ -24,6 +24,7 @@ class LoadedModel:
     logits_width: int  # rows of the output embedding (may exceed the tokenizer: padded rows)
     load_seconds: float = 0.0
     quantize: str = "none"  # weight-only quantization of the Linear layers: none, int8, int4
+    tp: int = 1  # tensor-parallel ranks the model is sharded over (distributed.py)
 
 
 @dataclass
@@ -295,9 +296,10 @@ def load_tokenizer(src: Source):
 
 
 def load_model(name: str, src: Source, device: torch.device, dtype: torch.dtype, role: str = "model",
-               quantize: str = "none", reporter=None) -> LoadedModel:
+               quantize: str = "none", reporter=None, tp: int = 1) -> LoadedModel:
     """Load ``src`` (already materialized: a folder or a hub id); ``name`` is what the user called
-    it. ``quantize`` int8 / int4 replaces every Linear by its weight-only quantized version."""
+    it. ``quantize`` int8 / int4 replaces every Linear by its weight-only quantized version;
+    ``tp`` > 1 loads this rank's shard (every rank of the group calls this together)."""
     import time
 
     from transformers import AutoModelForCausalLM
@@ -306,8 +308,15 @@ def load_model(name: str, src: Source, device: torch.device, dtype: torch.dtype,
     hf_logging.disable_progress_bar()  # our own progress display says what is loading
     hf_logging.set_verbosity_error()
     t0 = time.perf_counter()
-    model = _from_pretrained(AutoModelForCausalLM, src, f"{role} model", dtype=dtype)
-    model.to(device)
+    if tp > 1:
+        from transformers import DistributedConfig
+
+        model = _from_pretrained(AutoModelForCausalLM, src, f"{role} model", dtype=dtype,
+                                 distributed_config=DistributedConfig(tp_plan="auto"))
+        device = next(model.parameters()).device
+    else:
+        model = _from_pretrained(AutoModelForCausalLM, src, f"{role} model", dtype=dtype)
+        model.to(device)
     model.eval()
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     ctx = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 1 << 30
@@ -318,7 +327,17 @@ def load_model(name: str, src: Source, device: torch.device, dtype: torch.dtype,
         if reporter is not None:
             reporter.task(f"quantizing the {role} to {quantize}")
         quantize_model(model, quantize, src.location, reporter.task if reporter is not None else None)
-    return LoadedModel(model, name, src.location, device, dtype, ctx, width, time.perf_counter() - t0, quantize)
+    return LoadedModel(model, name, src.location, device, dtype, ctx, width, time.perf_counter() - t0, quantize, tp)
+
+
+def load_shard(load: dict) -> tuple[LoadedModel, int]:
+    """A tensor-parallel follower's verifier shard, loaded as rank 0 loads its own."""
+    from cactus_cli.distributed import rank_and_world
+
+    src = Source(load["kind"], load["location"])
+    lm = load_model(load["location"], src, torch.device(load["device"]), getattr(torch, load["dtype"]), "verifier",
+                    tp=rank_and_world()[1])
+    return lm, int(load["vocab"])
 
 
 def _own_tokenizer(src: Source | None):
@@ -356,8 +375,40 @@ def check_same_vocab(verifier_tok, draft_tok, verifier: str, draft: str, what: s
     )
 
 
+def _tp_setup(tp: int, vsrc: Source, verifier: str, dev: torch.device, dtype: str, quantize: str, vocab: int,
+              reporter) -> tuple[str, torch.dtype, str]:
+    """Check --tp against the verifier, pick the dtype, start (or join) the group. A follower
+    started by torchrun loads its shard and follows here, never returning."""
+    from transformers import AutoConfig
+
+    from cactus_cli import distributed
+
+    if quantize not in ("none", "auto"):
+        raise ModelError(f"--quantize {quantize} does not combine with --tp yet; use one or the other")
+    try:
+        config = AutoConfig.from_pretrained(vsrc.location, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"could not read the verifier's config from {vsrc.location}: {err}") from None
+    distributed.check_tp(tp, config, dev, verifier)
+    if dev.type == "cpu":
+        if dtype not in ("auto", "float32"):
+            raise ModelError(f"--tp on a CPU reduces over gloo in float32; use --dtype float32 (or auto), not {dtype}")
+        dt, why = torch.float32, "tensor parallel over gloo (CPU) reduces in float32"
+    else:
+        dt, why = resolve_dtype(dtype, dev)
+    load = {"kind": vsrc.kind, "location": vsrc.location, "device": str(dev), "dtype": str(dt).removeprefix("torch."),
+            "vocab": vocab}
+    if distributed.is_follower():  # under torchrun: ranks > 0 serve rank 0
+        distributed.follower_main(load)
+        raise SystemExit(0)
+    if reporter is not None:
+        reporter.task(f"starting {tp} tensor-parallel ranks")
+    distributed.start(tp, dev, load)
+    return "none", dt, why
+
+
 def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, device: str, dtype: str,
-              reporter=None, quantize: str = "none") -> ModelPair:
+              reporter=None, quantize: str = "none", tp: int = 1) -> ModelPair:
     """Load verifier, optional draft and the shared tokenizer (the verifier's unless ``tokenizer``
     names another source). Sources are all resolved first, so a missing one fails before any load."""
     if not verifier:
@@ -381,12 +432,15 @@ def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, de
             own = _own_tokenizer(src)
             if own is not None:
                 check_same_vocab(own, tok, name, tokenizer, what=f"--tokenizer {tokenizer!r} and model {name!r}")
-    quantize = resolve_quantize(quantize, dev, dtype)
-    if quantize != "none":
-        dt, why = quantized_dtype(quantize, dtype, dev)
+    if tp > 1:
+        quantize, dt, why = _tp_setup(tp, vsrc, verifier, dev, dtype, quantize, len(tok), reporter)
     else:
-        dt, why = resolve_dtype(dtype, dev, mlp_shape(vsrc) if dtype == "auto" and dev.type == "cpu" else None)
-    vm = load_model(verifier, vsrc, dev, dt, "verifier", quantize, reporter)
+        quantize = resolve_quantize(quantize, dev, dtype)
+        if quantize != "none":
+            dt, why = quantized_dtype(quantize, dtype, dev)
+        else:
+            dt, why = resolve_dtype(dtype, dev, mlp_shape(vsrc) if dtype == "auto" and dev.type == "cpu" else None)
+    vm = load_model(verifier, vsrc, dev, dt, "verifier", quantize, reporter, tp)
     dm = load_model(draft, dsrc, dev, dt, "draft", quantize, reporter) if dsrc is not None else None
     vocab = len(tok)
     for lm, role in ((vm, "verifier"), (dm, "draft")):

@@ -36,6 +36,7 @@ Device = Annotated[Optional[str], typer.Option("--device", help="auto (CUDA if p
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="auto, float32, float16, bfloat16.", rich_help_panel=RUNTIME)]
 Compile = Annotated[Optional[str], typer.Option("--compile", help="auto, on, off: static KV caches and compiled fixed-shape steps (CUDA graphs on CUDA). auto = on for CUDA; on a CPU only where an earlier run measured it faster. Compiling takes a while once per run and is not counted in tokens/s.", rich_help_panel=RUNTIME)]
 Quantize = Annotated[Optional[str], typer.Option("--quantize", help="none, int8, int4, auto: weight-only quantization of every Linear layer (lm_head included), activations in bfloat16; cached after the first start. auto = int8 on a CPU, none on a GPU. `cactus models quality` measures what it costs.", rich_help_panel=RUNTIME)]
+Tp = Annotated[Optional[int], typer.Option("--tp", help="Shard the verifier over N processes with tensor parallelism (transformers' TP plans; NCCL on CUDA, gloo in float32 on a CPU). Starts the other ranks itself, or runs under torchrun.", rich_help_panel=RUNTIME)]
 ChatTemplate = Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Wrap the prompt in the model's chat template (default: when the tokenizer has one).", rich_help_panel=RUNTIME)]
 NoColor = Annotated[bool, typer.Option("--no-color", help="No colours in the live view (NO_COLOR is honoured too).", rich_help_panel=RUNTIME)]
 System = Annotated[Optional[str], typer.Option("--system", help="System prompt (with a chat template).", rich_help_panel=RUNTIME)]
@@ -48,11 +49,11 @@ SHARED: dict[str, tuple[Any, str | None]] = {
     "max_draft_tokens": (MaxDraft, "max_draft_tokens"),
     "temperature": (Temperature, "temperature"), "top_k": (TopK, "top_k"), "top_p": (TopP, "top_p"),
     "max_tokens": (MaxTokens, "max_tokens"), "seed": (Seed, "seed"), "stop": (Stop, "stop"),
-    "device": (Device, "device"), "dtype": (Dtype, "dtype"), "compile": (Compile, "compile"), "quantize": (Quantize, "quantize"), "chat_template": (ChatTemplate, "chat_template"),
+    "device": (Device, "device"), "dtype": (Dtype, "dtype"), "compile": (Compile, "compile"), "quantize": (Quantize, "quantize"), "tp": (Tp, "tp"), "chat_template": (ChatTemplate, "chat_template"),
     "system": (System, "system"), "no_color": (NoColor, None),
 }
 MODEL_AND_SAMPLING = ("profile", "verifier", "draft", "tokenizer", "param", "temperature", "top_k", "top_p",
-                      "max_tokens", "seed", "device", "dtype", "chat_template", "no_color", "max_draft_tokens")
+                      "max_tokens", "seed", "device", "dtype", "chat_template", "no_color", "max_draft_tokens", "tp")
 GENERATION = MODEL_AND_SAMPLING + ("rule", "delta", "num_draft_tokens", "stop", "system", "compile", "quantize")
 
 

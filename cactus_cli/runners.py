@@ -262,4 +262,8 @@ def first_line(err: BaseException) -> str:
 
 
 def make_runner(lm: LoadedModel, vocab_size: int, compiled: bool, context_length: int, role: str) -> CachedLM:
+    if lm.tp > 1:  # a sharded verifier: its calls are announced to the other ranks (eager only)
+        from cactus_cli.distributed import ShardedLM
+
+        return ShardedLM(lm, vocab_size)
     return CompiledLM(lm, vocab_size, context_length, role) if compiled else CachedLM(lm, vocab_size)

@@ -22,7 +22,7 @@ def load_engine(settings: Settings, reporter=None, compile_mode: str | None = No
     lookup, model = parse_draft(settings.draft)
     if pair is None:
         pair = load_pair(settings.verifier, model, settings.tokenizer, settings.device, settings.dtype, reporter,
-                         quantize or settings.quantize)
+                         quantize or settings.quantize, settings.tp)
     compiled, note = resolve_compile(compile_mode or settings.compile, pair)
     if note and reporter is not None:
         reporter.warn(note)
@@ -59,6 +59,8 @@ def resolve_compile(mode: str, pair: ModelPair) -> tuple[bool, str | None]:
 
     if mode == "off":
         return False, None
+    if pair.verifier.tp > 1:
+        return False, ("--compile on does not combine with --tp yet; running eagerly" if mode == "on" else None)
     device = pair.verifier.device
     problem = compile_problem(device)
     if mode == "on":

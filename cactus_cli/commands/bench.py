@@ -52,6 +52,8 @@ def run_grid_command(kind: str, shared: o.Shared, rules: str, deltas: str | None
         settings = resolve_settings(shared.profile, shared.flags)
         if settings.draft is None:
             raise ConfigError(f"{kind} compares speculative decoding with the verifier alone: it needs a --draft")
+        if compare_hf and settings.tp > 1:
+            raise ConfigError("--compare-hf runs transformers' own generate, which cannot drive a --tp group; drop one")
         if compare_hf and settings.draft.startswith("ngram"):
             raise ConfigError("--compare-hf compares draft-model drafting; use a --draft MODEL without ngram")
         delta_list = b.parse_list(deltas, float, "--delta") if deltas else [settings.delta]

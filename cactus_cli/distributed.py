@@ -1,0 +1,298 @@
+"""Tensor parallelism (`--tp N`): the verifier sharded over N processes with transformers'
+tensor-parallel plans (q/k/v/gate/up column-wise, o/down row-wise, lm_head gathered) under
+torch.distributed; NCCL on CUDA, gloo (float32) on CPU.
+
+Rank 0 is the driver: it reads input, prints, runs the draft, the k policy and the acceptance
+rule, exactly as without --tp. Its verifier runner (``ShardedLM``) is the same interface as
+any other: each ``forward`` / ``crop`` / ``reset`` is first broadcast to the other ranks, whose
+only job is to run the same call on their shard (``follow``), so every rank's KV cache holds the
+same sequence and every collective lines up. The draft lives on rank 0 only: acceptance is
+decided there, so a replica elsewhere would sit idle.
+
+`cactus ... --tp N` starts ranks 1..N-1 itself (this process becomes rank 0 and keeps the
+terminal); under `torchrun`, every rank runs the command and ranks > 0 turn into followers.
+A rank that dies ends the others with one line; Ctrl-C on rank 0 is deferred until the
+collective in flight has finished, so no rank is left waiting inside one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from cactus_cli.errors import ConfigError
+from cactus_cli.runners import CachedLM
+
+FOLLOWER_ENV = "CACTUS_TP_FOLLOWER"  # set for the ranks this process starts
+_followers: list[tuple[subprocess.Popen, Path]] = []
+
+
+def rank_and_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_follower() -> bool:
+    """A rank > 0 of a tensor-parallel group (started by us or by torchrun)."""
+    rank, world = rank_and_world()
+    return world > 1 and rank > 0
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_tp(tp: int, config: Any, device: torch.device, verifier: str) -> None:
+    """Fail before starting anything: no plan for this architecture, heads that do not divide,
+    more ranks than GPUs."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(cfg, "base_model_tp_plan", None):
+        arch = ", ".join(getattr(config, "architectures", None) or [type(config).__name__])
+        raise ConfigError(f"--tp {tp}: transformers has no tensor-parallel plan for {arch} ({verifier}); "
+                          "run it without --tp")
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    if heads % tp or kv % tp:
+        raise ConfigError(f"--tp {tp}: the verifier has {heads} attention heads and {kv} key/value heads; "
+                          f"N must divide both (e.g. --tp {max(d for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0 and d <= tp)})")
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if tp > visible:
+            raise ConfigError(f"--tp {tp}: only {visible} GPU{'s' if visible != 1 else ''} visible; use --tp {visible} or fewer")
+
+
+# --------------------------------------------------------------------------- the group
+
+
+def start(tp: int, device: torch.device, load: dict[str, Any]) -> None:
+    """Make this process rank 0 of a ``tp``-rank group: start the other ranks (unless torchrun
+    did) and join the process group. ``load`` tells the followers what to load."""
+    rank, world = rank_and_world()
+    if world > 1:  # under torchrun (or already started)
+        if world != tp:
+            raise ConfigError(f"--tp {tp} but this group has WORLD_SIZE={world}; make them agree")
+    else:
+        port = _free_port()
+        base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(tp),
+                    TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1")
+        for r in range(1, tp):
+            log = Path(tempfile.mkstemp(prefix=f"cactus-tp-rank{r}-", suffix=".log")[1])
+            env = dict(base, RANK=str(r), LOCAL_RANK=str(r), **{FOLLOWER_ENV: json.dumps(load)})
+            with open(log, "w") as err:
+                proc = subprocess.Popen([sys.executable, "-m", "cactus_cli.distributed"], env=env,
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                        start_new_session=True)  # Ctrl-C reaches rank 0 only
+            _followers.append((proc, log))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(tp), RANK="0", LOCAL_RANK="0")
+        atexit.register(stop_followers)
+        threading.Thread(target=_watch_followers, daemon=True).start()
+    _init(device)
+
+
+def _init(device: torch.device) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    rank, world = rank_and_world()
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    # rank 0 may wait on a user for hours (chat): no collective timeout; a dead rank is noticed
+    # by the watchdogs and by the closed connections instead
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=timedelta(days=7))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _watch_followers() -> None:
+    """Rank 0: a follower that exits before being told to ends the run with one line."""
+    while True:
+        time.sleep(0.2)
+        for r, (proc, log) in enumerate(_followers, start=1):
+            code = proc.poll()
+            if code is not None and code != 0 and not getattr(proc, "_told_to_stop", False):
+                last = _last_line(log)
+                sys.stderr.write(f"error: tensor-parallel rank {r} exited with code {code}"
+                                 f"{': ' + last if last else ''}; stopping every rank\n")
+                sys.stderr.flush()
+                stop_followers(kill=True)
+                os._exit(1)
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
+
+
+def peer_failed(err: BaseException) -> None:
+    """Rank 0: a collective failed (a peer died mid-call). Say which rank and why, in one line,
+    and end every rank, instead of a gloo/NCCL traceback."""
+    deadline = time.monotonic() + 2  # the dead follower's exit code may take a moment to show
+    while time.monotonic() < deadline:
+        for r, (proc, log) in enumerate(_followers, start=1):
+            code = proc.poll()
+            if code is not None and code != 0:
+                last = _last_line(log)
+                sys.stderr.write(f"error: tensor-parallel rank {r} exited with code {code}"
+                                 f"{': ' + last if last else ''}; stopping every rank\n")
+                sys.stderr.flush()
+                stop_followers(kill=True)
+                os._exit(1)
+        time.sleep(0.1)
+    first = " ".join(str(err).split())[:200]
+    sys.stderr.write(f"error: a tensor-parallel peer failed ({first}); stopping every rank\n")
+    sys.stderr.flush()
+    stop_followers(kill=True)
+    os._exit(1)
+
+
+def stop_followers(kill: bool = False) -> None:
+    """Rank 0 on exit: tell followers to stop (if the group still works), then make sure."""
+    for proc, _ in _followers:
+        proc._told_to_stop = True  # type: ignore[attr-defined]
+    if not kill and _active_runner is not None:
+        with contextlib.suppress(Exception):
+            _active_runner.close()
+    deadline = time.monotonic() + (0 if kill else 5)
+    for proc, log in _followers:
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            log.unlink()
+    _followers.clear()
+
+
+# --------------------------------------------------------------------------- the runners
+
+_active_runner: ShardedLM | None = None
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Ctrl-C during a collective would leave the other ranks inside it: hold it until the
+    call is done, then raise it (main thread only; elsewhere nothing to defer)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    hit: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda *_: hit.append(1))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if hit:
+        raise KeyboardInterrupt
+
+
+class ShardedLM(CachedLM):
+    """Rank 0's verifier runner: every call is announced to the followers, then made."""
+
+    def __init__(self, lm, vocab_size: int):
+        global _active_runner
+        super().__init__(lm, vocab_size)
+        _active_runner = self
+
+    def _announce(self, op: str, *args: Any) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([(op, args)], src=0)
+
+    @contextlib.contextmanager
+    def _collective(self) -> Iterator[None]:
+        with _sigint_deferred():
+            try:
+                yield
+            except RuntimeError as err:  # gloo / NCCL: a peer is gone
+                if "Connection closed" in str(err) or "peer" in str(err).lower() or "NCCL" in str(err):
+                    peer_failed(err)
+                raise
+
+    def reset(self) -> None:
+        with self._collective():
+            self._announce("reset")
+            super().reset()
+
+    def forward(self, ids, keep: int) -> torch.Tensor:
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        with self._collective():
+            self._announce("forward", ids, keep)
+            return super().forward(ids, keep)
+
+    def crop(self, length: int) -> None:
+        with self._collective():
+            self._announce("crop", length)
+            super().crop(length)
+
+    def close(self) -> None:
+        self._announce("stop")
+
+
+def follow(runner: CachedLM) -> None:
+    """Ranks > 0: run what rank 0 announces, until it says stop."""
+    import torch.distributed as dist
+
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        op, args = box[0]
+        if op == "stop":
+            return
+        getattr(runner, op)(*args)
+
+
+def _watch_parent() -> None:
+    """A follower whose rank 0 died (killed, crashed) exits instead of waiting forever."""
+    parent = os.getppid()
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
+def follower_main(load: dict[str, Any]) -> None:
+    """A follower: join the group, load the verifier's shard the way rank 0 does, follow."""
+    from cactus_cli.models import load_shard
+
+    if os.environ.get(FOLLOWER_ENV):
+        threading.Thread(target=_watch_parent, daemon=True).start()
+    device = torch.device(load["device"])
+    _init(device)
+    lm, vocab = load_shard(load)
+    with torch.inference_mode():
+        follow(CachedLM(lm, vocab))
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 owns Ctrl-C
+    try:
+        follower_main(json.loads(os.environ[FOLLOWER_ENV]))
+    except Exception as err:  # noqa: BLE001 - one line for rank 0 to show
+        print(f"{type(err).__name__}: {' '.join(str(err).split())[:300]}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,135 @@
+"""Tensor parallelism (`--tp N`) on a CPU: 2 processes over gloo in float32, the tiny Llama
+verifier (4 attention heads, 2 key/value heads). Real processes, real process group: greedy
+output equals --tp 1 token for token, a seeded sampled run gives the same text, bad N is one
+line, and a rank that dies ends the others within seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from cactus_cli.distributed import check_tp
+from cactus_cli.errors import ConfigError
+
+
+def cactus(tiny, *args, **kwargs) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "cactus_cli", *args, "--verifier", tiny["verifier"], "--draft", tiny["draft_close"],
+           "--device", "cpu", "--compile", "off"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                          **kwargs)
+
+
+def text(tiny, tp, *args) -> str:
+    r = cactus(tiny, "generate", "the cat sat on the mat and then", "--tp", str(tp), "-n", "24", "--json",
+               "--dtype", "float32", *args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc["settings"]["dtype_resolved"] == "float32"
+    return doc["text"]
+
+
+@pytest.mark.parametrize("k", ["1", "4"])
+def test_tp2_greedy_equals_tp1(tiny, k):
+    one = text(tiny, 1, "-t", "0", "-k", k)
+    assert one.strip()
+    assert text(tiny, 2, "-t", "0", "-k", k) == one
+
+
+def test_tp2_seeded_sampling_gives_the_same_text(tiny):
+    args = ("-t", "0.9", "--seed", "7", "-k", "4")  # a fixed k: -k auto follows each run's timings
+    assert text(tiny, 2, *args) == text(tiny, 1, *args)
+
+
+def test_bad_n_is_one_line(tiny):
+    r = cactus(tiny, "generate", "hi", "--tp", "3")
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("error: --tp 3: the verifier has 4 attention heads and 2 key/value heads; "
+                                "N must divide both (e.g. --tp 2)")
+    r = cactus(tiny, "generate", "hi", "--tp", "2", "--dtype", "bfloat16")
+    assert r.returncode == 2 and "gloo in float32" in r.stderr
+    r = cactus(tiny, "bench", "--tp", "2", "--compare-hf")
+    assert r.returncode == 2 and "--compare-hf" in r.stderr and "--tp" in r.stderr
+
+
+def test_check_tp_names_the_problem(monkeypatch):
+    no_plan = types.SimpleNamespace(architectures=["ToyForCausalLM"], base_model_tp_plan=None,
+                                    num_attention_heads=8, num_key_value_heads=8)
+    with pytest.raises(ConfigError, match="no tensor-parallel plan for ToyForCausalLM"):
+        check_tp(2, no_plan, torch.device("cpu"), "toy")
+    ok = types.SimpleNamespace(base_model_tp_plan={"layers.*.self_attn.q_proj": "colwise"},
+                               num_attention_heads=8, num_key_value_heads=8)
+    check_tp(8, ok, torch.device("cpu"), "toy")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"--tp 2: only 1 GPU visible; use --tp 1 or fewer"):
+        check_tp(2, ok, torch.device("cuda"), "toy")
+
+
+def _start_long_run(tiny):
+    cmd = [sys.executable, "-m", "cactus_cli", "generate", "the cat", "--verifier", tiny["verifier"], "--draft",
+           tiny["draft_close"], "--device", "cpu", "--compile", "off", "--tp", "2", "-k", "4", "-n", "100000", "--plain"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until the follower is up and the run is decoding
+        children = _children(proc.pid)
+        if children and time.monotonic() > deadline - 110:
+            time.sleep(3)
+            return proc, children[0]
+        time.sleep(0.5)
+    proc.kill()
+    pytest.fail("the tensor-parallel run did not start")
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return "Z" not in open(f"/proc/{pid}/stat").read().split()[2]
+    except OSError:
+        return False
+
+
+def test_a_killed_follower_ends_the_run_within_seconds(tiny):
+    proc, follower = _start_long_run(tiny)
+    os.kill(follower, signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        proc.wait(timeout=20)
+    finally:
+        proc.kill()
+    assert time.monotonic() - t0 < 10
+    assert proc.returncode == 1
+    assert proc.stderr.read().strip().splitlines()[-1] == (
+        "error: tensor-parallel rank 1 exited with code -9; stopping every rank")
+
+
+def test_a_killed_rank0_ends_the_follower_and_ctrl_c_stops_every_rank(tiny):
+    proc, follower = _start_long_run(tiny)
+    proc.kill()
+    proc.wait()
+    t0 = time.monotonic()
+    while _alive(follower) and time.monotonic() - t0 < 20:
+        time.sleep(0.2)
+    assert not _alive(follower) and time.monotonic() - t0 < 10
+    proc, follower = _start_long_run(tiny)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=20) == 130
+    t0 = time.monotonic()
+    while _alive(follower) and time.monotonic() - t0 < 20:
+        time.sleep(0.2)
+    assert not _alive(follower)
