@@ -83,6 +83,7 @@ def start(tp: int, device: torch.device, load: dict[str, Any]) -> None:
     if world > 1:  # under torchrun (or already started)
         if world != tp:
             raise ConfigError(f"--tp {tp} but this group has WORLD_SIZE={world}; make them agree")
+        atexit.register(stop_followers)  # tells torchrun's other ranks to stop
     else:
         port = _free_port()
         base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(tp),
@@ -281,8 +282,14 @@ def follower_main(load: dict[str, Any]) -> None:
     device = torch.device(load["device"])
     _init(device)
     lm, vocab = load_shard(load)
-    with torch.inference_mode():
-        follow(CachedLM(lm, vocab))
+    try:
+        with torch.inference_mode():
+            follow(CachedLM(lm, vocab))
+    except RuntimeError as err:  # rank 0 went away without saying stop (killed, crashed)
+        if "Connection closed" in str(err) or "NCCL" in str(err):
+            print("rank 0 is gone; this rank stops too", file=sys.stderr)
+            os._exit(3)
+        raise
     import torch.distributed as dist
 
     with contextlib.suppress(Exception):

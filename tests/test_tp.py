@@ -133,3 +133,14 @@ def test_a_killed_rank0_ends_the_follower_and_ctrl_c_stops_every_rank(tiny):
     while _alive(follower) and time.monotonic() - t0 < 20:
         time.sleep(0.2)
     assert not _alive(follower)
+
+
+def test_under_torchrun(tiny):
+    # every rank runs the command; ranks > 0 turn into followers and print nothing
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "cactus_cli", "generate",
+           "the cat sat on the mat and then", "--verifier", tiny["verifier"], "--draft", tiny["draft_close"],
+           "--device", "cpu", "--compile", "off", "--dtype", "float32", "--tp", "2", "-n", "24", "-t", "0", "-k", "4",
+           "--plain"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == text(tiny, 1, "-t", "0", "-k", "4").strip()
