@@ -39,6 +39,7 @@ from cactus_cli.runners import CachedLM
 
 FOLLOWER_ENV = "CACTUS_TP_FOLLOWER"  # set for the ranks this process starts
 _followers: list[tuple[subprocess.Popen, Path]] = []
+_started = False
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -79,6 +80,11 @@ def check_tp(tp: int, config: Any, device: torch.device, verifier: str) -> None:
 def start(tp: int, device: torch.device, load: dict[str, Any]) -> None:
     """Make this process rank 0 of a ``tp``-rank group: start the other ranks (unless torchrun
     did) and join the process group. ``load`` tells the followers what to load."""
+    global _started
+    if _started:  # the followers are serving the first verifier: a second load would hang them
+        raise ConfigError("--tp: this process already runs a tensor-parallel group; load one verifier per run "
+                          "(one --quantize value, no model switch in chat)")
+    _started = True
     rank, world = rank_and_world()
     if world > 1:  # under torchrun (or already started)
         if world != tp:

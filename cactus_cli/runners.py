@@ -168,12 +168,13 @@ class CompiledLM(CachedLM):
         and new graphs."""
         if not exact:
             widths = tuple(w for w in widths if not any(c >= w for c in self.widths))
-        need = tokens + max(widths + tuple(self.widths) + (1,))
+        widest = max(widths + tuple(self.widths) + (1,))
+        need = tokens + widest
         if need > self.capacity:
             cap = MIN_CAPACITY
             while cap < need:
                 cap *= 2
-            self._allocate(min(cap, self.context_length + max(widths + (1,)) + 1))
+            self._allocate(max(need, min(cap, self.context_length + widest + 1)))
         for w in sorted(set(widths) - set(self.widths)):
             self._compile(w, report)
 
