@@ -132,15 +132,19 @@ def _watch_followers() -> None:
     """Rank 0: a follower that exits before being told to ends the run with one line."""
     while True:
         time.sleep(0.2)
-        for r, (proc, log) in enumerate(_followers, start=1):
-            code = proc.poll()
-            if code is not None and code != 0 and not getattr(proc, "_told_to_stop", False):
-                last = _last_line(log)
-                sys.stderr.write(f"error: tensor-parallel rank {r} exited with code {code}"
-                                 f"{': ' + last if last else ''}; stopping every rank\n")
-                sys.stderr.flush()
-                stop_followers(kill=True)
-                os._exit(1)
+        _end_if_a_follower_died()
+
+
+def _end_if_a_follower_died() -> None:
+    for r, (proc, log) in enumerate(_followers, start=1):
+        code = proc.poll()
+        if code is not None and code != 0 and not getattr(proc, "_told_to_stop", False):
+            last = _last_line(log)
+            sys.stderr.write(f"error: tensor-parallel rank {r} exited with code {code}"
+                             f"{': ' + last if last else ''}; stopping every rank\n")
+            sys.stderr.flush()
+            stop_followers(kill=True)
+            os._exit(1)
 
 
 def _last_line(log: Path) -> str:
@@ -156,15 +160,7 @@ def peer_failed(err: BaseException) -> None:
     and end every rank, instead of a gloo/NCCL traceback."""
     deadline = time.monotonic() + 2  # the dead follower's exit code may take a moment to show
     while time.monotonic() < deadline:
-        for r, (proc, log) in enumerate(_followers, start=1):
-            code = proc.poll()
-            if code is not None and code != 0:
-                last = _last_line(log)
-                sys.stderr.write(f"error: tensor-parallel rank {r} exited with code {code}"
-                                 f"{': ' + last if last else ''}; stopping every rank\n")
-                sys.stderr.flush()
-                stop_followers(kill=True)
-                os._exit(1)
+        _end_if_a_follower_died()
         time.sleep(0.1)
     first = " ".join(str(err).split())[:200]
     sys.stderr.write(f"error: a tensor-parallel peer failed ({first}); stopping every rank\n")

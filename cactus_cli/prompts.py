@@ -144,36 +144,52 @@ def interleaved(prompts: list[Prompt]) -> list[Prompt]:
 def load_prompts(path: str | None, limit: int | None, categories: list[str] | None = None) -> list[Prompt]:
     """The built-in set (interleaved by category) or a JSONL file; ``categories`` keeps only
     those categories, then ``limit`` the first N."""
-    if limit is not None and limit < 1:
-        raise ConfigError(f"--limit must be >= 1, got {limit}")
+    check_limit(limit)
     if path is None:
         prompts = interleaved(BUILTIN_PROMPTS)
     else:
-        from cactus_cli.fileio import read_utf8_file
+        prompts = [Prompt(str(row.get("id", f"p{n}")), str(row.get("category", "default")), row["prompt"], where)
+                   for n, row, where in read_jsonl(path, "--prompts", "prompts")]
+    return select(prompts, categories, limit)
 
-        file = Path(path).expanduser()
-        if file.is_dir():
-            raise ConfigError(f"--prompts {path}: is a directory; give a JSONL file")
-        if not file.is_file():
-            raise ConfigError(f"--prompts {path}: no such file")
-        prompts = []
-        for n, line in enumerate(read_utf8_file(file, "the prompts file").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{path}:{n}: not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-                raise ConfigError(f"{path}:{n}: each line must be an object with a non-empty string 'prompt'")
-            prompts.append(Prompt(str(row.get("id", f"p{n}")), str(row.get("category", "default")), row["prompt"],
-                                  f"{path}:{n}"))
-        if not prompts:
-            raise ConfigError(f"--prompts {path}: the file has no prompts")
+
+def check_limit(limit: int | None) -> None:
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {limit}")
+
+
+def read_jsonl(path: str, flag: str, what: str) -> list[tuple[int, dict, str]]:
+    """The rows of a JSONL file of objects with a non-empty string 'prompt', as (line number,
+    row, "FILE:LINE"); anything else is an error naming the file and line."""
+    from cactus_cli.fileio import read_utf8_file
+
+    file = Path(path).expanduser()
+    if file.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a JSONL file")
+    if not file.is_file():
+        raise ConfigError(f"{flag} {path}: no such file")
+    rows = []
+    for n, line in enumerate(read_utf8_file(file, f"the {what} file").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{n}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise ConfigError(f"{path}:{n}: each line must be an object with a non-empty string 'prompt'")
+        rows.append((n, row, f"{path}:{n}"))
+    if not rows:
+        raise ConfigError(f"{flag} {path}: the file has no {what}")
+    return rows
+
+
+def select(items: list, categories: list[str] | None, limit: int | None) -> list:
+    """Keep ``categories`` (each must exist), then the first ``limit``."""
     if categories:
-        known = sorted({p.category for p in prompts})
+        known = sorted({p.category for p in items})
         unknown = [c for c in categories if c not in known]
         if unknown:
-            raise ConfigError(f"--category: no prompts in category {unknown[0]!r} (there are: {', '.join(known)})")
-        prompts = [p for p in prompts if p.category in categories]
-    return prompts[:limit] if limit else prompts
+            raise ConfigError(f"--category: nothing in category {unknown[0]!r} (there are: {', '.join(known)})")
+        items = [p for p in items if p.category in categories]
+    return items[:limit] if limit else items

@@ -7,14 +7,12 @@ code-output questions are checked by running the code (tests/test_eval.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from cactus_cli.errors import ConfigError
-from cactus_cli.prompts import Prompt, interleaved
+from cactus_cli.prompts import Prompt, check_limit, interleaved, read_jsonl, select
 
 INSTRUCTION = "Solve the problem step by step. End with the final answer on its own line as '#### <answer>'.\n\n"
 
@@ -111,50 +109,24 @@ def builtin_tasks() -> list[Task]:
 def load_tasks(path: str | None, limit: int | None, categories: list[str] | None = None) -> list[Task]:
     """The built-in set (interleaved by category) or a JSONL file of {prompt, answer, id?,
     category?, pattern?}; ``categories`` keeps only those, then ``limit`` the first N."""
-    if limit is not None and limit < 1:
-        raise ConfigError(f"--limit must be >= 1, got {limit}")
+    check_limit(limit)
     if path is None:
-        tasks = interleaved(builtin_tasks())
-    else:
-        from cactus_cli.fileio import read_utf8_file
-
-        file = Path(path).expanduser()
-        if file.is_dir():
-            raise ConfigError(f"--tasks {path}: is a directory; give a JSONL file")
-        if not file.is_file():
-            raise ConfigError(f"--tasks {path}: no such file")
-        tasks = []
-        for n, line in enumerate(read_utf8_file(file, "the tasks file").splitlines(), start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
+        return select(interleaved(builtin_tasks()), categories, limit)
+    tasks = []
+    for n, row, where in read_jsonl(path, "--tasks", "tasks"):
+        if not isinstance(row.get("answer"), (str, int, float)) or isinstance(row.get("answer"), bool):
+            raise ConfigError(f"{where}: each task needs an 'answer' (a string or a number)")
+        pattern = row.get("pattern")
+        if pattern is not None:
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{where}: not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-                raise ConfigError(f"{where}: each line must be an object with a non-empty string 'prompt'")
-            if not isinstance(row.get("answer"), (str, int, float)) or isinstance(row.get("answer"), bool):
-                raise ConfigError(f"{where}: each task needs an 'answer' (a string or a number)")
-            pattern = row.get("pattern")
-            if pattern is not None:
-                try:
-                    if not isinstance(pattern, str) or re.compile(pattern).groups < 1:
-                        raise ConfigError(f"{where}: 'pattern' must be a regular expression with a group for the answer")
-                except re.error as err:
-                    raise ConfigError(f"{where}: 'pattern' is not a valid regular expression ({err})") from None
-            answer = row["answer"] if isinstance(row["answer"], str) else _number(row["answer"])
-            tasks.append(Task(str(row.get("id", f"t{n}")), str(row.get("category", "default")), row["prompt"], where,
-                              answer=answer, pattern=pattern))
-        if not tasks:
-            raise ConfigError(f"--tasks {path}: the file has no tasks")
-    if categories:
-        known = sorted({t.category for t in tasks})
-        unknown = [c for c in categories if c not in known]
-        if unknown:
-            raise ConfigError(f"--category {unknown[0]!r}: no such category (have: {', '.join(known)})")
-        tasks = [t for t in tasks if t.category in categories]
-    return tasks[:limit] if limit else tasks
+                if not isinstance(pattern, str) or re.compile(pattern).groups < 1:
+                    raise ConfigError(f"{where}: 'pattern' must be a regular expression with a group for the answer")
+            except re.error as err:
+                raise ConfigError(f"{where}: 'pattern' is not a valid regular expression ({err})") from None
+        answer = row["answer"] if isinstance(row["answer"], str) else _number(row["answer"])
+        tasks.append(Task(str(row.get("id", f"t{n}")), str(row.get("category", "default")), row["prompt"], where,
+                          answer=answer, pattern=pattern))
+    return select(tasks, categories, limit)
 
 
 # --------------------------------------------------------------------------- answers

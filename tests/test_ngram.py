@@ -123,4 +123,4 @@ def test_cli_lookup_drafting(tiny):
     assert {row["config"] for row in rows} >= {"verifier alone", "sps k=2", "cactus δ=1 k=auto"}
     assert_one_line_error(runner.invoke(app, ["generate", "hi", *args, "--draft", "ngram+"]), "ngram+MODEL needs a model")
     assert_one_line_error(runner.invoke(app, ["bench", *args, "--draft", "ngram", "--category", "poems"]),
-                          "no prompts in category 'poems'")
+                          "nothing in category 'poems'")
