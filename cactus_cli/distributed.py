@@ -94,8 +94,14 @@ def start(tp: int, device: torch.device, load: dict[str, Any]) -> None:
         port = _free_port()
         base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(tp),
                     TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1")
+        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does
+            threads = max(1, (os.cpu_count() or 1) // tp)
+            base["OMP_NUM_THREADS"] = str(threads)
+            torch.set_num_threads(threads)
         for r in range(1, tp):
-            log = Path(tempfile.mkstemp(prefix=f"cactus-tp-rank{r}-", suffix=".log")[1])
+            fd, name = tempfile.mkstemp(prefix=f"cactus-tp-rank{r}-", suffix=".log")
+            os.close(fd)
+            log = Path(name)
             env = dict(base, RANK=str(r), LOCAL_RANK=str(r), **{FOLLOWER_ENV: json.dumps(load)})
             with open(log, "w") as err:
                 proc = subprocess.Popen([sys.executable, "-m", "cactus_cli.distributed"], env=env,

@@ -16,11 +16,11 @@ import torch
 
 from cactus_cli.acceptance import divergences, emitted_distribution, greedy_verify, verify
 from cactus_cli.drafting import DraftModelDrafter, Drafter, NgramDrafter
-from cactus_cli.runners import CompileUnavailable, make_runner
 from cactus_cli.errors import ContextLimitError, ModelError
 from cactus_cli.events import Piece, StepEvent
 from cactus_cli.models import ModelPair
 from cactus_cli.policy import KPolicy, acceptance_key, cache_path, probe
+from cactus_cli.runners import CompileUnavailable, make_runner
 from cactus_cli.sampling import SamplingParams, probs_from_logits
 
 

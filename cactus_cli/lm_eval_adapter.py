@@ -95,9 +95,8 @@ class CactusLM(LM):
             params.sampling = SamplingParams(temperature, int(gen_kwargs.get("top_k", self.settings.top_k)),
                                              float(gen_kwargs.get("top_p", self.settings.top_p)))
             params.seed = int(self.settings.seed or 0) + self.requests_done
-            ids = self._encode(context)
-            room = self.engine.context_length - 1
-            ids = ids[-room:]
+            ids = self._encode(context) or [self._prefix]  # an empty context still needs a token to continue
+            ids = ids[-(self.engine.context_length - 1):]
             stats, text = SpecStats(), []
             for ev in self.engine.generate(ids, params):
                 stats.update(ev)

@@ -73,8 +73,10 @@ def test_check_tp_names_the_problem(monkeypatch):
 
 
 def _start_long_run(tiny):
-    cmd = [sys.executable, "-m", "cactus_cli", "generate", "the cat", "--verifier", tiny["verifier"], "--draft",
-           tiny["draft_close"], "--device", "cpu", "--compile", "off", "--tp", "2", "-k", "4", "-n", "100000", "--plain"]
+    # a bench over every built-in prompt: minutes of decoding (one generate fills the tiny context in seconds)
+    cmd = [sys.executable, "-m", "cactus_cli", "bench", "--verifier", tiny["verifier"], "--draft",
+           tiny["draft_close"], "--device", "cpu", "--compile", "off", "--tp", "2", "--rules", "sps", "-k", "4",
+           "-n", "400"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, HF_HUB_OFFLINE="1"))
     deadline = time.monotonic() + 120
