@@ -55,7 +55,9 @@ class CactusLM(LM):
         self.tokenizer = self.engine.pair.tokenizer
         self.stats_file = stats_file
         self.requests_done = 0
-        self.totals = {"tokens": 0, "seconds": 0.0, "steps": 0, "accepted": 0, "drafted": 0}
+        from cactus_cli.stats import SpecStats
+
+        self.total = SpecStats()  # every generation of this run, for the log line
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> CactusLM:
@@ -109,12 +111,7 @@ class CactusLM(LM):
 
     def _record(self, s) -> None:
         self.requests_done += 1
-        t = self.totals
-        t["tokens"] += s.num_output_tokens
-        t["seconds"] += s.total_seconds
-        t["steps"] += s.num_steps
-        t["accepted"] += s.num_accepted_tokens
-        t["drafted"] += s.num_draft_tokens
+        self.total.merge(s)
         if self.stats_file:
             row = {"request": self.requests_done - 1, "num_output_tokens": s.num_output_tokens,
                    "mean_acceptance_length": s.mean_acceptance_length,
@@ -124,12 +121,12 @@ class CactusLM(LM):
                 f.write(json.dumps(row) + "\n")
 
     def _log_summary(self) -> None:
-        t = self.totals
-        if t["steps"]:
+        t = self.total
+        if t.num_steps:
             log.warning("cactus: %d generations, %d tokens, %.2f tok/s, %.2f tokens per verifier step, "
-                        "%.1f%% of drafts accepted", self.requests_done, t["tokens"],
-                        t["tokens"] / max(t["seconds"], 1e-9), t["tokens"] / t["steps"],
-                        100 * t["accepted"] / max(t["drafted"], 1))
+                        "%.1f%% of drafts accepted", self.requests_done, t.num_output_tokens,
+                        t.tokens_per_second or 0.0, t.num_output_tokens / t.num_steps,
+                        100 * (t.draft_acceptance_rate or 0.0))
 
     # -- scoring: the verifier alone ---------------------------------------------------------
 

@@ -24,7 +24,6 @@ import torch
 
 from cactus_cli.models import LoadedModel
 
-COMPILE_MODES = ("auto", "on", "off")
 MIN_CAPACITY = 512  # static caches come in powers of two from here, so a growing chat recompiles rarely
 
 
