@@ -13,20 +13,30 @@ from cactus_cli import options as o
 from cactus_cli.commands import user_errors
 
 
+# the grid options bench and eval share, declared once
+Rules = Annotated[str, typer.Option("--rules", help="Comma list of rules: sps,cactus,cactus-exact,tas,topk,interp.", rich_help_panel=o.DECODING)]
+Deltas = Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values for the rules that take one (default: the profile's).", rich_help_panel=o.DECODING)]
+Ks = Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of draft lengths, `auto` included (default: the profile's).", rich_help_panel=o.DECODING)]
+Compiles = Annotated[Optional[str], typer.Option("--compile", help="Comma list of auto, on, off: time eager and compiled engines side by side, e.g. --compile off,on (default: the profile's).", rich_help_panel=o.RUNTIME)]
+Quantizes = Annotated[Optional[str], typer.Option("--quantize", help="Comma list of none, int8, int4, auto: time weight-only quantized models side by side, e.g. --quantize none,int8 (default: the profile's).", rich_help_panel=o.RUNTIME)]
+Meter = Annotated[bool, typer.Option("--meter", help="Also measure the realized divergence KL(h_alg || q) and TV per position (costs time).")]
+Csv = Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per configuration to this file.")]
+
+
 @o.shared_options(*o.MODEL_AND_SAMPLING)
 def bench(
-    rules: Annotated[str, typer.Option("--rules", help="Comma list of rules: sps,cactus,cactus-exact,tas,topk,interp.", rich_help_panel=o.DECODING)] = "sps,cactus",
-    deltas: Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values for the rules that take one (default: the profile's).", rich_help_panel=o.DECODING)] = None,
-    ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of draft lengths, `auto` included (default: the profile's).", rich_help_panel=o.DECODING)] = None,
-    compiles: Annotated[Optional[str], typer.Option("--compile", help="Comma list of auto, on, off: time eager and compiled engines side by side, e.g. --compile off,on (default: the profile's).", rich_help_panel=o.RUNTIME)] = None,
-    quantizes: Annotated[Optional[str], typer.Option("--quantize", help="Comma list of none, int8, int4, auto: time weight-only quantized models side by side, e.g. --quantize none,int8 (default: the profile's).", rich_help_panel=o.RUNTIME)] = None,
+    rules: Rules = "sps,cactus",
+    deltas: Deltas = None,
+    ks: Ks = None,
+    compiles: Compiles = None,
+    quantizes: Quantizes = None,
     prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL file with 'prompt' and optional 'id', 'category' (default: the built-in set).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Use only the first N prompts (the built-in set is interleaved by category).")] = None,
     category: Annotated[Optional[str], typer.Option("--category", help="Comma list of prompt categories to keep (built-in: code, math, instructions, writing, grounded).")] = None,
-    meter: Annotated[bool, typer.Option("--meter", help="Also measure the realized divergence KL(h_alg || q) and TV per position (costs time).")] = False,
+    meter: Meter = False,
     compare_hf: Annotated[bool, typer.Option("--compare-hf", help="Also time transformers' assisted generation (constant k) on the same pair and prompts.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (schema_version 1) instead of the table.")] = False,
-    csv_path: Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per configuration to this file.")] = None,
+    csv_path: Csv = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="Write bench.json, bench.csv and environment.json into this folder.")] = None,
     *,
     shared: o.Shared,

@@ -8,22 +8,22 @@ from typing import Annotated, Optional
 import typer
 
 from cactus_cli import options as o
-from cactus_cli.commands.bench import run_grid_command
+from cactus_cli.commands.bench import Compiles, Csv, Deltas, Ks, Meter, Quantizes, Rules, run_grid_command
 
 
 @o.shared_options(*o.MODEL_AND_SAMPLING)
 def eval_cmd(
-    rules: Annotated[str, typer.Option("--rules", help="Comma list of rules: sps,cactus,cactus-exact,tas,topk,interp.", rich_help_panel=o.DECODING)] = "sps,cactus",
-    deltas: Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values for the rules that take one (default: the profile's).", rich_help_panel=o.DECODING)] = None,
-    ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of draft lengths, `auto` included (default: the profile's).", rich_help_panel=o.DECODING)] = None,
-    compiles: Annotated[Optional[str], typer.Option("--compile", help="Comma list of auto, on, off (default: the profile's).", rich_help_panel=o.RUNTIME)] = None,
-    quantizes: Annotated[Optional[str], typer.Option("--quantize", help="Comma list of none, int8, int4, auto (default: the profile's).", rich_help_panel=o.RUNTIME)] = None,
+    rules: Rules = "sps,cactus",
+    deltas: Deltas = None,
+    ks: Ks = None,
+    compiles: Compiles = None,
+    quantizes: Quantizes = None,
     tasks_file: Annotated[Optional[Path], typer.Option("--tasks", help="JSONL file: 'prompt', 'answer', optional 'id', 'category' and 'pattern' (a regex whose first group is the answer). Default: the built-in set (40 arithmetic word problems, 8 code-output questions).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Use only the first N problems (the built-in set is interleaved by category).")] = None,
     category: Annotated[Optional[str], typer.Option("--category", help="Comma list of task categories to keep (built-in: arithmetic, code-output).")] = None,
-    meter: Annotated[bool, typer.Option("--meter", help="Also measure the realized divergence KL(h_alg || q) per position (costs time).")] = False,
+    meter: Meter = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (bench's schema plus accuracy fields and each answer) instead of the table.")] = False,
-    csv_path: Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per configuration to this file.")] = None,
+    csv_path: Csv = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="Write eval.json, eval.csv and environment.json into this folder.")] = None,
     *,
     shared: o.Shared,
