@@ -116,11 +116,12 @@ def quality_cmd(
             raise ConfigError("--quantize: list int8 and/or int4 (the unquantized model is always the reference)")
         prompts = load_prompts(prompts_file, limit)
         err = make_console(stderr=True)
-        rows, reference = [], None
+        rows, reference, texts = [], None, None
         for method in ["none", *method_list]:
             with LoadProgress(err) as progress:
                 pair = load_pair(settings.verifier, None, settings.tokenizer, settings.device, "bfloat16", progress, method)
-                texts = [ids for ids in (list(pair.tokenizer(p.prompt)["input_ids"]) for p in prompts) if len(ids) > 1]
+                if texts is None:  # one tokenizer for every setting: encode once
+                    texts = [ids for ids in (list(pair.tokenizer(p.prompt)["input_ids"]) for p in prompts) if len(ids) > 1]
                 if not texts:
                     raise ConfigError("no text to score: every prompt is shorter than two tokens")
                 progress.task(f"scoring {len(texts)} texts with the {'unquantized' if method == 'none' else method} verifier")
@@ -128,7 +129,7 @@ def quality_cmd(
             reference = reference or q
             rows.append(q)
             del pair
-        doc = {"verifier": settings.verifier, "device": str(reference and settings.device), "texts": len(texts),
+        doc = {"verifier": settings.verifier, "device": settings.device, "texts": len(texts),
                "tolerance_nats": NLL_TOLERANCE, "results": [q.row(reference) for q in rows]}
         if as_json:
             typer.echo(json.dumps(doc, indent=2))
