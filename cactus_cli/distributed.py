@@ -35,7 +35,7 @@ from typing import Any, Iterator
 import torch
 
 from cactus_cli.errors import ConfigError
-from cactus_cli.runners import CachedLM
+from cactus_cli.runners import CachedLM, to_device
 
 FOLLOWER_ENV = "CACTUS_TP_FOLLOWER"  # set for the ranks this process starts
 _followers: list[tuple[subprocess.Popen, Path]] = []
@@ -216,6 +216,37 @@ def _sigint_deferred() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
+OPS = ("stop", "reset", "forward", "crop")
+CMD_SLOTS = 64  # [op, n, arg, ids...]: a step's ids ride inline; a longer forward (a prefill) sends the rest after
+_INLINE = CMD_SLOTS - 3
+
+
+def command(op: str, arg: int = 0, ids: torch.Tensor | None = None,
+            device: torch.device = torch.device("cpu")) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A runner call as a fixed-size int64 tensor on ``device`` (one broadcast, nothing pickled,
+    no host sync for ids already on the device), plus the ids that do not fit inline."""
+    n = 0 if ids is None else ids.numel()  # a shape: known without a sync
+    inline = min(n, _INLINE)
+    parts = [to_device([OPS.index(op), n, arg], device)]
+    if inline:
+        parts.append(ids.view(-1)[:inline].to(device))
+    parts.append(torch.zeros(_INLINE - inline, dtype=torch.int64, device=device))
+    rest = ids.view(-1)[inline:].to(device) if n > inline else None
+    return torch.cat(parts), rest
+
+
+def parse_command(cmd: torch.Tensor) -> tuple[str, int, int, torch.Tensor]:
+    """(op, number of ids, arg, the inline ids) from a ``command`` tensor."""
+    op, n, arg = cmd[:3].tolist()
+    return OPS[op], n, arg, cmd[3 : 3 + min(n, _INLINE)]
+
+
+def _comm_device() -> torch.device:
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 class ShardedLM(CachedLM):
     """Rank 0's verifier runner: every call is announced to the followers, then made."""
 
@@ -224,10 +255,13 @@ class ShardedLM(CachedLM):
         super().__init__(lm, vocab_size)
         _active_runner = self
 
-    def _announce(self, op: str, *args: Any) -> None:
+    def _announce(self, op: str, arg: int = 0, ids: torch.Tensor | None = None) -> None:
         import torch.distributed as dist
 
-        dist.broadcast_object_list([(op, args)], src=0)
+        cmd, rest = command(op, arg, ids, _comm_device())
+        dist.broadcast(cmd, src=0)
+        if rest is not None:
+            dist.broadcast(rest, src=0)
 
     @contextlib.contextmanager
     def _collective(self) -> Iterator[None]:
@@ -245,9 +279,9 @@ class ShardedLM(CachedLM):
             super().reset()
 
     def forward(self, ids, keep: int) -> torch.Tensor:
-        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        ids = to_device(ids, self.lm.device)
         with self._collective():
-            self._announce("forward", ids, keep)
+            self._announce("forward", keep, ids)
             return super().forward(ids, keep)
 
     def crop(self, length: int) -> None:
@@ -263,13 +297,23 @@ def follow(runner: CachedLM) -> None:
     """Ranks > 0: run what rank 0 announces, until it says stop."""
     import torch.distributed as dist
 
+    device = _comm_device()
     while True:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
-        op, args = box[0]
+        cmd = torch.empty(CMD_SLOTS, dtype=torch.int64, device=device)
+        dist.broadcast(cmd, src=0)
+        op, n, arg, ids = parse_command(cmd)
+        if n > len(ids):
+            rest = torch.empty(n - len(ids), dtype=torch.int64, device=device)
+            dist.broadcast(rest, src=0)
+            ids = torch.cat([ids, rest])
         if op == "stop":
             return
-        getattr(runner, op)(*args)
+        if op == "forward":
+            runner.forward(ids, arg)
+        elif op == "crop":
+            runner.crop(arg)
+        else:
+            runner.reset()
 
 
 def _watch_parent() -> None:

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from cactus_cli.runners import CachedLM
+from cactus_cli.runners import CachedLM, to_device
 from cactus_cli.sampling import SamplingParams, probs_from_logits, sample
 
 
@@ -186,11 +186,10 @@ class NgramDrafter:
         tokens = self.lookup(k) if k else []
         if not tokens and self.fallback is not None and k:
             return self.fallback.propose(k, sp, generator)
-        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)  # [k']
+        ids = to_device(tokens, self.device)  # [k']
         probs = None
-        if not sp.greedy and tokens:
-            probs = torch.zeros(len(tokens), self.vocab_size, device=self.device)  # [k', V] one-hot
-            probs[torch.arange(len(tokens)), ids] = 1.0
+        if not sp.greedy and tokens:  # [k', V] one-hot
+            probs = torch.zeros(len(tokens), self.vocab_size, device=self.device).scatter_(1, ids.view(-1, 1), 1.0)
         return Proposal(ids, probs, "ngram")
 
     def accept(self, num_accepted: int, new_tokens: list[int]) -> None:

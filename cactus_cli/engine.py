@@ -20,7 +20,7 @@ from cactus_cli.errors import ContextLimitError, ModelError
 from cactus_cli.events import Piece, StepEvent
 from cactus_cli.models import ModelPair
 from cactus_cli.policy import KPolicy, acceptance_key, cache_path, probe
-from cactus_cli.runners import CompileUnavailable, make_runner
+from cactus_cli.runners import CompileUnavailable, make_runner, to_device
 from cactus_cli.sampling import SamplingParams, probs_from_logits
 
 
@@ -301,6 +301,7 @@ class _RunState:
         self.reused_tokens = keep
         self.prefill_tokens = len(prompt) - 1 - keep
         e.tokens = list(prompt)
+        self.last = to_device(prompt[-1:], self.vdev)  # [1]: the next step's first input
         if self.drafter is not None:
             self.drafter.start(prompt, reuse)
         sync(self.vdev)
@@ -328,24 +329,30 @@ class _RunState:
         t1 = time.perf_counter()
 
         drafts = proposal.tokens.to(vdev) if k else torch.zeros(0, dtype=torch.int64, device=vdev)  # [k]
-        last = torch.tensor([e.tokens[-1]], device=vdev)
-        logits = e.verifier.forward(torch.cat([last, drafts]), keep=k + 1)  # [k+1, V]
+        logits = e.verifier.forward(torch.cat([self.last, drafts]), keep=k + 1)  # [k+1, V]
         p = q = None
-        if torch.isnan(logits).any():  # never a valid output: an overflow in a low-precision dtype
-            raise ModelError(f"the verifier returned NaN logits (numerical overflow in "
-                             f"{str(e.pair.verifier.dtype).removeprefix('torch.')}?); try --dtype float32")
+        flags = [torch.isnan(logits).any()]  # never a valid output: an overflow in a low-precision dtype
         if sp.greedy:
             verdict = greedy_verify(drafts.view(1, k), logits.argmax(-1).view(1, k + 1))
         else:
             q = probs_from_logits(logits, sp).unsqueeze(0)  # [1, k+1, V]
-            if not torch.isfinite(q).all():
-                raise ModelError(f"temperature {sp.temperature:g} made the verifier's probabilities non-finite; "
-                                 "use a larger temperature, or 0 for greedy")
+            flags.append(~torch.isfinite(q).all())
             p = proposal.probs.to(vdev).unsqueeze(0) if k else q[:, :0]  # [1, k, V]
             verdict = verify(params.rule, p, q, drafts.view(1, k), generator=self.vgen, **params.rule_kwargs)
-        m = int(verdict.num_accepted[0])
-        new = verdict.tokens[0, : m + 1].tolist()  # accepted drafts + one extra token (waits for the device)
+        # the step's one host sync: accepted count, tokens, drafts and error flags in one copy
+        host = torch.cat([verdict.num_accepted[:1], verdict.tokens[0], drafts,
+                          torch.stack(flags).to(torch.int64)]).tolist()
+        m = host[0]
+        new = host[1 : m + 2]  # accepted drafts + one extra token
+        draft_list = host[k + 2 : 2 * k + 2]
         t2 = time.perf_counter()
+        if host[2 * k + 2]:
+            raise ModelError(f"the verifier returned NaN logits (numerical overflow in "
+                             f"{str(e.pair.verifier.dtype).removeprefix('torch.')}?); try --dtype float32")
+        if len(host) > 2 * k + 3 and host[2 * k + 3]:
+            raise ModelError(f"temperature {sp.temperature:g} made the verifier's probabilities non-finite; "
+                             "use a larger temperature, or 0 for greedy")
+        self.last = verdict.tokens[0, m : m + 1]  # [1], stays on the device for the next step's input
         e.policy.observe(self.akey, k, m, t1 - t0, t2 - t1, catch_up, source or "model")
         meter = self._meter(p, q, logits, new, m, k) if params.measure else ((), (), ())
 
@@ -355,7 +362,6 @@ class _RunState:
             drafter.accept(m, new)
         e.tokens += new
 
-        draft_list = drafts.tolist()
         rejected = tuple(draft_list[m:])
         extra_kind = "verifier" if k == 0 else ("bonus" if m == k else "correction")
         emitted, pieces, finish = self._emit(new, m, extra_kind, "copied" if source == "ngram" else "accepted")

@@ -25,6 +25,7 @@ class LoadedModel:
     load_seconds: float = 0.0
     quantize: str = "none"  # weight-only quantization of the Linear layers: none, int8, int4
     tp: int = 1  # tensor-parallel ranks the model is sharded over (distributed.py)
+    quantize_note: str = ""  # what the quantization ran ("int4 weights (15 layers, 1 in int8 ...)")
 
 
 @dataclass
@@ -46,9 +47,34 @@ def resolve_device(name: str = "auto") -> torch.device:
         return torch.device("cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ModelError(f"--device {name}: CUDA is not available on this machine (use --device cpu or auto)")
+    if name.startswith("cuda"):
+        try:
+            dev = torch.device(name)
+        except RuntimeError:
+            raise ModelError(f"--device {name}: not a device name; use cuda, cuda:N, cpu or auto") from None
+        check_cuda_device(dev)
+        return dev
     if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise ModelError("--device mps: MPS is not available on this machine (use --device cpu or auto)")
     return torch.device(name)
+
+
+def cuda_native_bf16(device: torch.device) -> bool:
+    """bfloat16 in hardware (compute capability >= 8.0). ``is_bf16_supported()`` alone also counts
+    emulation (a Turing card runs it, slowly)."""
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # an older torch: no emulation to count
+        return bool(torch.cuda.is_bf16_supported())
+
+
+def check_cuda_device(device: torch.device) -> None:
+    """``cuda:N`` must name a visible GPU: fail now with one line, not at the first allocation."""
+    if device.type == "cuda" and device.index is not None:
+        visible = torch.cuda.device_count()
+        if device.index >= visible:
+            raise ModelError(f"--device {device}: only {visible} GPU{'s' if visible != 1 else ''} visible "
+                             f"(cuda:0{f'..cuda:{visible - 1}' if visible > 1 else ''}); pick one of those")
 
 
 def cpu_flags() -> set[str]:
@@ -143,9 +169,9 @@ def resolve_dtype(name: str, device: torch.device, mlp_shape: tuple[int, int] | 
     if name != "auto":
         return getattr(torch, name), "as asked"
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, "CUDA with bfloat16 support"
-        return torch.float16, "CUDA without bfloat16 support"
+        if cuda_native_bf16(device):
+            return torch.bfloat16, "CUDA with native bfloat16"
+        return torch.float16, "CUDA without native bfloat16 (compute capability < 8.0)"
     if device.type == "mps":
         return torch.float16, "MPS"
     if mlp_shape is None:
@@ -168,10 +194,12 @@ def resolve_quantize(name: str, device: torch.device, dtype: str = "auto") -> st
 def quantized_dtype(method: str, dtype: str, device: torch.device) -> tuple[torch.dtype, str]:
     """Activations for quantized weights: the packed kernels run fast on bfloat16 only (on a CPU
     float32 activations take a slow path: 7.6 ms instead of 0.6 for one int8 row)."""
+    if device.type == "cuda" and method == "int4" and torch.cuda.get_device_capability(device) < (8, 0):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ModelError(f"--quantize int4 on CUDA needs compute capability 8.0 or newer (this GPU has "
+                         f"{major}.{minor}); use --quantize int8 or none")
     if dtype in ("auto", "bfloat16"):
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported() and method == "int4":
-            raise ModelError("--quantize int4 on CUDA needs a GPU with bfloat16; use --quantize int8 or none")
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        if device.type == "cuda" and not cuda_native_bf16(device):
             return torch.float16, f"{method} weights, float16 activations (no bfloat16 on this GPU)"
         return torch.bfloat16, f"{method} weights run on bfloat16 activations"
     if device.type == "cuda" and method == "int8":
@@ -314,20 +342,35 @@ def load_model(name: str, src: Source, device: torch.device, dtype: torch.dtype,
         model = _from_pretrained(AutoModelForCausalLM, src, f"{role} model", dtype=dtype,
                                  distributed_config=DistributedConfig(tp_plan="auto"))
         device = next(model.parameters()).device
+    elif quantize == "none" and device.type == "cuda":
+        model = _load_on_gpu(AutoModelForCausalLM, src, role, dtype, device)
     else:
+        # quantized: loaded and quantized on the CPU, so only the quantized weights reach the GPU
         model = _from_pretrained(AutoModelForCausalLM, src, f"{role} model", dtype=dtype)
-        model.to(device)
     model.eval()
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     ctx = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 1 << 30
     width = int(model.get_output_embeddings().weight.shape[0])
+    note = ""
     if quantize != "none":
         from cactus_cli.quantize import quantize_model
 
         if reporter is not None:
             reporter.task(f"quantizing the {role} to {quantize}")
-        quantize_model(model, quantize, src.location, reporter.task if reporter is not None else None)
-    return LoadedModel(model, name, src.location, device, dtype, ctx, width, time.perf_counter() - t0, quantize, tp)
+        note = quantize_model(model, quantize, src.location, reporter.task if reporter is not None else None, device)
+    if tp == 1:
+        model.to(device)  # (a no-op for what is already there)
+    return LoadedModel(model, name, src.location, device, dtype, ctx, width, time.perf_counter() - t0, quantize, tp,
+                       note)
+
+
+def _load_on_gpu(loader, src: Source, role: str, dtype: torch.dtype, device: torch.device):
+    """Weights streamed straight to the GPU (no full copy in host memory first), where this
+    transformers takes a device_map; otherwise load, then move."""
+    try:
+        return _from_pretrained(loader, src, f"{role} model", dtype=dtype, device_map={"": str(device)})
+    except (ImportError, TypeError):  # no accelerate / no device_map here: the two-step way
+        return _from_pretrained(loader, src, f"{role} model", dtype=dtype).to(device)
 
 
 def load_shard(load: dict) -> tuple[LoadedModel, int]:
@@ -390,6 +433,9 @@ def _tp_setup(tp: int, vsrc: Source, verifier: str, dev: torch.device, dtype: st
     except (OSError, ValueError) as err:
         raise ModelError(f"could not read the verifier's config from {vsrc.location}: {err}") from None
     distributed.check_tp(tp, config, dev, verifier)
+    if dev.type == "cuda" and dev.index not in (None, 0):
+        raise ModelError(f"--device {dev} with --tp: rank r runs on cuda:r and the draft beside rank 0 on cuda:0; "
+                         "use --device cuda (choose the GPUs with CUDA_VISIBLE_DEVICES)")
     if dev.type == "cpu":
         if dtype not in ("auto", "float32"):
             raise ModelError(f"--tp on a CPU reduces over gloo in float32; use --dtype float32 (or auto), not {dtype}")
@@ -441,7 +487,8 @@ def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, de
         else:
             dt, why = resolve_dtype(dtype, dev, mlp_shape(vsrc) if dtype == "auto" and dev.type == "cpu" else None)
     vm = load_model(verifier, vsrc, dev, dt, "verifier", quantize, reporter, tp)
-    dm = load_model(draft, dsrc, dev, dt, "draft", quantize, reporter) if dsrc is not None else None
+    # the draft sits with rank 0's shard under --tp (acceptance is decided there)
+    dm = load_model(draft, dsrc, vm.device if tp > 1 else dev, dt, "draft", quantize, reporter) if dsrc is not None else None
     vocab = len(tok)
     for lm, role in ((vm, "verifier"), (dm, "draft")):
         # padded output rows are a few hundred at most (Qwen2.5: 271); far fewer tokens than rows

@@ -122,22 +122,54 @@ class Int4Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
 
-def fits(method: str, linear: nn.Linear) -> bool:
-    """Whether the packed kernel takes this layer's shape (int4: whole groups, an even width)."""
+def fits(method: str, linear: nn.Linear, device_type: str = "cpu") -> bool:
+    """Whether the packed kernel takes this layer's [N, K] shape. int8: any. int4: whole groups
+    and N % 8 on a CPU; CUDA's packing also needs K % (INT4_TILES * 16) = K % 128, so hidden
+    sizes such as 576 or 960 do not fit there."""
     n, k = linear.weight.shape
-    return method == "int8" or (k % INT4_GROUP == 0 and n % 8 == 0)
+    if method == "int8":
+        return True
+    if device_type == "cuda":
+        return k % (INT4_TILES * 16) == 0 and k % INT4_GROUP == 0 and n % 8 == 0
+    return k % INT4_GROUP == 0 and n % 8 == 0
+
+
+def plan_layers(model: nn.Module, method: str, device_type: str) -> dict[str, str]:
+    """Layer name -> the method it runs: ``method``, except the output head (int8 under int4:
+    logits are what we sample) and int4 layers whose shape the device's kernel cannot take
+    (int8 instead)."""
+    out = model.get_output_embeddings()
+    plan = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            kind = "int8" if m is out else method
+            plan[name] = kind if fits(kind, m, device_type) else "int8"
+    return plan
+
+
+def describe_plan(plan: dict[str, str], method: str, device_type: str) -> str:
+    """What ran, for the user and --json: '<method> weights (N layers[, M in int8: ...])'."""
+    fell_back = sum(1 for name, kind in plan.items() if kind != method)
+    text = f"{method} weights ({len(plan)} layers"
+    if method == "int4" and fell_back:
+        text += (f", {fell_back} in int8: the output head and widths the {device_type.upper()} int4 kernel "
+                 f"cannot take" if device_type == "cuda" else f", {fell_back} in int8 (the output head"
+                 f"{' and widths the int4 kernel cannot take' if fell_back > 1 else ''})")
+    return text + ")"
 
 
 # --------------------------------------------------------------------------- the model
 
 
-def cache_file(weights_key: dict, method: str) -> Path:
+def cache_file(weights_key: dict, method: str, device_type: str = "cpu") -> Path:
     """``<method>-<weights>-<everything>.safetensors``: the middle part names the model, so a new
     cache for it (new weights, a new torch) replaces the old one instead of piling up."""
     from cactus_cli.embedded import cache_dir
 
     key = {"weights": weights_key, "method": method, "group": INT4_GROUP if method == "int4" else None,
            "format": FORMAT, "torch": torch.__version__.split("+")[0]}
+    if method == "int4" and device_type == "cuda":  # CUDA's int4 kernel takes fewer widths: another plan
+        key["plan"] = "cuda"
     model = hashlib.sha256(json.dumps(weights_key.get("source")).encode()).hexdigest()[:8]
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "quantized" / f"{method}-{model}-{digest}.safetensors"
@@ -160,17 +192,19 @@ def weights_key(location: str) -> dict:
     return {"source": str(folder.resolve()), "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
 
 
-def quantize_model(model: nn.Module, method: str, location: str, report: Callable[[str], None] | None = None) -> str:
+def quantize_model(model: nn.Module, method: str, location: str, report: Callable[[str], None] | None = None,
+                   device: torch.device | None = None) -> str:
     """Replace every nn.Linear of ``model`` (lm_head included) by its ``method`` version, from the
-    cache when this model was quantized before. Returns a short description for the user."""
+    cache when this model was quantized before. The new layers are built on ``device`` (default:
+    where the model is): a model loaded on the CPU is quantized there and only the quantized
+    weights reach the GPU. Each original layer is released as it is replaced, so the peak is one
+    full-precision model, not both. Returns a description of what ran, for the user."""
     from safetensors.torch import load_file, save_file
 
     param = next(model.parameters())
-    dtype, device = param.dtype, param.device
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    out = model.get_output_embeddings()
-    head = next((name for name, m in linears if m is out), None)  # int4 keeps the head in int8: logits are what we sample
-    path = cache_file(weights_key(location), method)
+    dtype, device = param.dtype, device or param.device
+    plan = plan_layers(model, method, device.type)
+    path = cache_file(weights_key(location), method, device.type)
     cached: dict[str, torch.Tensor] = {}
     if path.is_file():
         try:
@@ -181,35 +215,40 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
             cached = {}
     fresh: dict[str, torch.Tensor] = {}
     if report is not None and not cached:
-        report(f"quantizing {len(linears)} layers to {method} (once; cached for the next start)")
-    skipped = 0
-    for name, lin in linears:
-        kind = "int8" if name == head else method
-        if not fits(kind, lin):
-            skipped += 1
-            continue
-        bias = lin.bias.detach() if lin.bias is not None else None
-        if kind == "int8":
-            if f"{name}.q" in cached:
-                q, scales = cached[f"{name}.q"], cached[f"{name}.scales"]
-            else:
-                q, scales = quantize_int8(lin.weight.detach())
-                fresh.update({f"{name}.q": q.cpu(), f"{name}.scales": scales.cpu()})
-            new: nn.Module = Int8Linear(q.to(device), scales.to(device), bias, dtype)
-        else:
-            if f"{name}.q" in cached:
-                packed, scales, mins = cached[f"{name}.q"], cached[f"{name}.scales"], cached[f"{name}.mins"]
-                q = torch.stack([packed >> 4, packed & 15], -1).reshape(packed.shape[0], -1)
-            else:
-                q, scales, mins = quantize_int4(lin.weight.detach())
-                fresh.update({f"{name}.q": (q[:, ::2] << 4 | q[:, 1::2]).cpu(), f"{name}.scales": scales.cpu(),
-                              f"{name}.mins": mins.cpu()})
-            new = Int4Linear(q, scales, mins, bias, dtype, device)
+        report(f"quantizing {len(plan)} layers to {method} (once; cached for the next start)")
+    for name, kind in plan.items():
+        new = _quantized_layer(model.get_submodule(name), name, kind, cached, fresh, dtype, device)
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, new)
+        setattr(model.get_submodule(parent) if parent else model, attr, new)  # the original is freed here
     if fresh:
         _save(path, {**cached, **fresh}, save_file)
-    return f"{method} weights ({len(linears) - skipped} layers{f', {skipped} kept in full precision' if skipped else ''})"
+    text = describe_plan(plan, method, device.type)
+    if report is not None and "in int8" in text and method == "int4":
+        report(text)
+    return text
+
+
+def _quantized_layer(lin: nn.Linear, name: str, kind: str, cached: dict[str, torch.Tensor],
+                     fresh: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """One layer's quantized replacement on ``device``, from ``cached`` tensors or computed (and
+    added to ``fresh``). Which layers fall back to int8 depends on the device, so int4 caches
+    are kept per device type (``cache_file``)."""
+    bias = lin.bias.detach() if lin.bias is not None else None
+    if kind == "int8":
+        if f"{name}.q" in cached:
+            q, scales = cached[f"{name}.q"], cached[f"{name}.scales"]
+        else:
+            q, scales = quantize_int8(lin.weight.detach())
+            fresh.update({f"{name}.q": q.cpu(), f"{name}.scales": scales.cpu()})
+        return Int8Linear(q.to(device), scales.to(device), None if bias is None else bias.to(device), dtype)
+    if f"{name}.mins" in cached:
+        packed, scales, mins = cached[f"{name}.q"], cached[f"{name}.scales"], cached[f"{name}.mins"]
+        q = torch.stack([packed >> 4, packed & 15], -1).reshape(packed.shape[0], -1)
+    else:
+        q, scales, mins = quantize_int4(lin.weight.detach())
+        fresh.update({f"{name}.q": (q[:, ::2] << 4 | q[:, 1::2]).cpu(), f"{name}.scales": scales.cpu(),
+                      f"{name}.mins": mins.cpu()})
+    return Int4Linear(q, scales, mins, bias, dtype, device)
 
 
 def _save(path: Path, tensors: dict[str, torch.Tensor], save_file) -> None:

@@ -25,6 +25,7 @@ import torch
 from cactus_cli.models import LoadedModel
 
 MIN_CAPACITY = 512  # static caches come in powers of two from here, so a growing chat recompiles rarely
+CUDA_CACHE_SHARE = 0.4  # of the GPU memory free at allocation, at most, for one model's static KV cache
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -34,6 +35,61 @@ def common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def to_device(ids: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
+    """Token ids as an int64 tensor on ``device``. A host list is copied without blocking: a
+    blocking host-to-device copy waits for every kernel queued before it, a sync per call."""
+    if isinstance(ids, torch.Tensor):
+        return ids.to(device=device, dtype=torch.int64)
+    host = torch.tensor(ids, dtype=torch.int64)
+    return host.to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+def tune_inductor(device_type: str) -> dict[str, object]:
+    """What gpt-fast sets before compiling for a GPU: coordinate-descent tuning is what lets
+    inductor fuse ``F.linear(x, w.to(dtype)) * scales`` (int8 weights) into one kernel instead of
+    writing a bfloat16 copy of every weight each forward. Returns the settings applied."""
+    if device_type != "cuda":
+        return {}
+    import torch._inductor.config as cfg
+
+    applied: dict[str, object] = {}
+    for path, value in (("coordinate_descent_tuning", True), ("triton.unique_kernel_names", True),
+                        ("fx_graph_cache", True)):
+        owner, _, name = path.rpartition(".")
+        target = getattr(cfg, owner) if owner else cfg
+        if hasattr(target, name):
+            setattr(target, name, value)
+            applied[path] = value
+    return applied
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes one cached token takes in a static cache (keys and values of every layer)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(cfg.num_attention_heads)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    return 2 * int(cfg.num_hidden_layers) * kv * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def plan_capacity(need: int, limit: int, cuda: bool, memory_tokens: int | None = None) -> tuple[int, str | None]:
+    """Slots for a static cache that must hold ``need`` tokens (``limit``: the most it can ever
+    need). On a CPU: a power of two from MIN_CAPACITY, so a growing chat re-sizes (and recompiles)
+    rarely. On CUDA exactly ``need`` (the caller asks once for all a run or chat may reach: every
+    re-size re-records every graph), capped by ``memory_tokens`` (what the GPU's free memory
+    holds). Returns (capacity, a note when memory capped it)."""
+    if not cuda:
+        cap = MIN_CAPACITY
+        while cap < need:
+            cap *= 2
+        return max(need, min(cap, limit)), None
+    if memory_tokens is not None and need > memory_tokens:
+        cap = max(memory_tokens, MIN_CAPACITY)
+        return cap, (f"the KV cache holds {cap} tokens (what {CUDA_CACHE_SHARE:.0%} of free GPU memory allows); "
+                     "a longer conversation re-sizes it and recompiles")
+    return need, None
 
 
 def cache_argument(model) -> str:
@@ -68,7 +124,7 @@ class CachedLM:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor | list[int], keep: int) -> torch.Tensor:
         """Append ``ids`` [L] to the cache; return the last ``keep`` logits rows [keep, V]."""
-        ids = torch.as_tensor(ids, dtype=torch.int64, device=self.lm.device).view(1, -1)
+        ids = to_device(ids, self.lm.device).view(1, -1)
         out = self.lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{self._cache_arg: self.cache})
         self.cache = out[self._cache_arg]
         self.forward_passes += 1
@@ -139,14 +195,17 @@ class CompiledLM(CachedLM):
         self.widths: dict[int, Callable] = {}  # compiled width -> step function
         self.compile_seconds = 0.0
         self._slots: torch.Tensor | None = None
+        self._plain_layers = False
         self._mode = "reduce-overhead" if lm.device.type == "cuda" else None
+        self.cache_note: str | None = None  # set when GPU memory capped the cache below what was asked
         _raise_recompile_limit()
+        tune_inductor(lm.device.type)
 
     # -- the cache ---------------------------------------------------------------------------
 
     def reset(self) -> None:
         if self.cache is not None and self.length:
-            self.cache.crop(-self.length)
+            self._rewind(self.length)
         self.length = 0
 
     @property
@@ -156,8 +215,21 @@ class CompiledLM(CachedLM):
     def crop(self, length: int) -> None:
         extra = self.length - length
         if extra > 0:
-            self.cache.crop(-extra)  # rewinds each layer's length in place: the graphs keep their addresses
+            self._rewind(extra)
             self.length = length
+
+    def _rewind(self, n: int) -> None:
+        """Move every layer's length counter back ``n`` slots, in place (the graphs keep their
+        addresses), in one foreach kernel rather than one per layer. Inside inference mode: on
+        CUDA the counters were created in it (``.to(device)`` of a CPU tensor), and an in-place
+        update of an inference tensor outside it raises."""
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self._rewind(n)
+        if self._plain_layers:
+            torch._foreach_sub_([layer.cumulative_length for layer in self.cache.layers], n)
+        else:  # sliding-window and other layers keep more state: their own crop
+            self.cache.crop(-n)
 
     def reserve(self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None,
                 exact: bool = True) -> None:
@@ -170,24 +242,40 @@ class CompiledLM(CachedLM):
         widest = max(widths + tuple(self.widths) + (1,))
         need = tokens + widest
         if need > self.capacity:
-            cap = MIN_CAPACITY
-            while cap < need:
-                cap *= 2
-            self._allocate(max(need, min(cap, self.context_length + widest + 1)))
+            cap, self.cache_note = plan_capacity(need, self.context_length + widest + 1, self.lm.device.type == "cuda",
+                                                 self._memory_tokens())
+            if self.cache_note and report is not None:
+                report(f"{self.role}: {self.cache_note}")
+            self._allocate(cap)
         for w in sorted(set(widths) - set(self.widths)):
             self._compile(w, report)
 
+    def _memory_tokens(self) -> int | None:
+        """Tokens a static cache may take of the GPU's free memory (None on other devices)."""
+        dev = self.lm.device
+        if dev.type != "cuda":
+            return None
+        per_token = kv_bytes_per_token(self.lm.model.config, self.lm.dtype)
+        free, _ = torch.cuda.mem_get_info(dev)
+        free += self.capacity * per_token  # the cache being replaced is freed first
+        return int(free * CUDA_CACHE_SHARE) // per_token
+
     def _allocate(self, capacity: int) -> None:
         from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
 
+        old, self.widths = sorted(self.widths), {}
+        self.cache = None  # the old cache and the graphs that captured it go before the new one is allocated
+        if self.lm.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.cache = StaticCache(config=self.lm.model.config, max_cache_len=capacity)
+        self._plain_layers = all(type(layer) is StaticLayer for layer in self.cache.layers)  # one foreach rewinds them
         self.capacity, self.length = capacity, 0
         self._slots = torch.arange(capacity, device=self.lm.device)
         with torch.inference_mode():  # one eager token allocates every layer (static addresses) before any tracing
             pos, mask = self._inputs(0, 1)
             self._call(torch.zeros(1, 1, dtype=torch.int64, device=self.lm.device), pos, mask, 1)
             self.cache.crop(-1)
-        old, self.widths = sorted(self.widths), {}
         for w in old:  # the graphs captured the old cache: build them again for the new one
             self._compile(w, None)
 
@@ -234,7 +322,7 @@ class CompiledLM(CachedLM):
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor | list[int], keep: int) -> torch.Tensor:
-        ids = torch.as_tensor(ids, dtype=torch.int64, device=self.lm.device).view(1, -1)
+        ids = to_device(ids, self.lm.device).view(1, -1)
         w = ids.shape[1]
         if self.length + w > self.capacity:
             raise RuntimeError(f"the static cache holds {self.capacity} tokens; reserve() more before this forward")
@@ -250,7 +338,7 @@ class CompiledLM(CachedLM):
                 torch.compiler.cudagraph_mark_step_begin()
             rows = self.widths[width](ids, pos, mask, width)[0, w - keep : w].clone()  # a CUDA graph reuses its output
             if width > w:
-                self.cache.crop(-(width - w))
+                self._rewind(width - w)
         self.length += w
         self.forward_passes += 1
         return rows[:, : self.vocab_size]

@@ -33,10 +33,14 @@ PROMPT_ALLOWANCE = 512  # tokens of prompt a compiled engine is sized for before
 
 
 def prepare(engine: SpeculativeEngine, settings: Settings, reporter=None, prompt_tokens: int = PROMPT_ALLOWANCE,
-            k_values: list[int | str] | None = None) -> None:
+            k_values: list[int | str] | None = None, whole_context: bool = False) -> None:
     """Before anything is timed: compile the steps the run will take (a compiled engine), and
     when -k auto will run (``k_values`` lists the k a command will use) on a pair never timed on
-    this machine, seed the cost model with a short probe."""
+    this machine, seed the cost model with a short probe. ``whole_context`` (chat): on CUDA the
+    static caches are sized once for the whole context window (bounded by free memory), since
+    growing one later re-records every graph of both models."""
+    if whole_context and engine.compiled and engine.pair.verifier.device.type == "cuda":
+        prompt_tokens = engine.context_length - settings.max_tokens
     ks = k_values if k_values is not None else [settings.num_draft_tokens]
     report = reporter.task if reporter is not None else None
     widths = {w for k in ks for w in engine.step_widths(settings.max_draft_tokens if k == "auto" else int(k))}

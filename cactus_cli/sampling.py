@@ -59,9 +59,15 @@ def sample(dist: torch.Tensor, generator: torch.Generator | None, fallback: torc
     block_mass = _block_mass(dist)  # [B, nb]
     total = block_mass.sum(-1, keepdim=True)
     bad = ~(torch.isfinite(total) & (total > 0))  # [B, 1]
-    if bool(bad.any()):
-        dist = torch.where(bad, torch.ones_like(dist) if fallback is None else fallback, dist)
-        block_mass = _block_mass(dist)
+    # branch-free (no host sync: drafting can queue ahead on a GPU): the fallback's block sums
+    # are computed for every row and used where the row is bad
+    if fallback is None:
+        fb_mass = _block_mass(torch.ones(1, V, dtype=dist.dtype, device=dist.device))  # block sizes, [1, nb]
+        fallback = torch.ones((), dtype=dist.dtype, device=dist.device)
+    else:
+        fb_mass = _block_mass(fallback)
+    dist = torch.where(bad, fallback, dist)
+    block_mass = torch.where(bad, fb_mass, block_mass)
     cum_blocks = block_mass.double().cumsum(-1)  # [B, nb]
     u = torch.rand((B, 1), generator=generator, device=dist.device, dtype=torch.float64)
     x = _below(u * cum_blocks[:, -1:], cum_blocks[:, -1:])  # [B, 1], in [0, total)

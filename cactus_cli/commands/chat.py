@@ -42,7 +42,7 @@ def chat(*, shared: o.Shared) -> None:
         def load(s):
             with ui.LoadProgress(err) as progress:
                 engine = runtime.load_engine(s, progress)
-                runtime.prepare(engine, s, progress)
+                runtime.prepare(engine, s, progress, whole_context=True)
             engine.report = out.note  # a long conversation outgrows the compiled cache now and then
             return engine
 
