@@ -269,6 +269,7 @@ def environment(engine: SpeculativeEngine, settings: dict[str, Any]) -> dict[str
         "device_name": device_name(dev),  # the GPU, or the CPU model and the flags that decide matmul speed
         "cpu_threads": torch.get_num_threads(),
         "dtype": str(engine.pair.verifier.dtype).removeprefix("torch."),
+        "quantized": engine.pair.verifier.quantize_note or None,  # what ran ("int4 weights (N layers, M in int8)")
         "verifier": settings.get("verifier"),
         "draft": settings.get("draft"),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),

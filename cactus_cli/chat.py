@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from cactus_cli.config import Settings, check_value, resolve_settings
+from cactus_cli.config import Settings, check_value, parse_yaml, resolve_settings
 from cactus_cli.errors import CactusError, ConfigError, ContextLimitError
 from cactus_cli.stats import SpecStats
 
@@ -148,18 +148,19 @@ class ChatSession:
         key = key.strip().lower()
         if not sep or key not in SETTABLE:
             raise ConfigError(f"/set expects KEY=VALUE with KEY one of: {', '.join(k for k in SETTABLE if k != 'num_draft_tokens')}")
-        import yaml
-
         try:
-            value = yaml.safe_load(raw.strip())
-        except yaml.YAMLError:
-            value = raw.strip()
+            value = parse_yaml(raw.strip(), f"/set {key}")
+        except ConfigError:
+            value = raw.strip()  # not YAML: taken as the text it is (and checked below)
         field_name = SETTABLE[key]
         problem = check_value(field_name, value)
         if problem:
             raise ConfigError(f"/set {key}: {problem}")
         if field_name in ("num_draft_tokens", "max_draft_tokens") and self.settings.draft is None:
             raise ConfigError(f"/set {key}: there is no draft model in this session")
+        if field_name == "max_draft_tokens" and self.settings.num_draft_tokens != "auto":
+            raise ConfigError(f"/set {key}: applies only with -k auto (this session fixes k = "
+                              f"{self.settings.num_draft_tokens}); /set k=auto first")
         from cactus_cli.acceptance import RULES
 
         trial = Settings(**{**self.settings.to_dict(), field_name: value})

@@ -42,5 +42,17 @@ from cactus_cli.commands import register  # noqa: E402  (commands need `app` def
 register(app)
 
 
+def treat_sigterm_as_sigint() -> None:
+    """SIGTERM (what `timeout`, docker and Slurm send) ends a run the way Ctrl-C does: finished
+    rows and text are printed and written, caches and temp files cleaned, exit 130."""
+    import signal
+
+    def interrupt(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def main() -> None:
+    treat_sigterm_as_sigint()
     app()

@@ -270,20 +270,50 @@ def load_profile(name_or_path: str) -> tuple[dict[str, Any], Path]:
         text = read_utf8_file(path, "the profile")
     except OSError as err:
         raise ConfigError(f"{path}: cannot read the profile ({err.strerror or err})") from None
-    try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+    data = parse_yaml(text, str(path))
+    node = yaml.compose(text)  # (valid and alias-free by now) for the line of each key
     if data is None:
         return {}, path
     if not isinstance(data, dict) or node is None:
         raise ConfigError(f"{path}: a profile must be a YAML mapping of settings")
     lines = {k.value: k.start_mark.line + 1 for k, _ in node.value if hasattr(k, "value")}
     check_layer(data, str(path), lines)
+    check_profile_keys(data, str(path), lines)
     return data, path
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load`` for what users write (profiles, --param, /set), with every failure one
+    ConfigError line naming ``where``. Aliases are refused before anything is built: a few
+    hundred bytes of nested aliases expand to 10^8 entries when the result is walked."""
+    import yaml
+
+    try:
+        for event in yaml.parse(text):  # events only: nothing is expanded yet
+            if isinstance(event, yaml.AliasEvent):
+                raise ConfigError(f"{where}:{event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not "
+                                  "allowed here; write the value out")
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())
+        raise ConfigError(f"{where}{line}: not valid YAML ({problem})") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: YAML nested too deeply") from None
+
+
+def check_profile_keys(data: dict[str, Any], origin: str, lines: dict[str, int]) -> None:
+    """Keys of one profile that would do nothing with the profile's other keys: an error."""
+    draft = data.get("draft")
+    if isinstance(draft, str) and not (draft == "ngram" or draft.startswith("ngram+")):
+        for key in ("ngram_max", "ngram_min"):
+            if key in data:
+                raise ConfigError(f"{origin}:{lines.get(key, '?')}: {key} applies only to prompt lookup "
+                                  f"(draft: ngram or ngram+MODEL), not to draft {draft!r}; remove it")
+    if "max_draft_tokens" in data and isinstance(data.get("num_draft_tokens"), int):
+        raise ConfigError(f"{origin}:{lines.get('max_draft_tokens', '?')}: max_draft_tokens applies only with "
+                          f"num_draft_tokens: auto (this profile fixes k = {data['num_draft_tokens']}); remove one")
 
 
 def resolve_settings(profile: str | None, flags: dict[str, Any]) -> Settings:

@@ -21,8 +21,8 @@ import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +38,13 @@ from cactus_cli.errors import ConfigError
 from cactus_cli.runners import CachedLM, to_device
 
 FOLLOWER_ENV = "CACTUS_TP_FOLLOWER"  # set for the ranks this process starts
+STORE_ENV = "CACTUS_TP_STORE"  # the rendezvous file of a group this process started (no network port)
+LOG_ENV = "CACTUS_TP_LOG"  # a started follower's own log file, removed by it if rank 0 dies
+RENDEZVOUS_SECONDS = 60  # every rank must have joined by then (CACTUS_TP_RENDEZVOUS_SECONDS overrides)
+COLLECTIVE_MINUTES = 10  # a forward's collectives (a hung peer); waiting for the next command has no limit
 _followers: list[tuple[subprocess.Popen, Path]] = []
+_store_dir: Path | None = None
+_commands = None  # the process group commands are broadcast on (no timeout: rank 0 may wait on a user)
 _started = False
 
 
@@ -91,9 +97,14 @@ def start(tp: int, device: torch.device, load: dict[str, Any]) -> None:
             raise ConfigError(f"--tp {tp} but this group has WORLD_SIZE={world}; make them agree")
         atexit.register(stop_followers)  # tells torchrun's other ranks to stop
     else:
-        port = _free_port()
-        base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(tp),
-                    TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1")
+        global _store_dir
+        # one machine: rendezvous through a file in a private folder, so no rank listens on a port
+        _store_dir = Path(tempfile.mkdtemp(prefix="cactus-tp-"))
+        store = str(_store_dir / "store")
+        # and the ranks' own connections (gloo pairs, NCCL's bootstrap) on loopback only
+        local = {name: os.environ.get(name, "lo") for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+        base = dict(os.environ, WORLD_SIZE=str(tp), TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1",
+                    TQDM_DISABLE="1", **{STORE_ENV: store}, **local)
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does
             threads = max(1, (os.cpu_count() or 1) // tp)
             base["OMP_NUM_THREADS"] = str(threads)
@@ -102,36 +113,56 @@ def start(tp: int, device: torch.device, load: dict[str, Any]) -> None:
             fd, name = tempfile.mkstemp(prefix=f"cactus-tp-rank{r}-", suffix=".log")
             os.close(fd)
             log = Path(name)
-            env = dict(base, RANK=str(r), LOCAL_RANK=str(r), **{FOLLOWER_ENV: json.dumps(load)})
+            env = dict(base, RANK=str(r), LOCAL_RANK=str(r), **{FOLLOWER_ENV: json.dumps(load), LOG_ENV: name})
             with open(log, "w") as err:
                 proc = subprocess.Popen([sys.executable, "-m", "cactus_cli.distributed"], env=env,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                         start_new_session=True)  # Ctrl-C reaches rank 0 only
             _followers.append((proc, log))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(tp), RANK="0", LOCAL_RANK="0")
+        os.environ.update(WORLD_SIZE=str(tp), RANK="0", LOCAL_RANK="0", **{STORE_ENV: store}, **local)
         atexit.register(stop_followers)
         threading.Thread(target=_watch_followers, daemon=True).start()
     _init(device)
 
 
 def _init(device: torch.device) -> None:
+    """Join the group. The rendezvous is bounded (RENDEZVOUS_SECONDS, saying what it waits
+    for), so a peer that never comes is one line, not a silent wait; a forward's collectives
+    are bounded too (COLLECTIVE_MINUTES); the commands rank 0 broadcasts get a group of their
+    own without a limit, since rank 0 may wait on its user for hours."""
+    global _commands
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     rank, world = rank_and_world()
+    store_path = os.environ.get(STORE_ENV)
+    if store_path is None and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        raise ConfigError(f"WORLD_SIZE={world} and RANK={rank} are set but MASTER_ADDR/MASTER_PORT are not; "
+                          "run under torchrun, or unset WORLD_SIZE and RANK and let --tp start its own ranks")
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    # rank 0 may wait on a user for hours (chat): no collective timeout; a dead rank is noticed
-    # by the watchdogs and by the closed connections instead
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                            timeout=timedelta(days=7))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    seconds = float(os.environ.get("CACTUS_TP_RENDEZVOUS_SECONDS", RENDEZVOUS_SECONDS))
+    wait = timedelta(seconds=seconds)
+    where = "a private rendezvous file" if store_path else f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if rank == 0 and store_path is None:
+        sys.stderr.write(f"waiting up to {seconds:g} s for {world} tensor-parallel ranks at {where}\n")
+    try:
+        if store_path:
+            store = dist.FileStore(store_path, world)
+            store.set_timeout(wait)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=wait)
+        else:  # torchrun or the user's own launcher: their address and port
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=wait)
+    except (RuntimeError, ValueError) as err:
+        first = " ".join(str(err).split())[:160]
+        raise ConfigError(f"tensor parallel: not all {world} ranks joined within {seconds:g} s at {where} "
+                          f"({first}); check that every rank was started") from None
+    from torch.distributed.distributed_c10d import _set_pg_timeout
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    _set_pg_timeout(timedelta(minutes=COLLECTIVE_MINUTES))
+    _commands = dist.new_group(list(range(world)), timeout=timedelta(days=365))
 
 
 def _watch_followers() -> None:
@@ -192,6 +223,8 @@ def stop_followers(kill: bool = False) -> None:
         with contextlib.suppress(OSError):
             log.unlink()
     _followers.clear()
+    if _store_dir is not None:
+        shutil.rmtree(_store_dir, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- the runners
@@ -201,17 +234,18 @@ _active_runner: ShardedLM | None = None
 
 @contextlib.contextmanager
 def _sigint_deferred() -> Iterator[None]:
-    """Ctrl-C during a collective would leave the other ranks inside it: hold it until the
-    call is done, then raise it (main thread only; elsewhere nothing to defer)."""
+    """Ctrl-C (or SIGTERM) during a collective would leave the other ranks inside it: hold it
+    until the call is done, then raise it (main thread only; elsewhere nothing to defer)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     hit: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda *_: hit.append(1))
+    previous = {sig: signal.signal(sig, lambda *_: hit.append(1)) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if hit:
         raise KeyboardInterrupt
 
@@ -259,9 +293,9 @@ class ShardedLM(CachedLM):
         import torch.distributed as dist
 
         cmd, rest = command(op, arg, ids, _comm_device())
-        dist.broadcast(cmd, src=0)
+        dist.broadcast(cmd, src=0, group=_commands)
         if rest is not None:
-            dist.broadcast(rest, src=0)
+            dist.broadcast(rest, src=0, group=_commands)
 
     @contextlib.contextmanager
     def _collective(self) -> Iterator[None]:
@@ -300,11 +334,11 @@ def follow(runner: CachedLM) -> None:
     device = _comm_device()
     while True:
         cmd = torch.empty(CMD_SLOTS, dtype=torch.int64, device=device)
-        dist.broadcast(cmd, src=0)
+        dist.broadcast(cmd, src=0, group=_commands)
         op, n, arg, ids = parse_command(cmd)
         if n > len(ids):
             rest = torch.empty(n - len(ids), dtype=torch.int64, device=device)
-            dist.broadcast(rest, src=0)
+            dist.broadcast(rest, src=0, group=_commands)
             ids = torch.cat([ids, rest])
         if op == "stop":
             return
@@ -317,12 +351,21 @@ def follow(runner: CachedLM) -> None:
 
 
 def _watch_parent() -> None:
-    """A follower whose rank 0 died (killed, crashed) exits instead of waiting forever."""
+    """A follower whose rank 0 died (killed, crashed) exits instead of waiting forever, and
+    removes what rank 0 can no longer clean: its own log and the rendezvous folder."""
     parent = os.getppid()
     while True:
         time.sleep(0.5)
         if os.getppid() != parent:
+            _remove_leftovers()
             os._exit(3)
+
+
+def _remove_leftovers() -> None:
+    with contextlib.suppress(OSError):
+        Path(os.environ[LOG_ENV]).unlink()
+    if os.environ.get(STORE_ENV):
+        shutil.rmtree(Path(os.environ[STORE_ENV]).parent, ignore_errors=True)
 
 
 def follower_main(load: dict[str, Any]) -> None:
@@ -340,6 +383,8 @@ def follower_main(load: dict[str, Any]) -> None:
     except RuntimeError as err:  # rank 0 went away without saying stop (killed, crashed)
         if "Connection closed" in str(err) or "NCCL" in str(err):
             print("rank 0 is gone; this rank stops too", file=sys.stderr)
+            if os.environ.get(FOLLOWER_ENV):
+                _remove_leftovers()
             os._exit(3)
         raise
     import torch.distributed as dist

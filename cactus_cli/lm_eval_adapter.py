@@ -40,7 +40,8 @@ class CactusLM(LM):
         super().__init__()
         from cactus_cli import runtime
         from cactus_cli.config import resolve_settings
-        from cactus_cli.options import flags_to_settings
+        from cactus_cli.fileio import check_output_file
+        from cactus_cli.options import check_flags_apply, flags_to_settings
 
         device = model_args.pop("device", None)
         flags = {ALIASES.get(k, k): v for k, v in model_args.items()}
@@ -48,7 +49,11 @@ class CactusLM(LM):
             flags["device"] = str(device)
         if flags.get("draft") in ("none", "None", ""):
             flags["draft"] = "none"
-        self.settings = resolve_settings(profile, flags_to_settings(**flags))
+        given = flags_to_settings(**flags)
+        self.settings = resolve_settings(profile, given)
+        check_flags_apply(self.settings, given)  # a model_arg that would do nothing is an error
+        if stats_file:
+            stats_file = str(check_output_file(stats_file, "stats_file"))  # now, not at the first request
         runtime.fill_seed(self.settings)
         self.engine = runtime.load_engine(self.settings)
         runtime.prepare(self.engine, self.settings)
@@ -145,8 +150,13 @@ class CactusLM(LM):
     def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
         """log P(continuation | context) under the verifier (temperature 1, no filtering)."""
         limit = self.engine.context_length
-        whole = (context + continuation)[-(limit + 1):]
         n = len(continuation)
+        if n > limit:
+            from cactus_cli.errors import ContextLimitError
+
+            raise ContextLimitError(f"a log-likelihood continuation of {n} tokens does not fit the verifier's "
+                                    f"context window of {limit} tokens; use shorter requests or a longer-context model")
+        whole = (context + continuation)[-(limit + 1):]
         runner = self.engine.verifier  # the engine's own runner: sharded under tp, like generation
         self.engine.reset()
         logits = runner.forward(whole[:-1], keep=n).float()
@@ -201,6 +211,9 @@ def main() -> None:
 
     from cactus_cli.errors import CactusError
 
+    from cactus_cli.cli import treat_sigterm_as_sigint
+
+    treat_sigterm_as_sigint()
     try:
         cli_evaluate()
     except CactusError as err:

@@ -144,8 +144,9 @@ def fastest_cpu_dtype(hidden: int, inter: int) -> tuple[torch.dtype, str]:
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
         times = {name: float(v) for name, v in doc["seconds"].items() if name in ("float32", "bfloat16")}
-        cached = len(times) == 2
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        # a corrupt file (zero, negative or NaN timings) is measured again and replaced
+        cached = len(times) == 2 and all(0 < t < 60 for t in times.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         cached = False
     if not cached:
         times = {name: sum(_median_linear_seconds(getattr(torch, name), hidden, inter, rows) for rows in (1, 5))

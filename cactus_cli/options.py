@@ -95,21 +95,21 @@ def shared_options(*names: str) -> Callable:
 
 def parse_params(items: list[str] | None) -> dict[str, Any]:
     """--param KEY=VALUE pairs; values parsed as YAML scalars (numbers, strings)."""
-    import yaml
+    from cactus_cli.config import parse_yaml
 
     out: dict[str, Any] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--param {item!r}: expected KEY=VALUE, e.g. --param divergence=chi2")
-        out[key.strip()] = yaml.safe_load(value)
+        out[key.strip()] = parse_yaml(value, f"--param {key.strip()}")
     return out
 
 
 def flags_to_settings(**flags: Any) -> dict[str, Any]:
     """Command-line values to Settings keys; None (not given) becomes ... so lower layers show."""
     out: dict[str, Any] = {k: (... if v is None else v) for k, v in flags.items()}
-    if out.get("draft") is not ... and str(out["draft"]).lower() == "none":
+    if out.get("draft", ...) is not ... and str(out["draft"]).lower() == "none":
         out["draft"] = None
     if "rule_params" in out and out["rule_params"] is not ...:
         out["rule_params"] = parse_params(out["rule_params"]) or ...
@@ -149,7 +149,13 @@ def check_flags_apply(settings, flags: dict[str, Any]) -> None:
                 f"--param {key}: rule {settings.rule!r} has no parameter {key!r} "
                 f"(it takes: {', '.join(takes) or 'no parameters'})"
             )
-    if settings.draft is None and flags.get("num_draft_tokens", ...) is not ...:
-        raise ConfigError("-k/--num-draft-tokens has no effect without a draft model; pass --draft")
+    if settings.draft is None:
+        for key, flag in (("num_draft_tokens", "-k/--num-draft-tokens"), ("max_draft_tokens", "--max-draft-tokens")):
+            if flags.get(key, ...) is not ...:
+                raise ConfigError(f"{flag} has no effect without a draft model; pass --draft")
+    lookup = settings.draft is not None and (settings.draft == "ngram" or settings.draft.startswith("ngram+"))
+    for key in ("ngram_max", "ngram_min"):
+        if flags.get(key, ...) is not ... and not lookup:
+            raise ConfigError(f"--{key.replace('_', '-')} applies only to prompt lookup (--draft ngram or ngram+MODEL)")
     if flags.get("max_draft_tokens", ...) is not ... and settings.num_draft_tokens != "auto":
         raise ConfigError("--max-draft-tokens only applies with -k auto")

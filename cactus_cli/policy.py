@@ -23,6 +23,7 @@ costs about what 1 token costs on a GPU or an AVX-512 BF16 CPU, and 4.5x more on
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -49,7 +50,7 @@ class CostModel:
     draft: dict[str, deque] = field(default_factory=dict)  # source -> seconds per drafted token
     verify: dict[int, deque] = field(default_factory=dict)  # width -> seconds per forward
     source: str = "none"  # "none", "probe", "cache", plus "+online" once the run has added timings
-    _line: tuple[float, float] | None = field(default=None, repr=False)  # the fit, until a timing arrives
+    _line: tuple[list[int], list[float], float] | None = field(default=None, repr=False)  # the fit, until a timing arrives
 
     def add_draft(self, seconds_per_token: float, source: str = MODEL) -> None:
         if seconds_per_token > 0 and math.isfinite(seconds_per_token):
@@ -70,34 +71,54 @@ class CostModel:
         return statistics.median(values) if values else 0.0
 
     def t_v(self, width: int) -> float:
-        """Seconds of a verifier forward over ``width`` tokens: a line ``alpha + beta * width``
-        (``beta >= 0``) fitted to the per-width medians, weighted by how many timings each has.
-        A line because the marginal cost of a token is what k trades against, and per-width
-        medians alone are noisy enough (one machine: t_v(2) < t_v(1) by 20%) to flip the choice;
-        on the machines measured (CPU AVX2 or AVX-512 BF16; GPU up to ~16 tokens) cost is close to
-        linear in width over 1..9."""
-        fit = self._fit()
-        if fit is None:
+        """Seconds of a verifier forward over ``width`` tokens: the measured cost of each width,
+        made non-decreasing in width (isotonic, weighted by how many timings each has: noise
+        such as t_v(2) < t_v(1) is pooled away, not believed), linear between measured widths,
+        and past the widest one extended with the slope of a line fitted to them all. Measured
+        values are used as they are because cost is not linear in width everywhere: on an AVX2
+        CPU a 9-token verify costs far more than 9/5 of a 5-token one, and a line through all
+        widths there halves t_v(1), which makes every draft look like a loss."""
+        curve = self._fit()
+        if curve is None:
             return 0.0
-        alpha, beta = fit
-        return max(alpha + beta * width, 1e-9)
+        widths, costs, slope = curve
+        if width <= widths[0]:
+            return costs[0]
+        if width >= widths[-1]:
+            return costs[-1] + slope * (width - widths[-1])
+        i = bisect.bisect_right(widths, width)  # widths[i - 1] < width < widths[i] (or equal to the former)
+        w0, w1, c0, c1 = widths[i - 1], widths[i], costs[i - 1], costs[i]
+        return c0 + (c1 - c0) * (width - w0) / (w1 - w0)
 
-    def _fit(self) -> tuple[float, float] | None:
+    def _fit(self) -> tuple[list[int], list[float], float] | None:
         """Fitted once per new timing: each step asks t_v for every candidate k."""
         if self._line is None and self.verify:
-            self._line = self._fit_line()
+            self._line = self._fit_curve()
         return self._line
 
-    def _fit_line(self) -> tuple[float, float] | None:
-        pts = [(w, statistics.median(v), len(v)) for w, v in self.verify.items() if v]
+    def _fit_curve(self) -> tuple[list[int], list[float], float] | None:
+        pts = sorted((w, statistics.median(v), len(v)) for w, v in self.verify.items() if v)
         if not pts:
             return None
+        # pool adjacent violators: blocks of (weighted mean, weight, widths)
+        blocks: list[list[float]] = []
+        for w, t, c in pts:
+            blocks.append([t, c, 1])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                t2, c2, n2 = blocks.pop()
+                t1, c1, n1 = blocks[-1]
+                blocks[-1] = [(t1 * c1 + t2 * c2) / (c1 + c2), c1 + c2, n1 + n2]
+        costs = [max(t, 1e-9) for t, _, n in blocks for _ in range(int(n))]
+        return [w for w, _, _ in pts], costs, self._slope(pts)
+
+    @staticmethod
+    def _slope(pts: list[tuple[int, float, int]]) -> float:
+        """The weighted least-squares slope (>= 0) over every measured width: for widths past them."""
         n = sum(c for _, _, c in pts)
         mw = sum(c * w for w, _, c in pts) / n
         mt = sum(c * t for _, t, c in pts) / n
         var = sum(c * (w - mw) ** 2 for w, _, c in pts)
-        beta = max(sum(c * (w - mw) * (t - mt) for w, t, c in pts) / var, 0.0) if var > 0 else 0.0
-        return mt - beta * mw, beta
+        return max(sum(c * (w - mw) * (t - mt) for w, t, c in pts) / var, 0.0) if var > 0 else 0.0
 
     def describe(self, widths: int) -> dict[str, Any]:
         return {"source": self.source, "draft_seconds_per_token": self.t_d() if self.draft.get(MODEL) else None,
@@ -110,15 +131,45 @@ class CostModel:
                 "verify": {str(w): list(v) for w, v in self.verify.items()}}
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any], source: str) -> CostModel:
-        cm = cls(source=source)
+    def from_json(cls, doc: dict[str, Any], source: str) -> tuple[CostModel, int]:
+        """The model a cache file holds, and how many entries were dropped as invalid (a width
+        outside 1..MAX_WIDTH, a time that is not a positive number of seconds below an hour)."""
+        cm, dropped = cls(source=source), 0
         for src, values in doc.get("draft", {}).items():
             for s in values:
-                cm.add_draft(float(s), src)
+                if src in (MODEL, NGRAM) and _valid_seconds(s):
+                    cm.add_draft(float(s), src)
+                else:
+                    dropped += 1
         for w, values in doc.get("verify", {}).items():
-            for s in values:
-                cm.add_verify(int(w), float(s))
-        return cm
+            width = int(w) if str(w).isdigit() else -1
+            # only the newest few per width: this run's own timings outweigh an old cache within
+            # a few steps (a cache learned while another process loaded the machine ages out)
+            for s in values[-CACHED_PER_WIDTH:] if isinstance(values, list) else [None]:
+                if 1 <= width <= MAX_WIDTH and _valid_seconds(s):
+                    cm.add_verify(width, float(s))
+                else:
+                    dropped += 1
+        return cm, dropped
+
+
+MAX_WIDTH = 65  # k_max (64) + 1
+CACHED_PER_WIDTH = 5  # of a width's WINDOW timings, the newest this many are taken from the cache
+MAX_SECONDS = 3600.0  # no forward takes an hour: a larger timing is corrupt
+
+
+def _valid_seconds(s: Any) -> bool:
+    return isinstance(s, (int, float)) and not isinstance(s, bool) and 0 < s < MAX_SECONDS
+
+
+def _valid_counts(acc: Any, tested: Any) -> bool:
+    """Acceptance counts as saved: finite, non-negative, accepted <= tested at each position."""
+    if not (isinstance(acc, list) and isinstance(tested, list) and len(acc) <= MAX_WIDTH and len(tested) <= MAX_WIDTH):
+        return False
+    nums = [x for x in acc + tested if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)]
+    if len(nums) != len(acc) + len(tested) or any(x < 0 for x in nums):
+        return False
+    return all(a <= t + 1e-9 for a, t in zip(acc, tested))
 
 
 def _rates(a: float | list[float], k: int) -> list[float]:
@@ -200,15 +251,34 @@ class KPolicy:
         self.plain_steps = 0  # consecutive k = 0 steps (for the occasional k = 1 probe)
         self.draft_steps = 0  # consecutive k > 0 steps (for the occasional plain step)
         self.dirty = False
+        self.notes: list[str] = []  # what loading the cache had to drop, for the user (one line)
         if path is not None and path.is_file():
-            try:
-                doc = json.loads(path.read_text(encoding="utf-8"))
-                if doc.get("schema") == SCHEMA:
-                    self.costs = CostModel.from_json(doc.get("costs", {}), "cache")
-                    for name, (acc, tested) in doc.get("acceptance", {}).items():
-                        self.acceptance[name] = Acceptance([float(x) for x in acc], [float(x) for x in tested])
-            except (OSError, ValueError, TypeError, AttributeError):
-                pass  # an unreadable cache is only a missed head start: measure again
+            self._load(path)
+
+    def _load(self, path: Path) -> None:
+        """Read the cache file, keeping only valid entries; invalid ones are dropped, said once,
+        and never written back (the next save rewrites the file without them)."""
+        dropped = 0
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+            if doc.get("schema") != SCHEMA:
+                return
+            self.costs, dropped = CostModel.from_json(doc.get("costs", {}), "cache")
+            for name, pair in doc.get("acceptance", {}).items():
+                acc, tested = pair if isinstance(pair, list) and len(pair) == 2 else (None, None)
+                if isinstance(name, str) and _valid_counts(acc, tested):
+                    self.acceptance[name] = Acceptance([float(x) for x in acc], [float(x) for x in tested])
+                else:
+                    dropped += 1
+        except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+            self.costs, self.acceptance = CostModel(), {}  # unreadable: a missed head start, measured again
+            self.notes.append(f"the step-cost cache {path.name} is unreadable; measuring again and replacing it")
+            self.dirty = True
+            return
+        if dropped:
+            self.notes.append(f"dropped {dropped} invalid entr{'y' if dropped == 1 else 'ies'} from the step-cost "
+                              f"cache {path.name} (it is rewritten without them)")
+            self.dirty = True
 
     # ------------------------------------------------------------------ choosing
 

@@ -32,7 +32,7 @@ from torch import nn
 METHODS = ("none", "int8", "int4")
 INT4_GROUP = 32  # input channels per int4 scale/zero: 32 keeps the embedded verifier within 0.03 nats
 INT4_TILES = 8  # inner k tiles of the CUDA int4 packing
-FORMAT = 2  # bump when what is cached changes (2: int4 keeps the head in int8)
+FORMAT = 3  # bump when what is cached changes (2: int4 keeps the head in int8; 3: a checksum)
 
 
 # --------------------------------------------------------------------------- the arithmetic
@@ -199,20 +199,14 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
     where the model is): a model loaded on the CPU is quantized there and only the quantized
     weights reach the GPU. Each original layer is released as it is replaced, so the peak is one
     full-precision model, not both. Returns a description of what ran, for the user."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     param = next(model.parameters())
     dtype, device = param.dtype, device or param.device
     plan = plan_layers(model, method, device.type)
     path = cache_file(weights_key(location), method, device.type)
-    cached: dict[str, torch.Tensor] = {}
-    if path.is_file():
-        try:
-            # copies, not views of a memory map: a cache file replaced or truncated while this
-            # process runs must not pull the weights from under it
-            cached = {k: v.clone() for k, v in load_file(str(path)).items()}
-        except Exception:  # noqa: BLE001 - a damaged cache is quantized again
-            cached = {}
+    remove_stale_temp_files(path.parent)
+    cached = _load_cache(path, model, plan, report)
     fresh: dict[str, torch.Tensor] = {}
     if report is not None and not cached:
         report(f"quantizing {len(plan)} layers to {method} (once; cached for the next start)")
@@ -251,23 +245,98 @@ def _quantized_layer(lin: nn.Linear, name: str, kind: str, cached: dict[str, tor
     return Int4Linear(q, scales, mins, bias, dtype, device)
 
 
+def checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, shape, dtype and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def expected_shapes(lin: nn.Linear, name: str, kind: str) -> dict[str, tuple[int, ...]]:
+    """The cached tensors of one layer and their shapes."""
+    n, k = lin.weight.shape
+    if kind == "int8":
+        return {f"{name}.q": (n, k), f"{name}.scales": (n,)}
+    g = k // INT4_GROUP
+    return {f"{name}.q": (n, k // 2), f"{name}.scales": (n, g), f"{name}.mins": (n, g)}
+
+
+def _load_cache(path: Path, model: nn.Module, plan: dict[str, str], report: Callable[[str], None] | None
+                ) -> dict[str, torch.Tensor]:
+    """The cached tensors, if the file is whole: its checksum matches and every layer of the
+    plan has its tensors in their shapes. Otherwise nothing (the model is quantized again and
+    the file replaced), said in one line."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            stored = (f.metadata() or {}).get("sha256")
+            # copies, not views of a memory map: a cache file replaced or truncated while this
+            # process runs must not pull the weights from under it
+            cached = {k: f.get_tensor(k).clone() for k in f.keys()}
+        want = {}
+        for name, kind in plan.items():
+            want.update(expected_shapes(model.get_submodule(name), name, kind))
+        wrong = next((k for k, shape in want.items() if k not in cached or tuple(cached[k].shape) != shape), None)
+        if wrong is not None:
+            problem = f"{wrong} is {'missing' if wrong not in cached else 'the wrong shape'}"
+        elif stored != checksum(cached):
+            problem = "its checksum does not match"
+        else:
+            return cached
+    except Exception as err:  # noqa: BLE001 - any damage (truncated, not safetensors) means quantize again
+        problem = f"it cannot be read ({type(err).__name__})"
+    if report is not None:
+        report(f"the quantized cache {path.name} is damaged ({problem}); quantizing again")
+    return {}
+
+
+def remove_stale_temp_files(folder: Path) -> None:
+    """Temp files of cache writers that died mid-write (killed, a full disk): named
+    ``.<cache>.<pid>.<random>.tmp``; removed when that pid is no longer running."""
+    for tmp in folder.glob(".*.tmp") if folder.is_dir() else ():
+        parts = tmp.name.split(".")
+        pid = int(parts[-3]) if len(parts) >= 4 and parts[-3].isdigit() else None
+        if pid is None or _alive(pid):
+            continue
+        tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
 def _save(path: Path, tensors: dict[str, torch.Tensor], save_file) -> None:
-    """Atomically (a crash leaves no half-written cache); a failure only costs the next start."""
+    """Atomically (a crash leaves no half-written cache), with a checksum; any failure (a full
+    disk raises safetensors' own error, not an OSError) only costs the next start."""
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
-        try:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
-            os.replace(tmp, path)
-            method, model, _ = path.name.split("-", 2)
-            for stale in path.parent.glob(f"{method}-{model}-*.safetensors"):
-                if stale != path:
-                    stale.unlink(missing_ok=True)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-    except OSError:
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        save_file(tensors, tmp, metadata={"sha256": checksum(tensors)})
+        os.replace(tmp, path)
+        method, model, _ = path.name.split("-", 2)
+        for stale in path.parent.glob(f"{method}-{model}-*.safetensors"):
+            if stale != path:
+                stale.unlink(missing_ok=True)
+    except Exception:  # noqa: BLE001 - not cached: the next start quantizes again
         pass
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -26,7 +26,10 @@ def load_engine(settings: Settings, reporter=None, compile_mode: str | None = No
     compiled, note = resolve_compile(compile_mode or settings.compile, pair)
     if note and reporter is not None:
         reporter.warn(note)
-    return SpeculativeEngine(pair, (settings.ngram_max, settings.ngram_min) if lookup else None, compiled)
+    engine = SpeculativeEngine(pair, (settings.ngram_max, settings.ngram_min) if lookup else None, compiled)
+    for line in engine.policy.notes if reporter is not None else ():
+        reporter.warn(line)
+    return engine
 
 
 PROMPT_ALLOWANCE = 512  # tokens of prompt a compiled engine is sized for before it sees the prompt (chat)

@@ -11,6 +11,8 @@ import math
 import re
 from dataclasses import dataclass
 
+import regex
+
 from cactus_cli.errors import ConfigError
 from cactus_cli.prompts import Prompt, check_limit, interleaved, read_jsonl, select
 
@@ -116,12 +118,14 @@ def load_tasks(path: str | None, limit: int | None, categories: list[str] | None
     for n, row, where in read_jsonl(path, "--tasks", "tasks"):
         if not isinstance(row.get("answer"), (str, int, float)) or isinstance(row.get("answer"), bool):
             raise ConfigError(f"{where}: each task needs an 'answer' (a string or a number)")
+        if problem := _answer_problem(row["answer"]):
+            raise ConfigError(f"{where}: 'answer' {problem}")
         pattern = row.get("pattern")
         if pattern is not None:
             try:
-                if not isinstance(pattern, str) or re.compile(pattern).groups < 1:
+                if not isinstance(pattern, str) or regex.compile(pattern).groups < 1:
                     raise ConfigError(f"{where}: 'pattern' must be a regular expression with a group for the answer")
-            except re.error as err:
+            except (re.error, regex.error) as err:
                 raise ConfigError(f"{where}: 'pattern' is not a valid regular expression ({err})") from None
         answer = row["answer"] if isinstance(row["answer"], str) else _number(row["answer"])
         tasks.append(Task(str(row.get("id", f"t{n}")), str(row.get("category", "default")), row["prompt"], where,
@@ -131,6 +135,8 @@ def load_tasks(path: str | None, limit: int | None, categories: list[str] | None
 
 # --------------------------------------------------------------------------- answers
 
+PATTERN_SECONDS = 2.0  # per completion: a task pattern that takes longer is given up on
+PATTERN_TIMED_OUT = "<pattern timed out>"  # the answer recorded then (graded wrong)
 _NUMBER = re.compile(r"-?\$?\s?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+")
 _FINAL = re.compile(r"####[ \t]*([^\n]*?)[ \t]*(?=####|\n|$)")
 
@@ -139,13 +145,29 @@ def extract_answer(text: str, pattern: str | None = None) -> str | None:
     """The answer a completion gives: the first group of ``pattern``'s last match; else what
     follows the last '#### '; else the last number in the text (GSM8K's conventions)."""
     if pattern:
-        matches = list(re.finditer(pattern, text))
-        return matches[-1].group(1).strip() if matches else None
+        try:
+            # the regex module takes a timeout: a pattern that backtracks catastrophically
+            # (^((.|\s)*)*QQQ) gives up instead of hanging, and Ctrl-C is seen when it does
+            groups = [m.group(1) for m in regex.finditer(pattern, text, timeout=PATTERN_SECONDS)]
+        except TimeoutError:
+            return PATTERN_TIMED_OUT
+        found = [g for g in groups if g is not None]  # a group that took no part in a match is no answer
+        return found[-1].strip() if found else None
     final = _FINAL.findall(text)
     if final:
         return final[-1].strip()
     numbers = _NUMBER.findall(text)
     return numbers[-1].strip() if numbers else None
+
+
+def _answer_problem(answer: str | int | float) -> str | None:
+    """Why a task's expected answer could never be matched, or None."""
+    if isinstance(answer, str):
+        if not answer.strip():
+            return "is empty; give the expected answer"
+        value = normalize(answer)
+        return f"{answer!r} is not a finite number" if value in ("nan", "inf", "-inf") else None
+    return None if math.isfinite(answer) else f"{answer!r} is not a finite number"
 
 
 def normalize(answer: str) -> str:

@@ -53,6 +53,24 @@ def test_moderate_costs_pick_a_moderate_k():
     assert best_k(cm, 0.5, 8) in (0, 1)
 
 
+def test_a_convex_cost_curve_is_read_per_width_not_through_a_line():
+    # flat to 3 tokens, steep after (an AVX2 CPU's int8 kernels): 2 drafts are nearly free
+    verify = {1: 0.100, 2: 0.100, 3: 0.100, 5: 0.400, 9: 1.000}
+    cm = cost_model(verify, draft=0.01)
+    assert [cm.t_v(w) for w in (1, 2, 3)] == pytest.approx([0.1, 0.1, 0.1])  # what was measured
+    assert cm.t_v(4) == pytest.approx(0.25)  # between measured widths: linear
+    assert best_k(cm, 0.8, 8) == 2
+    # the straight line through every width (the model before) halves t_v(1) and picks 0
+    pts = [(w, t, 1) for w, t in verify.items()]
+    slope = CostModel._slope(pts)
+    intercept = sum(verify.values()) / 5 - slope * sum(verify) / 5
+    def line(w):
+        return max(intercept + slope * w, 1e-9)
+
+    speed = {k: expected_tokens(0.8, k) / (k * 0.01 + line(k + 1)) for k in range(9)}
+    assert line(1) < 0.08 and max(speed, key=speed.get) == 0
+
+
 def test_expected_tokens():
     assert expected_tokens(0.0, 5) == 1.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)

@@ -76,6 +76,7 @@ def run_grid_command(kind: str, shared: o.Shared, rules: str, deltas: str | None
         quantize_list = b.parse_list(quantizes, str, "--quantize") if quantizes else [settings.quantize]
         check_each("quantize", quantize_list, "--quantize")
         grid = b.build_grid(rule_list, delta_list, k_list, settings.rule_params, compare_hf, settings.max_draft_tokens)
+        _check_sweep_flags(rule_list, deltas, k_list, shared.flags)
         categories = b.parse_list(category, str, "--category") if category else None
         grade = None
         if kind == "eval":
@@ -152,6 +153,17 @@ def run_grid_command(kind: str, shared: o.Shared, rules: str, deltas: str | None
         if interrupted:
             err.print("interrupted: the results above cover what finished", style="yellow")
             raise typer.Exit(130)
+
+
+def _check_sweep_flags(rules: list[str], deltas: str | None, ks: list, flags: dict) -> None:
+    """A sweep option that no configuration of the grid would use is an error, not a no-op."""
+    from cactus_cli.acceptance import RULES
+    from cactus_cli.errors import ConfigError
+
+    if deltas and not any("delta" in RULES[r].param_names() for r in rules):
+        raise ConfigError(f"--delta has no effect with --rules {','.join(rules)}; add cactus or cactus-exact")
+    if flags.get("max_draft_tokens", ...) is not ... and "auto" not in ks:
+        raise ConfigError("--max-draft-tokens only applies with -k auto; add auto to -k")
 
 
 def register(app: typer.Typer) -> None:

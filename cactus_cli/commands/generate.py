@@ -83,6 +83,9 @@ def generate(
             doc["settings"]["dtype_resolved"] = str(engine.pair.verifier.dtype).removeprefix("torch.")
             doc["settings"]["device_resolved"] = str(engine.pair.verifier.device)
             doc["settings"]["dtype_reason"] = engine.pair.dtype_reason
+            doc["settings"]["quantized"] = {role: lm.quantize_note for role, lm in
+                                            (("verifier", engine.pair.verifier), ("draft", engine.pair.draft))
+                                            if lm is not None and lm.quantize_note}  # what ran, layer counts included
             doc["settings"]["compiled"] = engine.compiled
             doc["settings"]["compile_seconds"] = engine.compile_seconds
             doc["cost_model"] = engine.cost_summary(params)

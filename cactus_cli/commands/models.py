@@ -122,6 +122,11 @@ def quality_cmd(
                 pair = load_pair(settings.verifier, None, settings.tokenizer, settings.device, "bfloat16", progress, method)
                 if texts is None:  # one tokenizer for every setting: encode once
                     texts = [ids for ids in (list(pair.tokenizer(p.prompt)["input_ids"]) for p in prompts) if len(ids) > 1]
+                    ctx = pair.verifier.context_length
+                    if any(len(ids) > ctx for ids in texts):  # past the window the scores mean nothing
+                        progress.warn(f"{sum(len(ids) > ctx for ids in texts)} text(s) longer than the verifier's "
+                                      f"context window are scored on their first {ctx} tokens")
+                        texts = [ids[:ctx] for ids in texts]
                 if not texts:
                     raise ConfigError("no text to score: every prompt is shorter than two tokens")
                 progress.task(f"scoring {len(texts)} texts with the {'unquantized' if method == 'none' else method} verifier")
