@@ -60,13 +60,8 @@ def sample(dist: torch.Tensor, generator: torch.Generator | None, fallback: torc
     total = block_mass.sum(-1, keepdim=True)
     bad = ~(torch.isfinite(total) & (total > 0))  # [B, 1]
     # branch-free (no host sync: drafting can queue ahead on a GPU): the fallback's block sums
-    # are computed for every row and used where the row is bad
-    if fallback is None:
-        fb_mass = _block_mass(torch.ones(1, V, dtype=dist.dtype, device=dist.device))  # block sizes, [1, nb]
-        fallback = torch.ones((), dtype=dist.dtype, device=dist.device)
-    else:
-        fb_mass = _block_mass(fallback)
-    dist = torch.where(bad, fallback, dist)
+    # are computed for every row and used where the row is bad; inside the chosen block too
+    fb_mass = _block_mass(torch.ones(1, V, dtype=dist.dtype, device=dist.device) if fallback is None else fallback)
     block_mass = torch.where(bad, fb_mass, block_mass)
     cum_blocks = block_mass.double().cumsum(-1)  # [B, nb]
     u = torch.rand((B, 1), generator=generator, device=dist.device, dtype=torch.float64)
@@ -74,7 +69,9 @@ def sample(dist: torch.Tensor, generator: torch.Generator | None, fallback: torc
     b = torch.searchsorted(cum_blocks, x, right=True).clamp(max=cum_blocks.shape[-1] - 1)  # first block past x
     before = torch.where(b > 0, cum_blocks.gather(-1, (b - 1).clamp(min=0)), torch.zeros_like(x))
     cols = b * _BLOCK + torch.arange(_BLOCK, device=dist.device)  # [B, BLOCK]
-    inner = dist.gather(-1, cols.clamp(max=V - 1)).masked_fill(cols >= V, 0.0).double().cumsum(-1)
+    picked = dist.gather(-1, cols.clamp(max=V - 1))  # [B, BLOCK]
+    fb_picked = torch.ones_like(picked) if fallback is None else fallback.gather(-1, cols.clamp(max=V - 1))
+    inner = torch.where(bad, fb_picked, picked).masked_fill(cols >= V, 0.0).double().cumsum(-1)
     xi = _below((x - before).clamp(min=0.0), inner[:, -1:])
     i = torch.searchsorted(inner, xi, right=True)
     return (b * _BLOCK + i).squeeze(-1).clamp(0, V - 1)
