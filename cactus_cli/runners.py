@@ -255,7 +255,10 @@ class CompiledLM(CachedLM):
         dev = self.lm.device
         if dev.type != "cuda":
             return None
-        per_token = kv_bytes_per_token(self.lm.model.config, self.lm.dtype)
+        try:
+            per_token = kv_bytes_per_token(self.lm.model.config, self.lm.dtype)
+        except (AttributeError, TypeError, ValueError, ZeroDivisionError):  # an unusual attention layout: no cap
+            return None
         free, _ = torch.cuda.mem_get_info(dev)
         free += self.capacity * per_token  # the cache being replaced is freed first
         return int(free * CUDA_CACHE_SHARE) // per_token
