@@ -102,7 +102,8 @@ def start(tp: int, device: torch.device, load: dict[str, Any]) -> None:
         _store_dir = Path(tempfile.mkdtemp(prefix="cactus-tp-"))
         store = str(_store_dir / "store")
         # and the ranks' own connections (gloo pairs, NCCL's bootstrap) on loopback only
-        local = {name: os.environ.get(name, "lo") for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+        loopback = "lo0" if sys.platform == "darwin" else "lo"
+        local = {name: os.environ.get(name, loopback) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
         base = dict(os.environ, WORLD_SIZE=str(tp), TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1",
                     TQDM_DISABLE="1", **{STORE_ENV: store}, **local)
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does
