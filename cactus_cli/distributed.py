@@ -396,8 +396,12 @@ def follower_main(load: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 owns Ctrl-C
+    parent = os.getppid()
     try:
         follower_main(json.loads(os.environ[FOLLOWER_ENV]))
     except Exception as err:  # noqa: BLE001 - one line for rank 0 to show
         print(f"{type(err).__name__}: {' '.join(str(err).split())[:300]}", file=sys.stderr)
         sys.exit(1)
+    finally:
+        if os.getppid() != parent:  # rank 0 died (whatever error that surfaced as): nobody else cleans up
+            _remove_leftovers()
