@@ -303,10 +303,15 @@ def parse_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where}: YAML nested too deeply") from None
 
 
+def uses_lookup(draft: str | None) -> bool:
+    """Whether a draft value drafts by prompt lookup (``ngram`` or ``ngram+MODEL``)."""
+    return draft is not None and (draft == "ngram" or draft.startswith("ngram+"))
+
+
 def check_profile_keys(data: dict[str, Any], origin: str, lines: dict[str, int]) -> None:
     """Keys of one profile that would do nothing with the profile's other keys: an error."""
     draft = data.get("draft")
-    if isinstance(draft, str) and not (draft == "ngram" or draft.startswith("ngram+")):
+    if isinstance(draft, str) and not uses_lookup(draft):
         for key in ("ngram_max", "ngram_min"):
             if key in data:
                 raise ConfigError(f"{origin}:{lines.get(key, '?')}: {key} applies only to prompt lookup "

@@ -153,9 +153,10 @@ def check_flags_apply(settings, flags: dict[str, Any]) -> None:
         for key, flag in (("num_draft_tokens", "-k/--num-draft-tokens"), ("max_draft_tokens", "--max-draft-tokens")):
             if flags.get(key, ...) is not ...:
                 raise ConfigError(f"{flag} has no effect without a draft model; pass --draft")
-    lookup = settings.draft is not None and (settings.draft == "ngram" or settings.draft.startswith("ngram+"))
+    from cactus_cli.config import uses_lookup
+
     for key in ("ngram_max", "ngram_min"):
-        if flags.get(key, ...) is not ... and not lookup:
+        if flags.get(key, ...) is not ... and not uses_lookup(settings.draft):
             raise ConfigError(f"--{key.replace('_', '-')} applies only to prompt lookup (--draft ngram or ngram+MODEL)")
     if flags.get("max_draft_tokens", ...) is not ... and settings.num_draft_tokens != "auto":
         raise ConfigError("--max-draft-tokens only applies with -k auto")

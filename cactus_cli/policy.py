@@ -50,7 +50,7 @@ class CostModel:
     draft: dict[str, deque] = field(default_factory=dict)  # source -> seconds per drafted token
     verify: dict[int, deque] = field(default_factory=dict)  # width -> seconds per forward
     source: str = "none"  # "none", "probe", "cache", plus "+online" once the run has added timings
-    _line: tuple[list[int], list[float], float] | None = field(default=None, repr=False)  # the fit, until a timing arrives
+    _curve: tuple[list[int], list[float], float] | None = field(default=None, repr=False)  # the fit, until a timing arrives
 
     def add_draft(self, seconds_per_token: float, source: str = MODEL) -> None:
         if seconds_per_token > 0 and math.isfinite(seconds_per_token):
@@ -59,7 +59,7 @@ class CostModel:
     def add_verify(self, width: int, seconds: float) -> None:
         if seconds > 0 and math.isfinite(seconds):
             self.verify.setdefault(width, deque(maxlen=WINDOW)).append(seconds)
-            self._line = None
+            self._curve = None
 
     def knows(self, source: str) -> bool:
         """Enough to choose k for drafts from ``source`` (a lookup needs only the verifier's costs)."""
@@ -92,9 +92,9 @@ class CostModel:
 
     def _fit(self) -> tuple[list[int], list[float], float] | None:
         """Fitted once per new timing: each step asks t_v for every candidate k."""
-        if self._line is None and self.verify:
-            self._line = self._fit_curve()
-        return self._line
+        if self._curve is None and self.verify:
+            self._curve = self._fit_curve()
+        return self._curve
 
     def _fit_curve(self) -> tuple[list[int], list[float], float] | None:
         pts = sorted((w, statistics.median(v), len(v)) for w, v in self.verify.items() if v)

@@ -129,9 +129,7 @@ def fits(method: str, linear: nn.Linear, device_type: str = "cpu") -> bool:
     n, k = linear.weight.shape
     if method == "int8":
         return True
-    if device_type == "cuda":
-        return k % (INT4_TILES * 16) == 0 and k % INT4_GROUP == 0 and n % 8 == 0
-    return k % INT4_GROUP == 0 and n % 8 == 0
+    return k % INT4_GROUP == 0 and n % 8 == 0 and (device_type != "cuda" or k % (INT4_TILES * 16) == 0)
 
 
 def plan_layers(model: nn.Module, method: str, device_type: str) -> dict[str, str]:
@@ -149,13 +147,11 @@ def plan_layers(model: nn.Module, method: str, device_type: str) -> dict[str, st
 
 def describe_plan(plan: dict[str, str], method: str, device_type: str) -> str:
     """What ran, for the user and --json: '<method> weights (N layers[, M in int8: ...])'."""
-    fell_back = sum(1 for name, kind in plan.items() if kind != method)
-    text = f"{method} weights ({len(plan)} layers"
-    if method == "int4" and fell_back:
-        text += (f", {fell_back} in int8: the output head and widths the {device_type.upper()} int4 kernel "
-                 f"cannot take" if device_type == "cuda" else f", {fell_back} in int8 (the output head"
-                 f"{' and widths the int4 kernel cannot take' if fell_back > 1 else ''})")
-    return text + ")"
+    fell_back = sum(1 for kind in plan.values() if kind != method)
+    if not fell_back:
+        return f"{method} weights ({len(plan)} layers)"
+    why = "the output head" + (f" and widths the {device_type.upper()} int4 kernel cannot take" if fell_back > 1 else "")
+    return f"{method} weights ({len(plan)} layers, {fell_back} in int8: {why})"
 
 
 # --------------------------------------------------------------------------- the model
@@ -217,8 +213,8 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
     if fresh:
         _save(path, {**cached, **fresh}, save_file)
     text = describe_plan(plan, method, device.type)
-    if report is not None and "in int8" in text and method == "int4":
-        report(text)
+    if report is not None and any(kind != method for kind in plan.values()):
+        report(text)  # said once: what ran is not all the method asked
     return text
 
 
