@@ -69,10 +69,10 @@ def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 20) ->
 def tiny_pair(device: torch.device, dtype: torch.dtype, layers: int = 2):
     """A Qwen3-shaped verifier and draft with random weights, and a ModelPair over them."""
     from gpu import SMOKE, build
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
 
-    from cactus_cli.models import ModelPair
+    from cactus_cli.infer.models import ModelPair
 
     spec = dict(SMOKE, num_hidden_layers=layers, tie_word_embeddings=False, vocab_size=512)
     v = build(spec, device, dtype, "tiny verifier")
@@ -94,9 +94,12 @@ def main() -> None:
     name = "CPU" if args.cpu_smoke else torch.cuda.get_device_name(device)
     print(f"gpu_check on {name} · torch {torch.__version__}", flush=True)
 
-    from cactus_cli import distributed, models, quantize, runners
-    from cactus_cli.engine import GenerationParams, SpeculativeEngine
-    from cactus_cli.sampling import SamplingParams
+    from cactus_cli.core.sampling import SamplingParams
+    from cactus_cli.infer import compiled as runners
+    from cactus_cli.infer import devices as models
+    from cactus_cli.infer import quantize
+    from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+    from cactus_cli.infer.tp import sharded as distributed
 
     compile_ok = runners.compile_problem(device) is None
 

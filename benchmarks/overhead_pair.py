@@ -24,7 +24,7 @@ def tokenizer(folder: Path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from cactus_cli.prompts import BUILTIN_PROMPTS
+    from cactus_cli.app.prompts import BUILTIN_PROMPTS
 
     words = sorted({w for p in BUILTIN_PROMPTS for w in re.findall(r"\w+|[^\w\s]", p.prompt)})
     vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "<pad>"] + words)}

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from cactus_cli.acceptance import verify
+from cactus_cli.core.acceptance import verify
 
 CASES = [
     ("sps", {}),

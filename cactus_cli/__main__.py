@@ -1,3 +1,3 @@
-from cactus_cli.cli import main
+from cactus_cli.cli.main import main
 
 main()

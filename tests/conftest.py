@@ -39,7 +39,12 @@ def make_tokenizer(folder: Path, extra_words: tuple[str, ...] = (), chat_templat
 
 def make_model(folder: Path, family: str, seed: int, vocab: int, layers: int = 2, max_pos: int = 512,
                noise: float = 0.0) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     common = dict(

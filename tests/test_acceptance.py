@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cactus_cli.acceptance import (
+from cactus_cli.core.acceptance import (
     DIVERGENCES,
     RULES,
     cactus_target_prob,
@@ -384,7 +384,7 @@ def test_degenerate_inputs_never_break_the_contract(case, rule_params):
 
 def brute_force_emitted(rule: str, p: torch.Tensor, q: torch.Tensor, **params) -> torch.Tensor:
     """O(V^2): for every drafted token n, run the rule's acceptance and residual literally."""
-    from cactus_cli.acceptance import _accept_probs, _residual
+    from cactus_cli.core.acceptance import _accept_probs, _residual
 
     prm = resolve_params(rule, params)
     V = p.shape[-1]
@@ -403,7 +403,7 @@ def brute_force_emitted(rule: str, p: torch.Tensor, q: torch.Tensor, **params) -
 
 @pytest.mark.parametrize("rule,params", ALL_RULES)
 def test_emitted_distribution_equals_brute_force(rule, params):
-    from cactus_cli.acceptance import emitted_distribution
+    from cactus_cli.core.exact import emitted_distribution
 
     g = gen(21)
     for case in range(25):
@@ -423,7 +423,7 @@ def test_emitted_distribution_equals_brute_force(rule, params):
 
 
 def test_emitted_distribution_is_q_for_sps_and_batched():
-    from cactus_cli.acceptance import emitted_distribution
+    from cactus_cli.core.exact import emitted_distribution
 
     p, q, _ = random_dists(6, 3, 40, seed=22)
     h = emitted_distribution("sps", p, q[:, :3])  # [6, 3, 40] in one call
@@ -433,7 +433,7 @@ def test_emitted_distribution_is_q_for_sps_and_batched():
 def test_emitted_distribution_matches_monte_carlo_of_verify():
     # 60000 verification steps of one case; the first emitted token's histogram against the
     # exact h_alg (false-failure odds 1e-6), for Cactus where h depends on the drafted token
-    from cactus_cli.acceptance import emitted_distribution
+    from cactus_cli.core.exact import emitted_distribution
 
     p1 = torch.tensor([[0.05, 0.4, 0.3, 0.15, 0.1, 0.0]], dtype=torch.float64)
     q1 = torch.tensor([[0.3, 0.1, 0.05, 0.25, 0.0, 0.3], [1 / 6] * 6], dtype=torch.float64)
@@ -445,7 +445,7 @@ def test_emitted_distribution_matches_monte_carlo_of_verify():
 
 
 def test_realized_kl_is_zero_at_delta_zero_and_grows_with_delta():
-    from cactus_cli.acceptance import divergences, emitted_distribution
+    from cactus_cli.core.exact import divergences, emitted_distribution
 
     p, q, _ = random_dists(1, 1, 30, seed=24)
     p, q = p[0, 0], q[0, 0]

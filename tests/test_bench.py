@@ -9,8 +9,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from cactus_cli import bench as bench_mod
-from cactus_cli.cli import app
+from cactus_cli.app import grid as bench_mod
+from cactus_cli.cli.main import app
 from tests.test_cli import assert_one_line_error
 
 runner = CliRunner()

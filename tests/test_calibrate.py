@@ -10,10 +10,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from cactus_cli import calibrate as cal
-from cactus_cli import fileio
-from cactus_cli.cli import app
-from cactus_cli.config import builtin_profile_dir
+from cactus_cli.app import calibrate as cal
+from cactus_cli.app.profiles import builtin_profile_dir
+from cactus_cli.cli.main import app
+from cactus_cli.core import fileio
 from tests.test_cli import assert_one_line_error
 
 runner = CliRunner()
@@ -102,7 +102,7 @@ def test_choice_rules():
 
 
 def costs(verify: dict[int, float], draft: float):
-    from cactus_cli.policy import CostModel
+    from cactus_cli.infer.costs import CostModel
 
     cm = CostModel()
     for w, t in verify.items():

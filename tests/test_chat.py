@@ -7,14 +7,13 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
-from cactus_cli.cli import app
-from cactus_cli.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.models import load_pair
-from cactus_cli.runtime import encode
-from cactus_cli.sampling import SamplingParams
+from cactus_cli.app.runtime import encode
+from cactus_cli.cli.main import app
+from cactus_cli.core.sampling import SamplingParams
+from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.models import load_pair
 
 runner = CliRunner()
 

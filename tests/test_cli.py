@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cactus_cli import __version__
-from cactus_cli.cli import app
+from cactus_cli.cli.main import app
 
 runner = CliRunner()
 
@@ -43,7 +43,7 @@ def test_version_and_help():
 
 
 def test_help_does_not_import_torch():
-    code = "import sys; from cactus_cli.cli import app; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys; from cactus_cli.cli.main import app; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -11,13 +11,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cactus_cli.cli import app
-from cactus_cli.engine import GenerationParams, SpeculativeEngine, cost_key
-from cactus_cli.models import load_pair
-from cactus_cli.policy import KPolicy, cache_path
-from cactus_cli.runners import CachedLM, CompiledLM, compile_problem
-from cactus_cli.runtime import resolve_compile
-from cactus_cli.sampling import SamplingParams
+from cactus_cli.app.runtime import resolve_compile
+from cactus_cli.cli.main import app
+from cactus_cli.core.paths import cache_path
+from cactus_cli.core.sampling import SamplingParams
+from cactus_cli.infer.compiled import CompiledLM, compile_problem
+from cactus_cli.infer.costs import CostStore, cost_key
+from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.runners import CachedLM
 from tests.test_engine import GREEDY, hf_greedy, prompt_ids, run
 
 needs_compiler = pytest.mark.skipif(compile_problem(torch.device("cpu")) is not None,
@@ -128,7 +130,7 @@ def test_compile_auto_is_off_on_cpu_until_measured_faster(close_pair):
     assert resolve_compile("off", close_pair) == (False, None)
     for compiled, seconds in ((False, 0.010), (True, 0.004)):  # what two earlier runs measured
         key = cost_key(close_pair, compiled)
-        policy = KPolicy(cache_path(key), key)
+        policy = CostStore(cache_path(key), key)
         for _ in range(3):
             policy.costs.add_verify(1, seconds)
         policy.dirty = True
@@ -138,9 +140,9 @@ def test_compile_auto_is_off_on_cpu_until_measured_faster(close_pair):
 
 
 def test_compile_on_without_a_compiler_warns_and_runs_eagerly(close_pair, monkeypatch):
-    import cactus_cli.runners as runners
+    import cactus_cli.app.runtime as runtime
 
-    monkeypatch.setattr(runners, "compile_problem", lambda device: "no C++ compiler (g++ or clang++) for torch.compile's CPU backend")
+    monkeypatch.setattr(runtime, "compile_problem", lambda device: "no C++ compiler (g++ or clang++) for torch.compile's CPU backend")
     assert resolve_compile("on", close_pair) == (
         False, "--compile on: no C++ compiler (g++ or clang++) for torch.compile's CPU backend; running eagerly")
 

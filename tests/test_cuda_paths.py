@@ -14,12 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from cactus_cli import distributed, models, quantize, runners
-from cactus_cli.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.errors import ModelError
-from cactus_cli.models import load_pair
-from cactus_cli.runners import CompiledLM, compile_problem
-from cactus_cli.sampling import SamplingParams, sample
+from cactus_cli.core.errors import ModelError
+from cactus_cli.core.sampling import SamplingParams, sample
+from cactus_cli.infer import compiled as runners
+from cactus_cli.infer import devices, models, quantize
+from cactus_cli.infer.compiled import CompiledLM, compile_problem
+from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.tp import sharded as distributed
 from tests.test_engine import prompt_ids
 
 needs_compiler = pytest.mark.skipif(compile_problem(torch.device("cpu")) is not None, reason="no torch.compile here")
@@ -92,8 +94,8 @@ def test_kv_bytes_per_token_counts_keys_and_values_of_every_layer(pair):
 
 
 def test_chat_on_cuda_reserves_the_whole_context_once(pair, monkeypatch):
-    from cactus_cli import runtime
-    from cactus_cli.config import Settings
+    from cactus_cli.app import runtime
+    from cactus_cli.app.settings import Settings
 
     asked = []
     engine = SpeculativeEngine(pair)
@@ -242,19 +244,19 @@ def test_gpu_loading_path_streams_to_the_device_it_is_given(tiny):
 
 def test_cuda_dtype_counts_native_bfloat16_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    dtype, why = models.resolve_dtype("auto", torch.device("cuda"))
+    dtype, why = devices.resolve_dtype("auto", torch.device("cuda"))
     assert dtype == torch.float16 and "native" in why
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert models.resolve_dtype("auto", torch.device("cuda"))[0] == torch.bfloat16
+    assert devices.resolve_dtype("auto", torch.device("cuda"))[0] == torch.bfloat16
 
 
 def test_int4_on_cuda_needs_compute_capability_8(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     with pytest.raises(ModelError, match="compute capability 8.0"):
-        models.quantized_dtype("int4", "auto", torch.device("cuda"))
+        devices.quantized_dtype("int4", "auto", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert models.quantized_dtype("int4", "auto", torch.device("cuda"))[0] == torch.bfloat16
+    assert devices.quantized_dtype("int4", "auto", torch.device("cuda"))[0] == torch.bfloat16
 
 
 # --------------------------------------------------------------------------- 3. inductor settings
@@ -287,8 +289,8 @@ def test_a_gpu_index_beyond_the_visible_ones_fails_up_front(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ModelError, match=r"only 2 GPUs visible \(cuda:0\.\.cuda:1\)"):
-        models.resolve_device("cuda:2")
-    assert models.resolve_device("cuda:1") == torch.device("cuda", 1)
+        devices.resolve_device("cuda:2")
+    assert devices.resolve_device("cuda:1") == torch.device("cuda", 1)
 
 
 def test_tp_names_its_gpu_placement(tiny, monkeypatch):

@@ -12,9 +12,9 @@ import textwrap
 
 import pytest
 
-from cactus_cli import embedded
-from cactus_cli.errors import ModelError
-from cactus_cli.models import load_pair
+from cactus_cli.core.errors import ModelError
+from cactus_cli.infer import embedded
+from cactus_cli.infer.models import load_pair
 
 
 @pytest.fixture

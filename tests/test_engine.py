@@ -8,12 +8,12 @@ import itertools
 import pytest
 import torch
 
-from cactus_cli.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.errors import ContextLimitError, ModelError
-from cactus_cli.models import load_pair
-from cactus_cli.runners import compile_problem
-from cactus_cli.sampling import SamplingParams, probs_from_logits
-from cactus_cli.stats import SpecStats
+from cactus_cli.core.errors import ContextLimitError, ModelError
+from cactus_cli.core.sampling import SamplingParams, probs_from_logits
+from cactus_cli.core.stats import SpecStats
+from cactus_cli.infer.compiled import compile_problem
+from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.models import load_pair
 from tests.stats_helpers import assert_matches
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
@@ -82,16 +82,14 @@ def test_test_drafts_cover_rejection_and_partial_acceptance(pairs):
     assert sum(stats.acceptance_histogram[1:4]) > 0
 
 
-@pytest.mark.parametrize("adaptive,compiled", [(False, False), (True, False), (False, True)])
-def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs, adaptive, compiled, monkeypatch):
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs, adaptive, monkeypatch):
     # The first two generated tokens' joint distribution over many seeds must equal the verifier's
     # exact one (top-k 3 sampling: 9 cells). N = 1500 runs; L1 bound at false-failure odds 1e-4.
     # With -k auto the k of each step comes from the policy: here its real choice on the first run
     # of each seed's step, overridden on every third step by a scripted 0/1/2 cycle so all three k
     # (and the draft's catch-up after k = 0) are exercised; the choice never sees the current step.
-    # compiled: static caches and compiled steps (test_compile.py), same bound.
-    if compiled and compile_problem(torch.device("cpu")) is not None:
-        pytest.skip(f"torch.compile cannot run here: {compile_problem(torch.device('cpu'))}")
+    # The compiled engine's twin is the next test (longer sequences, fewer prefills).
     pair = pairs["disagree"]
     sp = SamplingParams(temperature=1.5, top_k=3, top_p=1.0)
     ids = prompt_ids(pair, "the dog")
@@ -106,16 +104,16 @@ def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs
                 exact[(t1, t2)] = (q1[t1] * q2[t2]).item()
     cells = sorted(exact)
     index = {c: i for i, c in enumerate(cells)}
-    engine = SpeculativeEngine(pair, compiled=compiled)
+    engine = SpeculativeEngine(pair)
     if adaptive:
-        real_choose, calls = engine.policy.choose, itertools.count()
+        real_choose, calls = engine.auto_k.choose, itertools.count()
         script = itertools.cycle([0, 1, 2, 2, 0, 1])
 
         def choose(akey, k_max, source="model"):
             k = real_choose(akey, k_max, source)
             return min(next(script), k_max) if next(calls) % 3 else k
 
-        monkeypatch.setattr(engine.policy, "choose", choose)
+        monkeypatch.setattr(engine.auto_k, "choose", choose)
     samples, ks = [], set()
     for seed in range(1500):
         params = GenerationParams(sampling=sp, rule="sps", num_draft_tokens=2, adaptive_k=adaptive,
@@ -126,6 +124,39 @@ def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs
     if adaptive:
         assert ks == {0, 1, 2}
     assert_matches(torch.tensor(samples), torch.tensor([exact[c] for c in cells]), false_failure_odds=1e-4)
+
+
+def test_sps_compiled_emits_every_token_from_the_verifier_distribution(pairs):
+    """The compiled engine (static caches, compiled steps, rewinds) under SpS: every emitted token
+    of 50 sequences of 30 tokens must be a draw from the verifier's own distribution given the
+    tokens before it. Randomized PIT (Rosenblatt): u = F(x-) + U q_x is i.i.d. uniform on [0, 1)
+    exactly when each token is drawn from q; 1500 u's in 10 bins, L1 bound at false-failure odds
+    1e-4 (the eager test above: 1500 samples in 9 cells, the same odds). Few, long sequences
+    keep the compiled graphs busy instead of re-prefilling 1500 times."""
+    if compile_problem(torch.device("cpu")) is not None:
+        pytest.skip(f"torch.compile cannot run here: {compile_problem(torch.device('cpu'))}")
+    pair = pairs["disagree"]
+    sp = SamplingParams(temperature=1.5, top_k=3, top_p=1.0)
+    ids = prompt_ids(pair, "the dog")
+    engine = SpeculativeEngine(pair, compiled=True)
+    length, u, drafted = 30, [], set()
+    uniform = torch.Generator().manual_seed(0)
+    for seed in range(50):
+        params = GenerationParams(sampling=sp, rule="sps", num_draft_tokens=2, max_tokens=length, ignore_eos=True,
+                                  seed=seed)
+        tokens, _, events = run(engine, ids, params)
+        drafted.update(len(ev.accepted) for ev in events if ev.num_drafted)
+        with torch.no_grad():  # teacher-forced: q at every generated position, given the tokens before it
+            logits = pair.verifier.model(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 :, : pair.vocab_size]
+        q = probs_from_logits(logits, sp).double()  # [length, V]
+        x = torch.tensor(tokens)
+        qx = q.gather(1, x.view(-1, 1)).squeeze(1)
+        assert (qx > 0).all(), "the engine emitted a token the verifier cannot emit"
+        below = torch.where(torch.arange(q.shape[1]).view(1, -1) < x.view(-1, 1), q, 0.0).sum(1)
+        u += (below + torch.rand(length, generator=uniform, dtype=torch.float64) * qx).tolist()
+    assert drafted >= {0, 1, 2}  # rejections at both positions and full acceptances (bonus tokens)
+    bins = (torch.tensor(u) * 10).long().clamp(max=9)
+    assert_matches(bins, torch.full((10,), 0.1), false_failure_odds=1e-4)
 
 
 @pytest.mark.parametrize("draft,k,temperature", [("disagree", 3, 1.0), ("self", 4, 0.7), ("close", 4, 0.8), ("close", 3, 0.0), ("padded", 2, 0.0)])

@@ -11,9 +11,16 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-import cactus_cli.bench as bench_mod
-from cactus_cli.cli import app
-from cactus_cli.tasks import Task, builtin_tasks, extract_answer, is_correct, normalize, wilson
+import cactus_cli.app.grid as bench_mod
+from cactus_cli.app.tasks import (
+    Task,
+    builtin_tasks,
+    extract_answer,
+    is_correct,
+    normalize,
+    wilson,
+)
+from cactus_cli.cli.main import app
 
 cli = CliRunner()
 

@@ -12,11 +12,10 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
-from cactus_cli import fileio
-from cactus_cli.cli import app
+from cactus_cli.cli.main import app
+from cactus_cli.core import fileio
 from tests.test_cli import assert_one_line_error, pair_args
 
 runner = CliRunner()
@@ -74,7 +73,7 @@ def test_a_failed_write_after_the_run_keeps_the_printed_results(tiny, tmp_path, 
 
 
 def test_generate_json_interrupted_prints_what_it_has(tiny, monkeypatch):
-    from cactus_cli import ui
+    from cactus_cli.cli import ui
 
     calls = {"n": 0}
     real = ui.QuietView.update
@@ -103,7 +102,7 @@ def test_generate_json_interrupted_prints_what_it_has(tiny, monkeypatch):
 def test_chat_input_cut_off_at_the_end_keeps_the_turn(monkeypatch, script, turns):
     import io
 
-    from cactus_cli.chat import read_turns
+    from cactus_cli.app.chat import read_turns
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(script.encode())))
     assert list(read_turns(False)) == turns
@@ -161,10 +160,10 @@ def test_out_of_range_values(tiny, flag, value, needle):
 
 
 def test_non_finite_probabilities_are_an_error_not_garbage(tiny):
-    from cactus_cli.engine import GenerationParams, SpeculativeEngine
-    from cactus_cli.errors import ModelError
-    from cactus_cli.models import load_pair
-    from cactus_cli.sampling import SamplingParams
+    from cactus_cli.core.errors import ModelError
+    from cactus_cli.core.sampling import SamplingParams
+    from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+    from cactus_cli.infer.models import load_pair
 
     pair = load_pair(tiny["verifier"], None, None, "cpu", "float32")
     params = GenerationParams(sampling=SamplingParams(1e-38, 0, 1.0), num_draft_tokens=0, max_tokens=4)

@@ -20,10 +20,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cactus_cli import policy, quantize, tasks
-from cactus_cli.cli import app
-from cactus_cli.errors import ConfigError
-from cactus_cli.options import check_flags_apply, flags_to_settings, parse_params
+from cactus_cli.app import tasks
+from cactus_cli.app.settings import check_flags_apply, flags_to_settings, parse_params
+from cactus_cli.cli.main import app
+from cactus_cli.core.errors import ConfigError
+from cactus_cli.infer import costs as policy
+from cactus_cli.core.paths import cache_path
+from cactus_cli.infer.policy import AdaptiveK
+from cactus_cli.infer import quantize
 
 runner = CliRunner()
 
@@ -95,33 +99,33 @@ def _write_costs(path: Path, costs: dict, acceptance: dict) -> None:
 def test_04_15_invalid_cost_entries_are_dropped_said_and_never_written_back(tmp_path, costs, acceptance):
     path = tmp_path / "costs.json"
     _write_costs(path, costs, acceptance)
-    p = policy.KPolicy(path)
+    p = policy.CostStore(path)
     assert len(p.notes) == 1 and "invalid" in p.notes[0]
     assert all(1 <= w <= policy.MAX_WIDTH for w in p.costs.verify)
     assert all(math.isfinite(p.costs.t_v(w)) and 0 < p.costs.t_v(w) < 1 for w in range(1, 10))
     for acc in p.acceptance.values():
         assert all(math.isfinite(r) for r in acc.rates(8))
-    assert p.choose("greedy", 4) in range(5)
+    assert AdaptiveK(p).choose("greedy", 4) in range(5)
     p.save()
-    again = policy.KPolicy(path)
+    again = policy.CostStore(path)
     assert again.notes == []  # what was written back is clean
 
 
 def test_04_deeply_nested_or_garbage_cost_cache(tmp_path):
     path = tmp_path / "costs.json"
     path.write_text("[" * 100000 + "]" * 100000)  # RecursionError before
-    p = policy.KPolicy(path)
+    p = policy.CostStore(path)
     assert p.notes and "unreadable" in p.notes[0]
 
 
 @pytest.mark.parametrize("seconds", [{"float32": 0, "bfloat16": 0}, {"float32": -0.2, "bfloat16": 0.1},
                                      {"float32": float("nan"), "bfloat16": 0.1}])
 def test_04_15_a_corrupt_dtype_cache_is_measured_again(monkeypatch, seconds):
-    from cactus_cli import models
+    from cactus_cli.infer import devices as models
 
     key = {"cpu": models.device_name(torch.device("cpu")), "threads": torch.get_num_threads(),
            "torch": torch.__version__, "shape": [64, 128]}
-    path = policy.cache_path(key, "dtype-")
+    path = cache_path(key, "dtype-")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"key": key, "seconds": seconds}))
     dtype, why = models.fastest_cpu_dtype(64, 128)  # ZeroDivisionError / "-0.20x faster" before
@@ -154,7 +158,7 @@ def test_05_13_a_damaged_quantized_cache_is_rebuilt_with_one_line(tiny):
 
 def test_06_lm_eval_stats_file_in_a_missing_folder_fails_at_creation(tiny, tmp_path):
     pytest.importorskip("lm_eval")
-    from cactus_cli.lm_eval_adapter import CactusLM
+    from cactus_cli.app.lm_eval_adapter import CactusLM
 
     with pytest.raises(ConfigError, match="folder .* does not exist"):
         CactusLM(verifier=tiny["verifier"], draft=tiny["draft"], device="cpu", compile="off", quantize="none",
@@ -163,8 +167,8 @@ def test_06_lm_eval_stats_file_in_a_missing_folder_fails_at_creation(tiny, tmp_p
 
 def test_07_lm_eval_continuation_longer_than_the_context(tiny):
     pytest.importorskip("lm_eval")
-    from cactus_cli.errors import ContextLimitError
-    from cactus_cli.lm_eval_adapter import CactusLM
+    from cactus_cli.app.lm_eval_adapter import CactusLM
+    from cactus_cli.core.errors import ContextLimitError
 
     lm = CactusLM(verifier=tiny["short_context"], draft="none", device="cpu", compile="off", quantize="none",
                   dtype="float32")
@@ -204,7 +208,7 @@ def test_11_a_backtracking_pattern_gives_up_and_ctrl_c_still_works():
     t0 = time.monotonic()
     assert tasks.extract_answer("x" * 40, r"((x|xx)+)+y(\d)") == tasks.PATTERN_TIMED_OUT
     assert time.monotonic() - t0 < tasks.PATTERN_SECONDS + 3
-    code = ("from cactus_cli.tasks import extract_answer\nimport sys\nprint('ready', flush=True)\n"
+    code = ("from cactus_cli.app.tasks import extract_answer\nimport sys\nprint('ready', flush=True)\n"
             "while True: extract_answer('x' * 40, r'((x|xx)+)+y(\\d)')")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
@@ -252,7 +256,7 @@ def test_16_settings_that_do_nothing_are_errors(tiny, tmp_path):
     one_line_error(cli("generate", "hi", *none, "--draft", "none", "--max-draft-tokens", "5"),
                    "--max-draft-tokens has no effect without a draft")
     settings = flags_to_settings(rule="sps", delta=0.5, ngram_max=2, verifier=tiny["verifier"], draft=tiny["draft"])
-    from cactus_cli.config import resolve_settings
+    from cactus_cli.app.profiles import resolve_settings
 
     with pytest.raises(ConfigError, match="--delta has no effect"):
         check_flags_apply(resolve_settings(None, settings), settings)

@@ -69,7 +69,7 @@ def evaluate(tiny, task_dir, tasks, **args):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    import cactus_cli.lm_eval_adapter  # noqa: F401  registers "cactus"
+    import cactus_cli.app.lm_eval_adapter  # noqa: F401  registers "cactus"
 
     model_args = {"verifier": tiny["verifier"], "draft": tiny["draft_close"], "device": "cpu", "dtype": "float32",
                   "compile": "off", **args}
@@ -92,7 +92,7 @@ def test_generation_goes_through_the_engine_and_greedy_equals_the_verifier(tiny,
 
 
 def test_loglikelihood_is_the_verifiers_own(tiny, task_dir):
-    from cactus_cli.models import load_pair
+    from cactus_cli.infer.models import load_pair
 
     out = evaluate(tiny, task_dir, ["tiny_mc"], rule="cactus", delta=5.0)
     assert "acc,none" in out["results"]["tiny_mc"]
@@ -114,7 +114,7 @@ def test_cactus_lm_eval_command_line(tiny, task_dir, tmp_path):
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     args = (f"verifier={tiny['verifier']},draft={tiny['draft_close']},device=cpu,dtype=float32,compile=off,"
             f"rule=cactus,delta=1.0,k=2")
-    proc = subprocess.run([sys.executable, "-m", "cactus_cli.lm_eval_adapter", "--model", "cactus", "--model_args",
+    proc = subprocess.run([sys.executable, "-m", "cactus_cli.app.lm_eval_adapter", "--model", "cactus", "--model_args",
                            args, "--tasks", "tiny_gen", "--include_path", str(task_dir), "--limit", "2",
                            "--output_path", str(tmp_path / "out")],
                           capture_output=True, text=True, env=env, timeout=600)

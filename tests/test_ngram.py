@@ -9,11 +9,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cactus_cli.cli import app
-from cactus_cli.drafting import NgramDrafter, parse_draft
-from cactus_cli.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.models import load_pair
-from cactus_cli.sampling import SamplingParams, probs_from_logits
+from cactus_cli.app.settings import parse_draft
+from cactus_cli.cli.main import app
+from cactus_cli.core.sampling import SamplingParams, probs_from_logits
+from cactus_cli.infer.draft.ngram import NgramDrafter
+from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.models import load_pair
 from tests.stats_helpers import assert_matches
 from tests.test_cli import assert_one_line_error, pair_args
 from tests.test_engine import hf_greedy, run
@@ -24,20 +25,26 @@ REPEATS = "the cat sat on the mat and the dog sat on the mat and the cat"
 
 def drafter(seq, n_max=4, n_min=1):
     d = NgramDrafter(vocab_size=100, device=torch.device("cpu"), n_max=n_max, n_min=n_min)
-    d.start(seq)
+    d.start(seq, [])
     return d
 
 
+def lookup(seq, k, **kwargs):
+    return drafter(seq, **kwargs).lookup(seq, k)  # drafters are handed the verified sequence
+
+
 def test_lookup_takes_the_longest_then_most_recent_match():
-    assert drafter([1, 2, 3, 4, 9, 1, 2, 3]).lookup(3) == [4, 9, 1]  # the 3-gram 1 2 3
-    assert drafter([5, 6, 7, 5, 6, 8, 5, 6]).lookup(2) == [8, 5]  # the latest 5 6 wins
-    assert drafter([1, 2, 3, 7, 3]).lookup(5) == [7, 3]  # only a 1-gram matches; the copy stops at the end
-    assert drafter([1, 2, 3, 7, 3], n_min=2).lookup(5) == []  # ... which n_min 2 refuses
-    assert drafter([1, 2, 3]).lookup(4) == []  # nothing repeats
-    d = drafter([1, 2, 3, 4])
-    d.accept(0, [1, 2])  # the sequence grows: 1 2 3 4 1 2
-    assert d.lookup(2) == [3, 4] and d.next_source() == "ngram"
-    probs = d.propose(2, SamplingParams(1.0, 0, 1.0), None).probs
+    assert lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]  # the 3-gram 1 2 3
+    assert lookup([5, 6, 7, 5, 6, 8, 5, 6], 2) == [8, 5]  # the latest 5 6 wins
+    assert lookup([1, 2, 3, 7, 3], 5) == [7, 3]  # only a 1-gram matches; the copy stops at the end
+    assert lookup([1, 2, 3, 7, 3], 5, n_min=2) == []  # ... which n_min 2 refuses
+    assert lookup([1, 2, 3], 4) == []  # nothing repeats
+    seq = [1, 2, 3, 4]
+    d = drafter(seq)
+    seq = seq + [1, 2]  # the sequence grows: 1 2 3 4 1 2
+    d.accept(seq, 0)
+    assert d.lookup(seq, 2) == [3, 4] and d.next_source(seq) == "ngram"
+    probs = d.propose(seq, 2, SamplingParams(1.0, 0, 1.0), None).probs
     assert probs.shape == (2, 100) and probs[0, 3] == 1.0 and probs.sum() == 2.0  # one-hot rows
 
 

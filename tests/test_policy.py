@@ -8,10 +8,18 @@ import json
 import pytest
 import torch
 
-from cactus_cli.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.models import fastest_cpu_dtype, load_pair, resolve_dtype
-from cactus_cli.policy import Acceptance, CostModel, KPolicy, best_k, expected_tokens
-from cactus_cli.sampling import SamplingParams
+from cactus_cli.core.sampling import SamplingParams
+from cactus_cli.infer.costs import (
+    Acceptance,
+    CostModel,
+    CostStore,
+    best_k,
+    expected_tokens,
+)
+from cactus_cli.infer.devices import fastest_cpu_dtype, resolve_dtype
+from cactus_cli.infer.policy import AdaptiveK
+from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.models import load_pair
 from tests.test_engine import hf_greedy, prompt_ids
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
@@ -122,8 +130,8 @@ def test_acceptance_per_position_sees_runs():
 
 def test_plain_decoding_still_probes_k1_now_and_then():
     steep = cost_model({1: 0.1, 2: 0.2, 5: 0.5}, draft=0.05)
-    policy = KPolicy()
-    policy.costs = steep
+    policy = AdaptiveK()
+    policy.store.costs = steep
     picks = [policy.choose("greedy", 8) for _ in range(400)]
     assert picks.count(0) > 300  # mostly plain decoding
     assert 1 in picks  # but acceptance keeps being measured
@@ -133,11 +141,11 @@ def test_plain_decoding_still_probes_k1_now_and_then():
 
 def test_drafting_still_takes_a_plain_step_now_and_then():
     flat = cost_model({1: 0.1, 9: 0.1}, draft=0.01)
-    policy = KPolicy()
-    policy.costs = flat
+    policy = AdaptiveK()
+    policy.store.costs = flat
     for _ in range(100):
         policy.observe("greedy", 8, 8, 0.08, 0.1)  # every draft accepted
-    policy.costs = flat
+    policy.store.costs = flat
     picks = [policy.choose("greedy", 8) for _ in range(400)]
     assert 0 < picks.count(0) <= 400 // 64  # t_v(1) is re-measured, at ~1.5% of the steps
     assert picks.count(8) == 400 - picks.count(0)
@@ -145,17 +153,17 @@ def test_drafting_still_takes_a_plain_step_now_and_then():
 
 def test_cache_round_trip(tmp_path):
     path = tmp_path / "costs.json"
-    policy = KPolicy(path, {"pair": "x"})
+    policy = CostStore(path, {"pair": "x"})
     policy.observe("greedy", 3, 2, 0.3, 0.2)
     policy.observe("greedy", 0, 0, 0.0, 0.1)
     policy.save()
-    again = KPolicy(path)
+    again = CostStore(path)
     assert again.costs.knows("model") and again.costs.source == "cache"
     assert again.costs.t_v(4) == pytest.approx(0.2) and again.costs.t_d() == pytest.approx(0.1)
     assert again.acceptance["greedy model"].a == pytest.approx(policy.acceptance["greedy model"].a)
     assert again.acceptance["greedy model"].rates(3) == pytest.approx(policy.acceptance["greedy model"].rates(3))
     path.write_text("{not json")
-    assert not KPolicy(path).costs.knows("model")  # a broken cache is ignored, not fatal
+    assert not CostStore(path).costs.knows("model")  # a broken cache is ignored, not fatal
 
 
 # ---------------------------------------------------------------------- the engine
@@ -172,7 +180,7 @@ def test_catch_up_after_plain_steps_keeps_caches_exact(close_pair, monkeypatch):
     pair = close_pair
     engine = SpeculativeEngine(pair)
     script = iter([2, 0, 0, 0, 3, 0, 1, 4, 0, 0, 2] * 10)
-    monkeypatch.setattr(engine.policy, "choose", lambda akey, k_max, source="model": min(next(script), k_max))
+    monkeypatch.setattr(engine.auto_k, "choose", lambda akey, k_max, source="model": min(next(script), k_max))
     ids = prompt_ids(pair)
     n = 40
     params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=True, max_tokens=n, ignore_eos=True)
@@ -194,8 +202,8 @@ def test_catch_up_after_plain_steps_keeps_caches_exact(close_pair, monkeypatch):
 def test_adaptive_k_learns_and_reports(close_pair):
     engine = SpeculativeEngine(close_pair)
     assert engine.probe_costs(4)
-    assert engine.policy.costs.knows("model") and engine.policy.costs.source == "probe"
-    assert set(engine.policy.costs.verify) == {1, 2, 3, 5}
+    assert engine.costs.costs.knows("model") and engine.costs.costs.source == "probe"
+    assert set(engine.costs.costs.verify) == {1, 2, 3, 5}
     params = GenerationParams(sampling=SamplingParams(0.8, 0, 1.0), rule="cactus", rule_kwargs={"delta": 1.0},
                               num_draft_tokens=4, adaptive_k=True, max_tokens=30, ignore_eos=True, seed=2)
     ks = [ev.num_drafted for ev in engine.generate(prompt_ids(close_pair), params)]
@@ -204,7 +212,7 @@ def test_adaptive_k_learns_and_reports(close_pair):
     assert summary["adaptive_k"] and summary["source"] == "probe+online"
     assert 0 < summary["acceptance_estimate"] < 1 and summary["best_k"] in range(5)
     # a second engine on the same pair starts from the cache the first one saved
-    assert SpeculativeEngine(close_pair).policy.costs.source == "cache"
+    assert SpeculativeEngine(close_pair).costs.costs.source == "cache"
 
 
 # ---------------------------------------------------------------------- dtype

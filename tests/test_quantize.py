@@ -10,10 +10,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import cactus_cli.quantize as qz
-from cactus_cli.cli import app
-from cactus_cli.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.models import load_pair
+import cactus_cli.infer.quantize as qz
+from cactus_cli.cli.main import app
+from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.models import load_pair
 from tests.test_engine import GREEDY, prompt_ids, run
 
 cli = CliRunner()

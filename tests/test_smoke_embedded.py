@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from cactus_cli import embedded
+from cactus_cli.infer import embedded
 
 
 def test_main_command_on_the_embedded_pair():

@@ -16,8 +16,8 @@ import types
 import pytest
 import torch
 
-from cactus_cli.distributed import check_tp
-from cactus_cli.errors import ConfigError
+from cactus_cli.core.errors import ConfigError
+from cactus_cli.infer.tp.group import check_tp
 
 
 def cactus(tiny, *args, **kwargs) -> subprocess.CompletedProcess:

@@ -1,0 +1,275 @@
+"""Choosing delta and k from measurements (no Rich here).
+
+1. Sweep delta at one k with the divergence meter on: per-token acceptance `a`, accepted tokens
+   per step, the realized KL(h_alg || q) per position, and the verifier log-likelihood of the
+   generated tokens relative to SpS (delta = 0 is always in the sweep).
+2. Choose the largest delta whose mean realized KL is within --max-divergence (and whose
+   log-likelihood drop is within --max-quality-drop, when given).
+3. Rank the candidate k with the engine's own cost model (costs.py: draft seconds per token and
+   verifier seconds per width t_v(w), measured on this machine) and the chosen delta's `a`; time the
+   verifier alone, the best few k and `-k auto` with the meter off, and keep the fastest. When
+   plain decoding wins, say so: this draft does not pay on this machine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from cactus_cli.app.grid import BenchConfig, ConfigResult, run_speculative
+from cactus_cli.app.profiles import (
+    builtin_profile_dir,
+    find_profile,
+    list_profiles,
+    load_profile,
+    user_profile_dir,
+)
+from cactus_cli.app.settings import Settings, check_each
+from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.fileio import check_output_file, write_or_fail
+from cactus_cli.infer.costs import CostModel, tokens_per_second
+
+DEFAULT_DELTAS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
+DEFAULT_KS = tuple(range(1, 13))
+# Mean realized KL(h_alg || q) per emitted position, in nats. See README "Calibrate": 0.05 nats
+# keeps the emitted distribution within TV <= sqrt(0.05 / 2) ~ 0.16 of the verifier (Pinsker),
+# per token, and sits below what the paper's delta = 1 realizes on the embedded pair.
+DEFAULT_MAX_DIVERGENCE = 0.05
+KEEP_K = 3  # how many k the cost model lets through to be timed
+SWEEP_K = 4  # the delta sweep's k when the profile's k is auto
+
+def measured_speedup(costs: CostModel, a: float, k: int) -> float:
+    """Expected tokens per second at k over plain decoding's 1 / t_v(1), with the verifier's cost
+    measured per width (Leviathan et al.'s (1 - a^(k+1)) / ((1 - a)(1 + k c)) assumes t_v(k+1) =
+    t_v(1), which is false by 4-8x on an AVX2 CPU)."""
+    return tokens_per_second(costs, a, k) * costs.t_v(1)
+
+@dataclass
+class DeltaPoint:
+    delta: float
+    result: ConfigResult
+
+    def row(self, ref_loglik: float | None) -> dict[str, Any]:
+        m = self.result.metrics()
+        ll = m["mean_verifier_loglik"]
+        return {"delta": self.delta, "acceptance_rate": m["draft_acceptance_rate"],
+                "per_token_acceptance": m["per_token_acceptance"],
+                "mean_accepted_tokens_per_step": m["mean_accepted_tokens_per_step"],
+                "tokens_per_second_metered": m["tokens_per_second"], "realized_kl_mean": m["realized_kl_mean"],
+                "realized_kl_p90": m["realized_kl_p90"], "realized_tv_mean": m["realized_tv_mean"],
+                "mean_verifier_loglik": ll,
+                "loglik_vs_sps": (ll - ref_loglik) if ll is not None and ref_loglik is not None else None}
+
+@dataclass
+class Calibration:
+    rule: str
+    k0: int
+    deltas: list[dict[str, Any]] = field(default_factory=list)
+    ks: list[dict[str, Any]] = field(default_factory=list)
+    chosen_delta: float | None = None
+    chosen_k: int | str | None = None
+    cost_ratio: float | None = None  # draft seconds per token over a 1-token verify
+    verify_cost_by_width: dict[str, float] = field(default_factory=dict)  # relative to a 1-token verify
+    plain_tokens_per_second: float | None = None
+    meter_overhead: float | None = None
+    reason: str = ""
+    advice: str = ""  # said plainly when speculation with this draft does not pay here
+
+def choose_delta(rows: list[dict[str, Any]], max_divergence: float, max_quality_drop: float | None) -> tuple[float, str]:
+    ok = []
+    for r in rows:
+        kl = r["realized_kl_mean"]
+        if kl is None or kl > max_divergence:
+            continue
+        if max_quality_drop is not None and (r["loglik_vs_sps"] or 0.0) < -max_quality_drop:
+            continue
+        ok.append(r["delta"])
+    if not ok:
+        return 0.0, "no delta met the constraints; SpS (delta = 0) is the safe choice"
+    best = max(ok)
+    why = f"largest delta with mean realized KL <= {max_divergence:g}"
+    if max_quality_drop is not None:
+        why += f" and log-likelihood drop <= {max_quality_drop:g} nats/token"
+    return best, why
+
+def validate(settings: Settings, deltas: list[float], ks: list[int]) -> None:
+    """Everything a calibration checks, before any model loads."""
+
+    if settings.rule not in ("cactus", "cactus-exact"):
+        raise ConfigError(f"calibrate tunes delta: use --rule cactus or cactus-exact (got {settings.rule!r})")
+    check_each("delta", deltas, "--delta")
+    check_each("max_draft_tokens", ks, "-k")  # fixed k only: the same 1..64 range
+
+def sweep_k(settings: Settings, ks: list[int]) -> int:
+    """The k of the delta sweep: the candidate nearest the profile's k (SWEEP_K for -k auto)."""
+    want = SWEEP_K if settings.num_draft_tokens == "auto" else int(settings.num_draft_tokens)
+    return min(ks, key=lambda k: (abs(k - want), k))
+
+def run(engine, settings: Settings, prompts, base, deltas: list[float], ks: list[int], max_divergence: float,
+        max_quality_drop: float | None, on_prompt: Callable[[str], None]) -> Calibration:
+    validate(settings, deltas, ks)
+    k0 = sweep_k(settings, ks)
+    cal = Calibration(rule=settings.rule, k0=k0)
+    extra = {k: v for k, v in settings.rule_kwargs().items() if k != "delta"}
+
+    # 1. delta sweep at k0, meter on; 2. delta from the constraints
+    points = _sweep_deltas(engine, settings.rule, k0, extra, prompts, replace(base, measure=True),
+                           sorted(set([0.0] + list(deltas))), on_prompt)
+    cal.deltas = [pt.row(points[0].result.stats.mean_verifier_loglik) for pt in points]
+    cal.chosen_delta, cal.reason = choose_delta(cal.deltas, max_divergence, max_quality_drop)
+    chosen = next(pt for pt in points if pt.delta == cal.chosen_delta)
+
+    # 3. k: the measured cost model ranks, then tokens/s with the meter off decides
+    timed = replace(base, measure=False)
+
+    def time_config(cfg: BenchConfig, label: str) -> ConfigResult:
+        sink: list[ConfigResult] = []
+        run_speculative(engine, cfg, prompts, timed, lambda: on_prompt(label), sink)
+        return sink[0]
+
+    _choose_k(cal, engine.costs.costs, chosen, ks, {**extra, "delta": cal.chosen_delta}, settings.max_draft_tokens,
+              time_config)
+    return cal
+
+
+def _sweep_deltas(engine, rule: str, k0: int, extra: dict[str, Any], prompts, metered, deltas: list[float],
+                  on_prompt: Callable[[str], None]) -> list[DeltaPoint]:
+    points: list[DeltaPoint] = []
+    for d in deltas:
+        cfg = BenchConfig("speculative", rule, k0, {**extra, "delta": d})
+        sink: list[ConfigResult] = []
+        run_speculative(engine, cfg, prompts, metered, lambda d=d: on_prompt(f"delta={d:g} k={k0}"), sink)
+        points.append(DeltaPoint(d, sink[0]))
+    return points
+
+
+def _choose_k(cal: Calibration, costs: CostModel, chosen: DeltaPoint, ks: list[int], kd: dict[str, Any], k_max: int,
+              time_config: Callable[[BenchConfig, str], ConfigResult]) -> None:
+    """Time the verifier alone, the k the cost model (the probe plus every step so far) ranks
+    best, k0 and -k auto; keep the fastest, or auto when plain decoding wins."""
+    rule, k0 = cal.rule, cal.k0
+    a = chosen.result.stats.per_token_acceptance or 0.0  # the cost model's i.i.d. per-token rate
+    plain = time_config(BenchConfig("speculative", "sps", 0), "timing verifier alone")  # k = 0: no drafts
+    cal.plain_tokens_per_second = plain.stats.tokens_per_second
+    t1 = costs.t_v(1)
+    cal.cost_ratio = costs.t_d() / t1 if t1 else None
+    cal.verify_cost_by_width = {str(w): costs.t_v(w) / t1 for w in range(1, max(ks) + 2)} if t1 else {}
+    ranked = sorted(ks, key=lambda k: -measured_speedup(costs, a, k))
+    measured: dict[int | str, ConfigResult] = {}
+    for k in dict.fromkeys([k0] + ranked[:KEEP_K]):  # k0 too: its metered twin gives the meter's cost
+        measured[k] = time_config(BenchConfig("speculative", rule, k, kd), f"timing k={k}")
+    auto = measured["auto"] = time_config(BenchConfig("speculative", rule, k_max, kd, adaptive=True), "timing k=auto")
+    sweep_s = measured[k0].stats.total_seconds  # the metered sweep's twin, meter off
+    cal.meter_overhead = chosen.result.stats.total_seconds / sweep_s - 1 if sweep_s else None
+    for k in sorted(ks):
+        res = measured.get(k)
+        cal.ks.append({"k": k, "predicted_speedup": measured_speedup(costs, a, k),
+                       "tokens_per_second": res.stats.tokens_per_second if res else None,
+                       "mean_accepted_tokens_per_step": res.stats.mean_accepted_tokens_per_step if res else None,
+                       "timed": res is not None})
+    cal.ks.append({"k": "auto", "predicted_speedup": None, "tokens_per_second": auto.stats.tokens_per_second,
+                   "mean_accepted_tokens_per_step": auto.stats.mean_accepted_tokens_per_step, "timed": True,
+                   "mean_k": auto.stats.mean_k})
+    cal.chosen_k = max(measured, key=lambda k: measured[k].stats.tokens_per_second or 0.0)
+    best = measured[cal.chosen_k].stats.tokens_per_second or 0.0
+    plain_tps = cal.plain_tokens_per_second or 0.0
+    if plain_tps >= best or max([0] + list(ks), key=lambda k: measured_speedup(costs, a, k)) == 0:
+        cal.chosen_k = "auto"  # drafts only when it pays: on this machine, mostly plain decoding
+        cal.advice = (f"speculation with this draft does not pay on this machine: the verifier alone ran "
+                      f"{plain_tps:.2f} tok/s, the best speculative setting {best:.2f} tok/s "
+                      f"(a draft token costs {cal.cost_ratio or 0:.2f} of a 1-token verify, a {max(ks) + 1}-token "
+                      f"verify {cal.verify_cost_by_width.get(str(max(ks) + 1), 0):.2f}x one); k = auto is chosen, "
+                      "which falls back to plain decoding (k = 0) and drafts again when it pays. --draft none "
+                      "runs the verifier alone; a cheaper draft, or a faster dtype (--dtype), may change this.")
+
+
+def document(cal: Calibration, settings: Settings, prompts, max_divergence: float,
+             max_quality_drop: float | None, env: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "schema_version": 1,
+        "rule": cal.rule,
+        "chosen": {"delta": cal.chosen_delta, "num_draft_tokens": cal.chosen_k, "reason": cal.reason,
+                   "advice": cal.advice},
+        "constraints": {"max_divergence": max_divergence, "max_quality_drop": max_quality_drop},
+        "delta_sweep": {"k": cal.k0, "rows": cal.deltas},
+        "k_sweep": {"delta": cal.chosen_delta, "cost_ratio": cal.cost_ratio,
+                    "verify_cost_by_width": cal.verify_cost_by_width,
+                    "verifier_alone_tokens_per_second": cal.plain_tokens_per_second, "rows": cal.ks},
+        "meter_overhead": cal.meter_overhead,
+        "prompts": [p.id for p in prompts],
+        "environment": env,
+        "settings": settings.to_dict(),
+    }
+
+# --------------------------------------------------------------------------- saving
+
+def save_target(name_or_path: str) -> Path:
+    """NAME -> the user profile folder; anything path-like -> that file. Never a built-in."""
+    looks_like_path = name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path
+    path = Path(name_or_path).expanduser() if looks_like_path else user_profile_dir() / f"{name_or_path}.yaml"
+    if path.resolve().parent == builtin_profile_dir().resolve():
+        raise ConfigError(f"--save: {path} is a built-in profile; save under another name (it goes to {user_profile_dir()})")
+    if not looks_like_path and not name_or_path.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise ConfigError(f"--save: {name_or_path!r} is not a usable profile name (letters, digits, - _ .)")
+    return path
+
+def check_save_target(target: Path) -> None:
+    """Before the run: the user profile folder is created when missing (saving there is what
+    --save NAME asks for); any other path must be a writable file in an existing folder."""
+
+    if target.parent == user_profile_dir():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"--save: cannot create the profile folder {target.parent} ({err.strerror or err})") from None
+    check_output_file(target, "--save")
+    if target.is_file():
+        load_profile(str(target))  # its other keys are kept: it must be a valid profile
+
+def save_profile(target: Path, base_profile: str | None, settings: Settings, doc: dict[str, Any]) -> Path:
+    """Write the chosen delta and k and a calibration block, keeping every other key of the
+    target (or, for a new file, of the profile the run used). Atomic: temp file + rename."""
+    import yaml
+
+    data: dict[str, Any] = {}
+    source = target if target.is_file() else find_profile(base_profile or "default") if (
+        base_profile or any(n == "default" for n, _, _ in list_profiles())) else None
+    if source is not None:
+        loaded, _ = load_profile(str(source))  # a broken file is an error naming it, never overwritten
+        data.update(loaded)
+    # what this calibration ran with: the pair and the sampling it is valid for. A description
+    # written for another pair would now be wrong: replace it.
+    if any(getattr(settings, key) != data.get(key) for key in ("verifier", "draft")):
+        data["description"] = f"calibrated for {settings.verifier} / {settings.draft}"
+    for key in ("verifier", "draft", "tokenizer", "device", "dtype", "temperature", "top_k", "top_p", "rule_params"):
+        value = getattr(settings, key)
+        if value != data.get(key) and value not in (None, {}):
+            data[key] = value
+    data["rule"] = doc["rule"]
+    data["delta"] = float(doc["chosen"]["delta"])
+    k = doc["chosen"]["num_draft_tokens"]
+    data["num_draft_tokens"] = k if k == "auto" else int(k)
+    if k == "auto":
+        data["max_draft_tokens"] = int(settings.max_draft_tokens)
+    chosen_row = next(r for r in doc["delta_sweep"]["rows"] if r["delta"] == doc["chosen"]["delta"])
+    k_row = next(r for r in doc["k_sweep"]["rows"] if r["k"] == doc["chosen"]["num_draft_tokens"])
+    data["calibration"] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "prompts": len(doc["prompts"]),
+        "constraints": doc["constraints"],
+        "reason": doc["chosen"]["reason"],
+        "acceptance_rate": chosen_row["acceptance_rate"],
+        "per_token_acceptance": chosen_row["per_token_acceptance"],
+        "realized_kl_mean": chosen_row["realized_kl_mean"],
+        "loglik_vs_sps": chosen_row["loglik_vs_sps"],
+        "tokens_per_second": k_row["tokens_per_second"],
+        "cost_ratio": doc["k_sweep"]["cost_ratio"],
+        "verifier_alone_tokens_per_second": doc["k_sweep"]["verifier_alone_tokens_per_second"],
+        "temperature": settings.temperature,
+        "top_k": settings.top_k,
+        "top_p": settings.top_p,
+    }
+    text = "# written by `cactus calibrate`; other keys kept as they were\n" + yaml.safe_dump(data, sort_keys=False)
+    return write_or_fail(target, text, "--save")

@@ -1,0 +1,107 @@
+"""A tensor-parallel follower (ranks > 0 under --tp): join the group, load this rank's shard of
+the verifier the way rank 0 loads its own, then run every runner call rank 0 announces until it
+says stop. Nothing imports this module: rank 0 starts it as ``python -m cactus_cli.app.follower``
+(infer/tp/group.py), and under torchrun app/runtime.py hands a rank > 0 to ``serve`` before any
+model is loaded for generation. Rank 0 that dies takes its followers with it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cactus_cli.infer.models import load_shard
+from cactus_cli.infer.runners import CachedLM, Runner
+from cactus_cli.infer.tp import group
+from cactus_cli.infer.tp.sharded import CMD_SLOTS, parse_command
+
+
+def follow(runner: Runner) -> None:
+    """Run what rank 0 announces, until it says stop."""
+    import torch.distributed as dist
+
+    device = group.comm_device()
+    while True:
+        cmd = torch.empty(CMD_SLOTS, dtype=torch.int64, device=device)
+        dist.broadcast(cmd, src=0, group=group.commands_group())
+        op, n, arg, ids = parse_command(cmd)
+        if n > len(ids):
+            rest = torch.empty(n - len(ids), dtype=torch.int64, device=device)
+            dist.broadcast(rest, src=0, group=group.commands_group())
+            ids = torch.cat([ids, rest])
+        if op == "stop":
+            return
+        if op == "forward":
+            runner.forward(ids, arg)
+        elif op == "crop":
+            runner.crop(arg)
+        else:
+            runner.reset()
+
+
+def _watch_parent() -> None:
+    """A follower whose rank 0 died (killed, crashed) exits instead of waiting forever, and
+    removes what rank 0 can no longer clean: its own log and the rendezvous folder."""
+    parent = os.getppid()
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            _remove_leftovers()
+            os._exit(3)
+
+
+def _remove_leftovers() -> None:
+    with contextlib.suppress(OSError, KeyError):
+        Path(os.environ[group.LOG_ENV]).unlink()
+    if os.environ.get(group.STORE_ENV):
+        shutil.rmtree(Path(os.environ[group.STORE_ENV]).parent, ignore_errors=True)
+
+
+def serve(load: dict[str, Any]) -> None:
+    """Join the group, load the verifier's shard, follow rank 0 until it says stop."""
+    if os.environ.get(group.FOLLOWER_ENV):
+        threading.Thread(target=_watch_parent, daemon=True).start()
+    device = torch.device(load["device"])
+    group.init(device)
+    lm, vocab = load_shard(load)
+    try:
+        with torch.inference_mode():
+            follow(CachedLM(lm, vocab))
+    except RuntimeError as err:  # rank 0 went away without saying stop (killed, crashed)
+        if "Connection closed" in str(err) or "NCCL" in str(err):
+            print("rank 0 is gone; this rank stops too", file=sys.stderr)
+            if os.environ.get(group.FOLLOWER_ENV):
+                _remove_leftovers()
+            os._exit(3)
+        raise
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    """A rank started by rank 0: the load spec comes in the environment."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 owns Ctrl-C
+    parent = os.getppid()
+    try:
+        serve(json.loads(os.environ[group.FOLLOWER_ENV]))
+    except Exception as err:  # noqa: BLE001 - one line for rank 0 to show
+        print(f"{type(err).__name__}: {' '.join(str(err).split())[:300]}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if os.getppid() != parent:  # rank 0 died (whatever error that surfaced as): nobody else cleans up
+            _remove_leftovers()
+
+
+if __name__ == "__main__":
+    main()

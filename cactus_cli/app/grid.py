@@ -1,0 +1,351 @@
+"""The one grid runner (bench, eval and calibrate; no Rich here): rules x delta x k per engine
+variant, the verifier-alone baseline on the same prompts, sampling and seeds, optionally Hugging
+Face assisted generation; its --json / CSV documents. It takes parsed lists (app/settings.py
+parses what users type)."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from cactus_cli import __version__
+from cactus_cli.app import runtime
+from cactus_cli.app.prompts import Prompt
+from cactus_cli.app.settings import Settings, check_each
+from cactus_cli.app.tasks import wilson
+from cactus_cli.core.acceptance import RULES, resolve_params
+from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.stats import SpecStats, summarize
+from cactus_cli.infer.devices import device_name
+from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.runners import sync
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    kind: str  # "autoregressive", "speculative", "hf-assisted"
+    rule: str | None = None
+    k: int = 0  # k_max when adaptive
+    rule_kwargs: dict[str, Any] = field(default_factory=dict)
+    adaptive: bool = False  # -k auto
+    compiled: bool = False  # which engine runs it: bench --compile off,on times both side by side
+    quantize: str = "none"  # ... and --quantize none,int8
+    tag: str = ""  # names the engine in the label when a grid has more than one
+
+    @property
+    def variant(self) -> tuple[str, bool]:
+        return self.quantize, self.compiled
+
+    @property
+    def k_label(self) -> str:
+        return "auto" if self.adaptive else str(self.k)
+
+    @property
+    def label(self) -> str:
+        return self._label() + (f" · {self.tag}" if self.tag else "")
+
+    def _label(self) -> str:
+        if self.kind == "autoregressive":
+            return "verifier alone"
+        if self.kind == "hf-assisted":
+            return f"HF assisted k={self.k}"
+        # show delta always, other parameters only where they differ from the rule's defaults
+        defaults = resolve_params(self.rule)
+        extra = "".join(
+            f" {'δ' if n == 'delta' else n}={v:g}" if isinstance(v, float) else f" {n}={v}"
+            for n, v in self.rule_kwargs.items() if n == "delta" or v != defaults.get(n)
+        )
+        return f"{self.rule}{extra} k={self.k_label}"
+
+
+def build_grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_params: dict[str, Any],
+               compare_hf: bool, k_max: int = 8, variants: list[tuple[str, bool]] = (("none", False),)) -> list[BenchConfig]:
+    """Per engine variant (quantize, compiled): the baseline, then each rule (x delta where it
+    takes one) x k; then HF rows (first variant's models, eager). ``auto`` in ``ks`` is the
+    adaptive k (0..k_max)."""
+    grid: list[BenchConfig] = []
+    several_q = len({q for q, _ in variants}) > 1
+    several_c = len({c for _, c in variants}) > 1
+    for quantize, compiled in variants:
+        tag = ", ".join(([quantize] if several_q else []) + (["compiled" if compiled else "eager"] if several_c else []))
+        grid += [dataclasses.replace(c, quantize=quantize, compiled=compiled, tag=tag)
+                 for c in _grid(rules, deltas, ks, rule_params, k_max)]
+    if compare_hf:
+        grid += [BenchConfig("hf-assisted", None, k, quantize=variants[0][0], compiled=variants[0][1]) for k in ks if k != "auto"]
+    return grid
+
+
+def _grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_params: dict[str, Any],
+          k_max: int) -> list[BenchConfig]:
+    check_each("num_draft_tokens", ks, "-k")
+    check_each("delta", deltas, "--delta")
+    grid = [BenchConfig("autoregressive")]
+    for rule in rules:
+        if rule not in RULES:
+            raise ConfigError(f"--rules: unknown rule {rule!r}; choose from {', '.join(RULES)}")
+        takes = RULES[rule].param_names()
+        own = {n: v for n, v in rule_params.items() if n in takes}
+        for delta in (deltas if "delta" in takes else [None]):
+            kwargs = dict(own, **({"delta": delta} if delta is not None else {}))
+            try:
+                kwargs = resolve_params(rule, kwargs)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+            for k in ks:
+                grid.append(BenchConfig("speculative", rule, k_max, kwargs, adaptive=True) if k == "auto"
+                            else BenchConfig("speculative", rule, k, kwargs))
+    return grid
+
+
+@dataclass
+class ConfigResult:
+    config: BenchConfig
+    stats: SpecStats
+    by_category: dict[str, SpecStats]
+    prompts_done: int
+    correct: int = 0  # eval: problems answered correctly, out of ``graded``
+    graded: int = 0
+    answers: list[dict[str, Any]] = field(default_factory=list)  # eval: one per problem
+
+    def metrics(self, stats: SpecStats | None = None) -> dict[str, Any]:
+        s = stats or self.stats
+        tps = s.tokens_per_second
+        kl = summarize(s.realized_kl) if s.realized_kl else {}
+        tv = summarize(s.realized_tv) if s.realized_tv else {}
+        return {
+            "num_output_tokens": s.num_output_tokens,
+            "total_seconds": s.total_seconds,
+            "tokens_per_second": tps,
+            "ms_per_output_token": 1000 / tps if tps else None,
+            "mean_accepted_tokens_per_step": s.mean_accepted_tokens_per_step,
+            "mean_acceptance_length": s.mean_acceptance_length,
+            "draft_acceptance_rate": s.draft_acceptance_rate,
+            "per_token_acceptance": s.per_token_acceptance,
+            "acceptance_histogram": list(s.acceptance_histogram),
+            "k_histogram": list(s.k_histogram),
+            "mean_k": s.mean_k,
+            "draft_sources": s.draft_sources,
+            "per_position_acceptance_rate": s.per_position_acceptance_rate,
+            "verifier_forward_passes_per_token": (s.verifier_forward_passes / s.num_output_tokens
+                                                  if s.num_output_tokens and self.config.kind != "hf-assisted" else None),
+            "time_to_first_token": (s.time_to_first_token / max(self.prompts_done, 1)
+                                    if s.time_to_first_token is not None else None),
+            # the divergence meter (bench --meter, calibrate): per emitted position
+            "realized_kl_mean": kl.get("mean"),
+            "realized_kl_p90": kl.get("p90"),
+            "realized_tv_mean": tv.get("mean"),
+            "mean_verifier_loglik": s.mean_verifier_loglik,
+        }
+
+    def add(self, prompt: Prompt, s: SpecStats, verdict: tuple[bool, str | None] | None = None) -> None:
+        self.stats.merge(s)
+        self.by_category.setdefault(prompt.category, SpecStats()).merge(s)
+        self.prompts_done += 1
+        if verdict is not None:
+            ok, given = verdict
+            self.graded += 1
+            self.correct += int(ok)
+            self.answers.append({"id": prompt.id, "category": prompt.category, "answer": given, "correct": ok})
+
+
+def run_one(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int],
+            base: GenerationParams) -> tuple[SpecStats, str]:
+    """One configuration on prompt ``i`` (seed = base seed + i, so every configuration sees the
+    same seeds): its stats and the text it generated."""
+    if cfg.kind == "hf-assisted":
+        return _one_hf(engine, cfg, i, ids, base)
+    params = dataclasses.replace(base, rule=cfg.rule or "sps", rule_kwargs=cfg.rule_kwargs, num_draft_tokens=cfg.k,
+                                 adaptive_k=cfg.adaptive, ignore_eos=False, seed=base.seed + i)
+    s, text = SpecStats(), []
+    for ev in engine.generate(ids, params):
+        s.update(ev)
+        text.append(ev.text)
+    return s, "".join(text)
+
+
+def run_speculative(engine: SpeculativeEngine, cfg: BenchConfig, prompts: list[tuple[Prompt, list[int]]],
+                    base: GenerationParams, on_prompt: Callable[[], None], sink: list[ConfigResult]) -> None:
+    """Run one configuration over every prompt. The result goes into ``sink`` before the first
+    prompt, so an interrupted run keeps the prompts that finished."""
+    result = ConfigResult(cfg, SpecStats(), {}, 0)
+    sink.append(result)
+    for i, (prompt, ids) in enumerate(prompts):
+        result.add(prompt, run_one(engine, cfg, i, ids, base)[0])
+        on_prompt()
+
+
+def run_grid(engines: dict[Any, SpeculativeEngine], grid: list[BenchConfig], prompts: list[tuple[Prompt, list[int]]],
+             base: GenerationParams, on_run: Callable[[BenchConfig], None], sink: list[ConfigResult],
+             grade: Callable[[Prompt, str], tuple[bool, str | None]] | None = None) -> None:
+    """Every configuration on every prompt, prompt by prompt (all configurations on prompt 1, then
+    prompt 2, ...): a machine that speeds up or slows down during a long run (another tenant,
+    heat) then moves every row alike instead of favouring whichever ran in its fast minutes.
+    Results go into ``sink`` first, so an interrupted run keeps what finished. ``engines`` maps
+    each configuration's ``variant`` to the engine that runs it. With ``grade`` (eval), each
+    generated text is graded against its prompt's answer."""
+    results = [ConfigResult(cfg, SpecStats(), {}, 0) for cfg in grid]
+    sink.extend(results)
+    for i, (prompt, ids) in enumerate(prompts):
+        for result in results:
+            stats, text = run_one(engines[result.config.variant], result.config, i, ids, base)
+            result.add(prompt, stats, grade(prompt, text) if grade is not None else None)
+            on_run(result.config)
+
+
+def _one_hf(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int],
+            base: GenerationParams) -> tuple[SpecStats, str]:
+    """transformers' assisted generation, like for like: a constant k draft tokens per step."""
+    pair = engine.pair
+    if pair.draft is None:
+        raise ConfigError("--compare-hf needs a draft model")
+    assistant = pair.draft.model
+    gc = assistant.generation_config
+    gc.num_assistant_tokens = cfg.k
+    gc.num_assistant_tokens_schedule = "constant"
+    gc.assistant_confidence_threshold = 0.0
+    sp = base.sampling
+    dev = pair.verifier.device
+    torch.manual_seed(base.seed + i)
+    x = torch.tensor([ids], device=dev)
+    kwargs: dict[str, Any] = dict(max_new_tokens=base.max_tokens, assistant_model=assistant,
+                                  attention_mask=torch.ones_like(x), pad_token_id=pair.tokenizer.pad_token_id
+                                  or pair.tokenizer.eos_token_id)
+    if sp.greedy:
+        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+    else:
+        kwargs.update(do_sample=True, temperature=sp.temperature, top_k=sp.top_k or None, top_p=sp.top_p)
+    sync(dev)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = pair.verifier.model.generate(x, **kwargs)
+    sync(dev)
+    seconds = time.perf_counter() - t0  # (the decode below is not timed, as for our engine)
+    text = pair.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    return SpecStats(prompt_tokens=len(ids), num_output_tokens=int(out.shape[1] - len(ids)),
+                     total_seconds=seconds), text
+
+
+def warm_up(engine: SpeculativeEngine, ids: list[int], base: GenerationParams, k: int) -> None:
+    """One short run through every code path before anything is timed (its slow first timings
+    teach the cost store nothing: ``learn=False``)."""
+    for kk in ({0, k} if engine.drafter is not None else {0}):
+        params = GenerationParams(sampling=base.sampling, rule="sps", num_draft_tokens=kk, max_tokens=8, seed=0,
+                                  learn=False)
+        for _ in engine.generate(ids, params):
+            pass
+
+
+def environment(engine: SpeculativeEngine, settings: dict[str, Any]) -> dict[str, Any]:
+    import transformers
+
+    dev = engine.pair.verifier.device
+    return {
+        "cactus": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "device": str(dev),
+        "device_name": device_name(dev),  # the GPU, or the CPU model and the flags that decide matmul speed
+        "cpu_threads": torch.get_num_threads(),
+        "dtype": str(engine.pair.verifier.dtype).removeprefix("torch."),
+        "quantized": engine.pair.verifier.quantize_note or None,  # what ran ("int4 weights (N layers, M in int8)")
+        "verifier": settings.get("verifier"),
+        "draft": settings.get("draft"),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[str, Any],
+             prompts: list[Prompt], interrupted: bool, cost_model: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The --json document (schema_version 1): one row per configuration, baseline first."""
+    results = [r for r in results if r.prompts_done]
+    base = next((r for r in results if r.config.kind == "autoregressive"), None)
+    base_tps = base.stats.tokens_per_second if base else None
+    hf = {r.config.k: r.stats.tokens_per_second for r in results if r.config.kind == "hf-assisted"}
+    rows = []
+    for r in results:
+        m = r.metrics()
+        tps = m["tokens_per_second"]
+        row = {"config": r.config.label, "kind": r.config.kind, "rule": r.config.rule, "compiled": r.config.compiled,
+               "quantize": r.config.quantize,
+               "k": "auto" if r.config.adaptive else r.config.k, "max_draft_tokens": r.config.k if r.config.adaptive else None,
+               "rule_params": r.config.rule_kwargs, "prompts": r.prompts_done, **m,
+               "speedup": tps / base_tps if tps and base_tps else None,
+               "tokens_per_second_vs_hf": (tps / hf[r.config.k] if r.config.kind == "speculative"
+                                           and not r.config.adaptive and hf.get(r.config.k) and tps else None),
+               "by_category": {}}
+        if r.graded:  # eval: accuracy with its 95% Wilson interval
+            lo, hi = wilson(r.correct, r.graded)
+            row.update(problems=r.graded, correct=r.correct, accuracy=r.correct / r.graded,
+                       accuracy_ci95_low=lo, accuracy_ci95_high=hi, answers=r.answers)
+        for cat, s in sorted(r.by_category.items()):
+            cm = r.metrics(s)
+            base_cat = base.by_category.get(cat) if base else None
+            btps = base_cat.tokens_per_second if base_cat else None
+            row["by_category"][cat] = {
+                "tokens_per_second": cm["tokens_per_second"],
+                "mean_accepted_tokens_per_step": cm["mean_accepted_tokens_per_step"],
+                "draft_acceptance_rate": cm["draft_acceptance_rate"],
+                "speedup": cm["tokens_per_second"] / btps if cm["tokens_per_second"] and btps else None,
+            }
+            graded = [a["correct"] for a in r.answers if a["category"] == cat]
+            if graded:
+                row["by_category"][cat]["accuracy"] = sum(graded) / len(graded)
+        rows.append(row)
+    return {"schema_version": SCHEMA_VERSION, "interrupted": interrupted, "environment": env,
+            "settings": settings, "prompts": [p.id for p in prompts], "results": rows, "cost_model": cost_model}
+
+
+CSV_COLUMNS = ["config", "kind", "rule", "k", "quantize", "compiled", "prompts", "problems", "correct", "accuracy",
+               "accuracy_ci95_low", "accuracy_ci95_high", "num_output_tokens", "total_seconds", "tokens_per_second",
+               "ms_per_output_token", "speedup", "tokens_per_second_vs_hf", "mean_accepted_tokens_per_step",
+               "mean_acceptance_length", "draft_acceptance_rate", "per_token_acceptance",
+               "verifier_forward_passes_per_token", "mean_k",
+               "time_to_first_token", "realized_kl_mean", "realized_kl_p90", "realized_tv_mean",
+               "mean_verifier_loglik", "rule_params", "acceptance_histogram", "k_histogram", "per_position_acceptance_rate"]
+
+
+def csv_text(doc: dict[str, Any]) -> str:
+    """One row per configuration; lists and mappings as JSON text."""
+    def cell(v):
+        return json.dumps(v) if isinstance(v, (dict, list)) else ("" if v is None else v)
+
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(CSV_COLUMNS)
+    for row in doc["results"]:
+        w.writerow([cell(row.get(c)) for c in CSV_COLUMNS])
+    return buf.getvalue()
+
+
+def load_engines(settings: Settings, quantizes: list[str], compiles: list[str], prompts: list[Prompt],
+                 ks: list[int | str], reporter) -> tuple[dict[tuple[str, bool], SpeculativeEngine], list]:
+    """An engine per variant (quantize, compiled), one pair in memory per quantization, each
+    prepared (compiled, costs probed) for the longest prompt; and the prompts encoded. A compiled
+    engine that fell back to eager (the warning says why) is not a second variant."""
+    engines: dict[tuple[str, bool], SpeculativeEngine] = {}
+    for quantize in quantizes:
+        pair = None
+        for mode in compiles:
+            engine = runtime.load_engine(settings, reporter, mode, pair, quantize)
+            pair = engine.pair
+            engines.setdefault((pair.verifier.quantize, engine.compiled), engine)
+    encoded = runtime.encode_prompts(next(iter(engines.values())), prompts, settings.chat_template)
+    longest = max(len(ids) for _, ids in encoded)
+    for e in engines.values():
+        runtime.prepare(e, settings, reporter, longest, ks)
+    ready: dict[tuple[str, bool], SpeculativeEngine] = {}
+    for e in engines.values():
+        ready.setdefault((e.pair.verifier.quantize, e.compiled), e)
+    return ready, encoded

@@ -1,0 +1,111 @@
+"""Profiles: YAML files of settings (profiles/*.yaml built in, user ones in
+``$CACTUS_HOME/profiles`` or ``~/.config/cactus/profiles``), and precedence: built-in defaults <
+profile file < command-line flags, resolved once. A profile is a YAML mapping whose keys are the
+fields of ``Settings``; unknown keys and wrong types are errors naming the file, the line and the key.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from cactus_cli.app.settings import (
+    Settings,
+    build_settings,
+    check_layer,
+    parse_yaml,
+    uses_lookup,
+)
+from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.fileio import read_utf8_file
+from cactus_cli.core.paths import cactus_home
+
+
+def user_profile_dir() -> Path:
+    home = cactus_home()
+    return home / "profiles" if home else Path("~/.config/cactus/profiles").expanduser()
+
+
+def builtin_profile_dir() -> Path:
+    """profiles/ beside the package in a checkout; share/cactus/profiles in an installed wheel."""
+    here = Path(__file__).resolve().parents[2] / "profiles"
+    if here.is_dir():
+        return here
+    return Path(sys.prefix) / "share" / "cactus" / "profiles"
+
+
+def list_profiles() -> list[tuple[str, Path, str]]:
+    """(name, path, origin) for every profile; a user profile shadows a built-in of the same name."""
+    found: dict[str, tuple[str, Path, str]] = {}
+    for origin, folder in (("built-in", builtin_profile_dir()), ("user", user_profile_dir())):
+        if folder.is_dir():
+            for path in sorted(folder.glob("*.yaml")):
+                found[path.stem] = (path.stem, path, origin)
+    return sorted(found.values())
+
+
+def find_profile(name_or_path: str) -> Path:
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"profile {name_or_path} is a directory; give a profile name or a .yaml file")
+    if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
+        if not path.is_file():
+            raise ConfigError(f"profile file {name_or_path} does not exist")
+        return path
+    for name, p, _ in list_profiles():
+        if name == name_or_path:
+            return p
+    names = ", ".join(n for n, _, _ in list_profiles()) or "none"
+    raise ConfigError(
+        f"unknown profile {name_or_path!r} (available: {names}; user profiles live in {user_profile_dir()})"
+    )
+
+
+def load_profile(name_or_path: str) -> tuple[dict[str, Any], Path]:
+    """Read and check a profile file: a mapping of known keys with valid values, nothing else."""
+    import yaml
+
+    path = find_profile(name_or_path)
+    try:
+        text = read_utf8_file(path, "the profile")
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the profile ({err.strerror or err})") from None
+    data = parse_yaml(text, str(path))
+    node = yaml.compose(text)  # (valid and alias-free by now) for the line of each key
+    if data is None:
+        return {}, path
+    if not isinstance(data, dict) or node is None:
+        raise ConfigError(f"{path}: a profile must be a YAML mapping of settings")
+    lines = {k.value: k.start_mark.line + 1 for k, _ in node.value if hasattr(k, "value")}
+    check_layer(data, str(path), lines)
+    check_profile_keys(data, str(path), lines)
+    return data, path
+
+
+def check_profile_keys(data: dict[str, Any], origin: str, lines: dict[str, int]) -> None:
+    """Keys of one profile that would do nothing with the profile's other keys: an error."""
+    draft = data.get("draft")
+    if isinstance(draft, str) and not uses_lookup(draft):
+        for key in ("ngram_max", "ngram_min"):
+            if key in data:
+                raise ConfigError(f"{origin}:{lines.get(key, '?')}: {key} applies only to prompt lookup "
+                                  f"(draft: ngram or ngram+MODEL), not to draft {draft!r}; remove it")
+    if "max_draft_tokens" in data and isinstance(data.get("num_draft_tokens"), int):
+        raise ConfigError(f"{origin}:{lines.get('max_draft_tokens', '?')}: max_draft_tokens applies only with "
+                          f"num_draft_tokens: auto (this profile fixes k = {data['num_draft_tokens']}); remove one")
+
+
+def resolve_settings(profile: str | None, flags: dict[str, Any]) -> Settings:
+    """Built-in defaults < profile (``default`` when none is named and it exists) < flags.
+    ``flags`` maps Settings keys to values; ``...`` (Ellipsis) means not given."""
+    layers: list[tuple[dict[str, Any], str]] = []
+    name = profile
+    if name is None and any(n == "default" for n, _, _ in list_profiles()):
+        name = "default"
+    if name is not None:
+        data, path = load_profile(name)
+        layers.append((data, str(path)))
+    layers.append((flags, "command line"))
+    return build_settings(*layers)

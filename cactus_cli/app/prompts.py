@@ -1,0 +1,189 @@
+"""The built-in benchmark prompts, written for this project: code, maths word problems,
+instruction following, open-ended writing and input-grounded tasks (in the spirit of HumanEval / GSM8K / IFEval /
+MT-Bench categories, original text). Also the loader for --prompts FILE (JSONL)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.fileio import read_utf8_file
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    prompt: str
+    where: str = ""  # "FILE:LINE" for prompts read from a file, for error messages
+
+_BUILTIN = {
+    "code": [
+        "Write a Python function that returns the n-th Fibonacci number using iteration, with a docstring.",
+        "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.",
+        "Implement binary search in Python over a sorted list and return the index or -1.",
+        "Write a Python class for a stack with push, pop, peek and is_empty methods.",
+        "Write a function that merges two sorted lists into one sorted list without using sort().",
+        "Write a Python function that counts how often each word occurs in a text and returns the five most common.",
+        "Write a SQL query that lists the ten customers with the highest total order value, given tables customers and orders.",
+        "Write a Python function that parses a date in the form YYYY-MM-DD and returns the weekday name.",
+    ],
+    "math": [
+        "A baker makes 48 rolls in the morning and sells three quarters of them by noon. In the afternoon she bakes 30 more and sells 20. How many rolls are left? Explain step by step.",
+        "Tom is twice as old as his sister. In five years the sum of their ages will be 40. How old is Tom now? Show your reasoning.",
+        "A train leaves at 9:40 and travels 210 km at 84 km/h. At what time does it arrive? Work it out step by step.",
+        "A shirt costs 40 dollars. It is discounted by 25 percent, then a 10 percent tax is added. What is the final price? Explain.",
+        "A rectangle has a perimeter of 36 cm and its length is twice its width. What is its area? Solve step by step.",
+        "Three friends share a bill of 87 dollars. One pays 12 dollars more than each of the other two, who pay equally. How much does each pay?",
+        "A tank fills in 6 hours with pipe A and in 3 hours with pipe B. How long does it take with both pipes open? Show the steps.",
+        "If 5 workers build a wall in 12 days, how many days would 8 workers need at the same rate? Explain your answer.",
+    ],
+    "instructions": [
+        "List exactly three benefits of regular exercise as a numbered list, each under ten words.",
+        "Write a haiku about autumn rain. Do not use the word 'leaf'.",
+        "Explain what a hash table is in exactly two sentences.",
+        "Give five names for a coffee shop, in lowercase, separated by commas, with no other text.",
+        "Summarize the water cycle in one paragraph of at most 60 words.",
+        "Write a formal email declining a meeting invitation. Keep it under 80 words and end with 'Best regards'.",
+        "Translate into French: 'The library opens at nine and closes at six on weekdays.'",
+        "Reply with a JSON object with keys 'city' and 'country' for the capital of Japan, and nothing else.",
+    ],
+    "writing": [
+        "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "Describe a busy market in a city at dawn, using all five senses.",
+        "Write a persuasive paragraph arguing that cities should plant more trees.",
+        "Write a letter from a grandparent to a grandchild who is starting university.",
+        "Explain to a ten-year-old why the sky is blue.",
+        "Write a product description for a solar-powered backpack.",
+        "Write the opening paragraph of a mystery novel set on a night train.",
+        "Compare living in a small town and a big city in a balanced short essay.",
+    ],
+    # input-grounded: the answer reuses much of the input (edit code, answer from a passage),
+    # where prompt lookup drafts long runs for free
+    "grounded": [
+        "Add type hints to this function and return the whole function:\n\n"
+        "def average_price(items, currency):\n"
+        "    total = 0\n"
+        "    count = 0\n"
+        "    for item in items:\n"
+        "        if item.currency == currency:\n"
+        "            total += item.price\n"
+        "            count += 1\n"
+        "    if count == 0:\n"
+        "        return None\n"
+        "    return total / count\n",
+        "Fix the bug in this code and show the corrected code:\n\n"
+        "def find_max(numbers):\n"
+        "    best = 0\n"
+        "    for n in numbers:\n"
+        "        if n > best:\n"
+        "            best = n\n"
+        "    return best\n\n"
+        "print(find_max([-5, -2, -9]))\n",
+        "Rename the variable `data` to `records` everywhere in this code and return it:\n\n"
+        "def load(path):\n"
+        "    data = []\n"
+        "    with open(path) as f:\n"
+        "        for line in f:\n"
+        "            data.append(line.strip().split(','))\n"
+        "    print(len(data), 'rows')\n"
+        "    return data\n",
+        "Rewrite this code to use f-strings instead of format():\n\n"
+        "name = 'Ada'\n"
+        "age = 36\n"
+        "print('Name: {}'.format(name))\n"
+        "print('Age: {} years'.format(age))\n"
+        "print('{} will be {} next year'.format(name, age + 1))\n",
+        "Answer from the passage, quoting the sentence that supports your answer.\n\n"
+        "Passage: The Harbor Street library opened in 1952 in a former customs house. It was "
+        "enlarged in 1987, when a reading room for children was added on the east side. Since "
+        "2015 the library has lent tools as well as books, and its most borrowed item is a "
+        "cordless drill.\n\nQuestion: When was the children's reading room added, and where?",
+        "Answer from the passage, quoting it where you can.\n\n"
+        "Passage: The river ferry runs every 20 minutes from 6:00 to 22:00 on weekdays and every "
+        "30 minutes from 8:00 to 20:00 at weekends. Bicycles travel free; dogs need a half-price "
+        "ticket. The crossing takes seven minutes.\n\nQuestion: How often does the ferry run on "
+        "a Saturday, and what does a dog cost?",
+        "Continue this list with five more entries in exactly the same format:\n\n"
+        "- id: 101, name: alpha, status: active\n"
+        "- id: 102, name: beta, status: active\n"
+        "- id: 103, name: gamma, status: inactive\n"
+        "- id: 104, name: delta, status: active\n",
+        "Add a docstring to each method of this class and return the whole class:\n\n"
+        "class Counter:\n"
+        "    def __init__(self):\n"
+        "        self.counts = {}\n\n"
+        "    def add(self, key):\n"
+        "        self.counts[key] = self.counts.get(key, 0) + 1\n\n"
+        "    def most_common(self, n):\n"
+        "        return sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]\n",
+    ],
+}
+
+BUILTIN_PROMPTS: list[Prompt] = [
+    Prompt(f"{cat}-{i + 1}", cat, text) for cat, texts in _BUILTIN.items() for i, text in enumerate(texts)
+]
+
+def interleaved(prompts: list[Prompt]) -> list[Prompt]:
+    """Round-robin over categories, so --limit N still covers every category."""
+    by_cat: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    out, i = [], 0
+    while len(out) < len(prompts):
+        for items in by_cat.values():
+            if i < len(items):
+                out.append(items[i])
+        i += 1
+    return out
+
+def load_prompts(path: str | None, limit: int | None, categories: list[str] | None = None) -> list[Prompt]:
+    """The built-in set (interleaved by category) or a JSONL file; ``categories`` keeps only
+    those categories, then ``limit`` the first N."""
+    check_limit(limit)
+    if path is None:
+        prompts = interleaved(BUILTIN_PROMPTS)
+    else:
+        prompts = [Prompt(str(row.get("id", f"p{n}")), str(row.get("category", "default")), row["prompt"], where)
+                   for n, row, where in read_jsonl(path, "--prompts", "prompts")]
+    return select(prompts, categories, limit)
+
+def check_limit(limit: int | None) -> None:
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {limit}")
+
+def read_jsonl(path: str, flag: str, what: str) -> list[tuple[int, dict, str]]:
+    """The rows of a JSONL file of objects with a non-empty string 'prompt', as (line number,
+    row, "FILE:LINE"); anything else is an error naming the file and line."""
+
+    file = Path(path).expanduser()
+    if file.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a JSONL file")
+    if not file.is_file():
+        raise ConfigError(f"{flag} {path}: no such file")
+    rows = []
+    for n, line in enumerate(read_utf8_file(file, f"the {what} file").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{n}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise ConfigError(f"{path}:{n}: each line must be an object with a non-empty string 'prompt'")
+        rows.append((n, row, f"{path}:{n}"))
+    if not rows:
+        raise ConfigError(f"{flag} {path}: the file has no {what}")
+    return rows
+
+def select(items: list, categories: list[str] | None, limit: int | None) -> list:
+    """Keep ``categories`` (each must exist), then the first ``limit``."""
+    if categories:
+        known = sorted({p.category for p in items})
+        unknown = [c for c in categories if c not in known]
+        if unknown:
+            raise ConfigError(f"--category: nothing in category {unknown[0]!r} (there are: {', '.join(known)})")
+        items = [p for p in items if p.category in categories]
+    return items[:limit] if limit else items

@@ -1,0 +1,342 @@
+"""Settings: everything a run needs besides the prompt (defaults from core/defaults.py), the
+checks every value passes wherever it comes from (a profile, a flag, chat's /set, lm-eval's
+model_args), and the parsing helpers for what users type: --param KEY=VALUE, -k lists, comma
+lists, --draft values. Settings are frozen: change one with ``dataclasses.replace``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Callable
+
+from cactus_cli.core import defaults
+from cactus_cli.core.acceptance import RULES, resolve_params
+from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.fileio import clean_text
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+MAX_DELTA = 1e6  # nats; any budget this large already accepts every draft, and larger ones overflow float32
+MIN_TEMPERATURE = 1e-3  # below this, logits / T overflows to inf and probabilities to NaN: use 0 (greedy)
+MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; bench adds the prompt index
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+COMPILE = ("auto", "on", "off")
+QUANTIZE = ("auto", "none", "int8", "int4")
+RULE_PARAM_KEYS = ("divergence", "epsilon", "alpha", "topk")  # rule parameters other than delta
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a run needs besides the prompt. Field defaults are the built-in defaults."""
+
+    description: str = ""
+    verifier: str | None = None  # model source: hub id, local folder, .gguf file, or "embedded:NAME"
+    draft: str | None = None  # None: the verifier alone (autoregressive)
+    tokenizer: str | None = None  # tokenizer source for both models (default: the verifier's)
+    rule: str = defaults.RULE
+    delta: float = defaults.DELTA  # divergence budget, for cactus and cactus-exact
+    rule_params: dict[str, Any] = field(default_factory=dict)  # divergence, epsilon, alpha, topk
+    num_draft_tokens: int | str = defaults.NUM_DRAFT_TOKENS  # k, or "auto": the engine picks k in 0..max_draft_tokens per step
+    max_draft_tokens: int = defaults.MAX_DRAFT_TOKENS  # k_max for num_draft_tokens: auto
+    ngram_max: int = defaults.NGRAM_MAX  # prompt lookup (draft: ngram or ngram+MODEL): the longest n-gram matched ...
+    ngram_min: int = defaults.NGRAM_MIN  # ... and the shortest
+    temperature: float = defaults.TEMPERATURE
+    top_k: int = defaults.TOP_K
+    top_p: float = defaults.TOP_P
+    max_tokens: int = defaults.MAX_TOKENS
+    seed: int | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: str = "auto"  # static caches + compiled steps: on for CUDA; on a CPU only where measured faster
+    quantize: str = "none"  # weight-only int8 / int4 Linear layers; auto: int8 on a CPU, none on a GPU
+    tp: int = 1  # tensor-parallel ranks for the verifier (distributed.py)
+    chat_template: bool | None = None  # None: use the tokenizer's chat template when it has one
+    system: str | None = None
+    stop: list[str] = field(default_factory=list)
+    calibration: dict[str, Any] | None = None  # written by `cactus calibrate`
+
+    def rule_kwargs(self) -> dict[str, Any]:
+        """The validated parameters of ``self.rule`` (delta only for the rules that take it)."""
+        spec = RULES.get(self.rule)
+        if spec is None:
+            raise ConfigError(f"unknown rule {self.rule!r}; choose one of: {', '.join(RULES)}")
+        names = spec.param_names()
+        kwargs = {k: v for k, v in self.rule_params.items() if k in names}
+        if "delta" in names:
+            kwargs["delta"] = self.delta
+        try:
+            return resolve_params(self.rule, kwargs)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "description": (str,),
+    "verifier": (str, type(None)),
+    "draft": (str, type(None)),
+    "tokenizer": (str, type(None)),
+    "rule": (str,),
+    "delta": (int, float),
+    "rule_params": (dict,),
+    "num_draft_tokens": (int, str),
+    "max_draft_tokens": (int,),
+    "ngram_max": (int,),
+    "ngram_min": (int,),
+    "temperature": (int, float),
+    "top_k": (int,),
+    "top_p": (int, float),
+    "max_tokens": (int,),
+    "seed": (int, type(None)),
+    "device": (str,),
+    "dtype": (str,),
+    "compile": (str,),
+    "quantize": (str,),
+    "tp": (int,),
+    "chat_template": (bool, type(None)),
+    "system": (str, type(None)),
+    "stop": (list,),
+    "calibration": (dict, type(None)),
+}
+assert set(_TYPES) == {f.name for f in fields(Settings)}
+
+
+def _type_name(types: tuple[type, ...]) -> str:
+    names = {str: "a string", int: "an integer", float: "a number", bool: "true/false", dict: "a mapping",
+             list: "a list", type(None): "null"}
+    return " or ".join(dict.fromkeys(names[t] for t in types if not (t is int and float in types)))
+
+
+def check_value(key: str, value: Any) -> str | None:
+    """Why ``value`` is not valid for ``key``, or None. Types first, then ranges."""
+    types = _TYPES[key]
+    if isinstance(value, bool) and bool not in types:
+        return f"must be {_type_name(types)}, got {value!r}"
+    if not isinstance(value, types):
+        return f"must be {_type_name(types)}, got {value!r}"
+    if value is None:
+        return None
+    if key == "delta" and not (math.isfinite(value) and 0 <= value <= MAX_DELTA):
+        return f"must be a number in 0..{MAX_DELTA:g}, got {value!r}"
+    if key == "num_draft_tokens" and (value != "auto" if isinstance(value, str) else not 1 <= value <= 64):
+        return f"must be an integer in 1..64 or auto, got {value!r}"
+    if key == "max_draft_tokens" and not 1 <= value <= 64:
+        return f"must be an integer in 1..64, got {value!r}"
+    if key in ("ngram_max", "ngram_min") and not 1 <= value <= 16:
+        return f"must be an integer in 1..16, got {value!r}"
+    if key == "draft" and value.startswith("ngram+") and not value[len("ngram+"):].strip():
+        return "ngram+MODEL needs a model after the +, e.g. ngram+embedded:qwen2.5-coder-0.5b"
+    if key == "temperature" and not (math.isfinite(value) and (value == 0 or MIN_TEMPERATURE <= value <= 1e4)):
+        return f"must be 0 (greedy) or a number in {MIN_TEMPERATURE:g}..1e4, got {value!r}"
+    if key == "seed" and not 0 <= value <= MAX_SEED:
+        return f"must be an integer in 0..2^63-1, got {value!r}"
+    if key == "top_k" and value < 0:
+        return f"must be an integer >= 0 (0 = off), got {value!r}"
+    if key == "top_p" and not 0 < value <= 1:
+        return f"must be a number in (0, 1], got {value!r}"
+    if key == "max_tokens" and value < 1:
+        return f"must be an integer >= 1, got {value!r}"
+    if key == "device" and value not in DEVICES and not (value.startswith("cuda:") and value[5:].isdigit()):
+        return f"must be one of {', '.join(DEVICES)} or cuda:N (N a GPU index), got {value!r}"
+    if key == "dtype" and value not in DTYPES:
+        return f"must be one of {', '.join(DTYPES)}, got {value!r}"
+    if key == "compile" and value not in COMPILE:
+        return f"must be one of {', '.join(COMPILE)}, got {value!r}"
+    if key == "tp" and not 1 <= value <= 64:
+        return f"must be an integer in 1..64, got {value!r}"
+    if key == "quantize" and value not in QUANTIZE:
+        return f"must be one of {', '.join(QUANTIZE)}, got {value!r}"
+    if key == "rule":
+        if value not in RULES:
+            return f"must be one of {', '.join(RULES)}, got {value!r}"
+    if key == "rule_params":
+        unknown = sorted(set(value) - set(RULE_PARAM_KEYS))
+        if unknown:
+            return f"has unknown parameter {unknown[0]!r} (known: {', '.join(RULE_PARAM_KEYS)})"
+    if key == "stop" and not all(isinstance(s, str) and s for s in value):
+        return "must be a list of non-empty strings"
+    return None
+
+
+def check_each(key: str, values: list[Any], flag: str) -> None:
+    """Every value of a comma list (bench and calibrate sweep several) valid for ``key``."""
+    for value in values:
+        if problem := check_value(key, value):
+            raise ConfigError(f"{flag}: each value {problem}")
+
+
+FLAG_NAMES = {"rule_params": "--param", "num_draft_tokens": "-k/--num-draft-tokens"}
+
+
+def check_layer(layer: dict[str, Any], origin: str, lines: dict[str, int] | None = None) -> None:
+    """Every key known, every value valid; errors name the origin (and the line, for a file)
+    and the key (or flag)."""
+    for key, value in layer.items():
+        if value is ...:
+            continue
+        where = f"{origin}:{lines.get(key, '?')}" if lines is not None else origin
+        name = FLAG_NAMES.get(key, "--" + key.replace("_", "-")) if origin == "command line" else key
+        if key not in _TYPES:
+            raise ConfigError(f"{where}: unknown key {key!r} (known keys: {', '.join(_TYPES)})")
+        problem = check_value(key, value)
+        if problem:
+            raise ConfigError(f"{where}: {name} {problem}")
+
+
+def build_settings(*layers: tuple[dict[str, Any], str]) -> Settings:
+    """Defaults, then each (layer, origin) in order, later winning. Values ``...`` are skipped."""
+    merged: dict[str, Any] = {}
+    for layer, origin in layers:
+        check_layer(layer, origin)
+        for key, value in layer.items():
+            if value is ...:
+                continue
+            if key == "rule_params":
+                merged[key] = {**merged.get(key, {}), **value}
+            else:
+                merged[key] = value
+    if isinstance(merged.get("delta"), int):
+        merged["delta"] = float(merged["delta"])
+    settings = Settings(**merged)
+    if settings.ngram_min > settings.ngram_max:
+        raise ConfigError(f"ngram_min ({settings.ngram_min}) must not exceed ngram_max ({settings.ngram_max})")
+    settings.rule_kwargs()  # validates the rule's parameters now, not mid-generation
+    return settings
+
+
+# --------------------------------------------------------------------------- parsing what users type
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load`` for what users write (profiles, --param, /set), with every failure one
+    ConfigError line naming ``where``. Aliases are refused before anything is built: a few
+    hundred bytes of nested aliases expand to 10^8 entries when the result is walked."""
+    import yaml
+
+    try:
+        for event in yaml.parse(text):  # events only: nothing is expanded yet
+            if isinstance(event, yaml.AliasEvent):
+                raise ConfigError(f"{where}:{event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not "
+                                  "allowed here; write the value out")
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())
+        raise ConfigError(f"{where}{line}: not valid YAML ({problem})") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: YAML nested too deeply") from None
+
+
+def uses_lookup(draft: str | None) -> bool:
+    """Whether a draft value drafts by prompt lookup (``ngram`` or ``ngram+MODEL``)."""
+    return draft is not None and (draft == "ngram" or draft.startswith("ngram+"))
+
+
+
+
+def parse_draft(spec: str | None) -> tuple[bool, str | None]:
+    """A draft value: ``MODEL``, ``ngram`` (prompt lookup alone) or ``ngram+MODEL`` (lookup,
+    the model when nothing matches). Returns (use lookup, model source or None)."""
+    if spec is None:
+        return False, None
+    if spec == "ngram":
+        return True, None
+    if spec.startswith("ngram+"):
+        model = spec[len("ngram+"):].strip()
+        if not model:
+            raise ConfigError("--draft ngram+MODEL: name the draft model after the +, e.g. ngram+embedded:qwen2.5-coder-0.5b")
+        return True, model
+    return False, spec
+
+
+def parse_params(items: list[str] | None) -> dict[str, Any]:
+    """--param KEY=VALUE pairs; values parsed as YAML scalars (numbers, strings)."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--param {item!r}: expected KEY=VALUE, e.g. --param divergence=chi2")
+        out[key.strip()] = parse_yaml(value, f"--param {key.strip()}")
+    return out
+
+
+def parse_k(text: str | int, flag: str) -> int | str:
+    """``auto`` or an integer (range checked with the other settings)."""
+    if isinstance(text, int) or str(text).strip().lower() == "auto":
+        return text if isinstance(text, int) else "auto"
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise ConfigError(f"{flag}: expected an integer in 1..64 or auto, got {text!r}") from None
+
+
+def parse_list(text: str, cast: Callable[[str], Any], flag: str) -> list[Any]:
+    """A comma list (bench and calibrate sweep several values)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ConfigError(f"{flag}: give a comma-separated list, e.g. {flag} 1,2")
+    try:
+        return [cast(t) for t in items]
+    except ValueError:
+        raise ConfigError(f"{flag}: cannot read {text!r} as a comma-separated list of {cast.__name__}s") from None
+
+
+def parse_ks(text: str) -> list[int | str]:
+    """A -k list: integers and ``auto``."""
+    return [parse_k(t, "-k") for t in parse_list(text, str, "-k")]
+
+
+def flags_to_settings(**flags: Any) -> dict[str, Any]:
+    """Typed-in values (flags, lm-eval model_args) to Settings keys; None (not given) becomes
+    ``...`` so the layers below show through."""
+    out: dict[str, Any] = {k: (... if v is None else v) for k, v in flags.items()}
+    if out.get("draft", ...) is not ... and str(out["draft"]).lower() == "none":
+        out["draft"] = None
+    if "rule_params" in out and out["rule_params"] is not ...:
+        out["rule_params"] = parse_params(out["rule_params"]) or ...
+    if out.get("stop") == []:
+        out["stop"] = ...
+    if isinstance(out.get("system"), str):
+        out["system"] = clean_text(out["system"], "--system")
+    if isinstance(out.get("stop"), list):
+        out["stop"] = [clean_text(s, "--stop") for s in out["stop"]]
+    if out.get("num_draft_tokens", ...) is not ...:
+        out["num_draft_tokens"] = parse_k(out["num_draft_tokens"], "-k/--num-draft-tokens")
+    return out
+
+
+def check_flags_apply(settings: Settings, flags: dict[str, Any]) -> None:
+    """A flag that would do nothing is an error, not a silent no-op."""
+    takes = RULES[settings.rule].param_names()
+    if flags.get("delta", ...) is not ... and "delta" not in takes:
+        raise ConfigError(f"--delta has no effect with rule {settings.rule!r}; use --rule cactus or cactus-exact")
+    for key in (flags.get("rule_params") if flags.get("rule_params", ...) is not ... else {}):
+        if key not in takes:
+            raise ConfigError(
+                f"--param {key}: rule {settings.rule!r} has no parameter {key!r} "
+                f"(it takes: {', '.join(takes) or 'no parameters'})"
+            )
+    if settings.draft is None:
+        for key, flag in (("num_draft_tokens", "-k/--num-draft-tokens"), ("max_draft_tokens", "--max-draft-tokens")):
+            if flags.get(key, ...) is not ...:
+                raise ConfigError(f"{flag} has no effect without a draft model; pass --draft")
+    for key in ("ngram_max", "ngram_min"):
+        if flags.get(key, ...) is not ... and not uses_lookup(settings.draft):
+            raise ConfigError(f"--{key.replace('_', '-')} applies only to prompt lookup (--draft ngram or ngram+MODEL)")
+    if flags.get("max_draft_tokens", ...) is not ... and settings.num_draft_tokens != "auto":
+        raise ConfigError("--max-draft-tokens only applies with -k auto")
+
+
+def draft_limit(settings: Settings) -> int:
+    """k for a fixed k, k_max for -k auto."""
+    return settings.max_draft_tokens if settings.num_draft_tokens == "auto" else int(settings.num_draft_tokens)
+
+
+def with_seed(settings: Settings) -> Settings:
+    """A run without a seed still gets one, reported in --json, so any run can be replayed."""
+    import secrets
+
+    return settings if settings.seed is not None else replace(settings, seed=secrets.randbelow(2**31))

@@ -1,0 +1,211 @@
+"""Exact-answer tasks for `cactus eval`: the built-in set, JSONL task files, GSM8K-style answer
+extraction and comparison, and Wilson intervals for accuracy.
+
+The built-in problems are written for this project. Word problems come from templates whose
+answers are computed from the same numbers (so every answer is right by construction); the
+code-output questions are checked by running the code (tests/test_eval.py)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import regex
+
+from cactus_cli.app.prompts import Prompt, check_limit, interleaved, read_jsonl, select
+from cactus_cli.core.errors import ConfigError
+
+INSTRUCTION = "Solve the problem step by step. End with the final answer on its own line as '#### <answer>'.\n\n"
+
+
+@dataclass(frozen=True)
+class Task(Prompt):
+    answer: str = ""
+    pattern: str | None = None  # a regular expression whose first group is the answer
+
+
+# (template, parameter sets, answer) -- the answer is computed from the parameters
+_WORD = [
+    ("Tom has {a} apples. He buys {b} bags with {c} apples in each bag. How many apples does he have now?",
+     [(7, 3, 4), (12, 5, 6)], lambda a, b, c: a + b * c),
+    ("A baker makes {a} loaves a day for {b} days and sells {c} loaves in total. How many loaves are left?",
+     [(24, 5, 97), (36, 7, 180)], lambda a, b, c: a * b - c),
+    ("A train travels at {a} km per hour for {b} hours, then at {c} km per hour for 2 hours. How many kilometres does it travel?",
+     [(60, 3, 45), (80, 2, 70)], lambda a, b, c: a * b + 2 * c),
+    ("Maria saves ${a} each week. After {b} weeks she spends ${c} on a bike. How many dollars does she have left?",
+     [(15, 12, 95), (25, 8, 130)], lambda a, b, c: a * b - c),
+    ("A class has {a} students. Each student needs {b} pencils, and pencils come in boxes of {c}. How many boxes are needed?",
+     [(28, 3, 12), (30, 4, 8)], lambda a, b, c: -(-(a * b) // c)),
+    ("A garden is {a} metres long and {b} metres wide. A fence costs ${c} per metre. How many dollars does a fence around the garden cost?",
+     [(12, 8, 5), (20, 15, 3)], lambda a, b, c: 2 * (a + b) * c),
+    ("Sam reads {a} pages on Monday, twice as many on Tuesday, and {b} pages on Wednesday. How many pages does he read in total?",
+     [(14, 9), (23, 30)], lambda a, b: a + 2 * a + b),
+    ("A shop sells pens for ${a} each and notebooks for ${b} each. Ana buys {c} pens and 3 notebooks. How many dollars does she pay?",
+     [(2, 5, 4), (3, 7, 6)], lambda a, b, c: a * c + 3 * b),
+    ("There are {a} birds on a tree. {b} fly away and then {c} more arrive. How many birds are on the tree?",
+     [(35, 12, 8), (50, 27, 19)], lambda a, b, c: a - b + c),
+    ("A tank holds {a} litres. It is filled at {b} litres per minute starting empty. How many minutes until it is full?",
+     [(360, 12), (450, 15)], lambda a, b: a // b),
+    ("Lena has {a} stickers and gives a quarter of them to her brother. Then she buys {b} more. How many stickers does she have?",
+     [(48, 10), (100, 35)], lambda a, b: a - a // 4 + b),
+    ("A movie starts at 2:00 pm and lasts {a} minutes. After it, there is a {b}-minute break. How many minutes after 2:00 pm does the break end?",
+     [(135, 20), (98, 15)], lambda a, b: a + b),
+    ("A farmer has {a} cows and {b} chickens. How many legs do the animals have in total?",
+     [(12, 30), (7, 45)], lambda a, b: 4 * a + 2 * b),
+    ("A box of {a} chocolates is shared equally among {b} children, and each child eats {c} of theirs. How many chocolates are left altogether?",
+     [(48, 6, 3), (60, 5, 7)], lambda a, b, c: a - b * c),
+    ("Jack is {a} years old. His sister is {b} years older, and their father is three times as old as the sister. How old is the father?",
+     [(9, 4), (11, 3)], lambda a, b: 3 * (a + b)),
+    ("A car uses {a} litres of fuel per 100 km. How many litres does it use for a {b} km trip?",
+     [(6, 450), (8, 275)], lambda a, b: a * b / 100),
+    ("A school orders {a} boxes of {b} markers. {c} markers are broken. How many markers work?",
+     [(15, 12, 17), (9, 24, 30)], lambda a, b, c: a * b - c),
+    ("Priya runs {a} km every weekday and {b} km on each weekend day. How many kilometres does she run in {c} weeks?",
+     [(5, 8, 3), (4, 10, 2)], lambda a, b, c: c * (5 * a + 2 * b)),
+    ("A phone costs ${a}. It is on sale for {b} percent off. How many dollars does it cost on sale?",
+     [(400, 25), (250, 20)], lambda a, b: a * (100 - b) / 100),
+    ("A library has {a} books. It lends out {b} and receives {c} donations, then sorts the books onto shelves of 25. How many full shelves are there?",
+     [(500, 130, 80), (730, 215, 60)], lambda a, b, c: (a - b + c) // 25),
+]
+
+_CODE = [
+    "print(sum(range(1, 11)))",
+    "x = [3, 1, 4, 1, 5, 9, 2, 6]\nprint(sorted(x)[3])",
+    "s = 'speculative'\nprint(len(s) - s.count('e'))",
+    "def f(n):\n    return 1 if n <= 1 else n * f(n - 1)\nprint(f(5))",
+    "d = {'a': 2, 'b': 3}\nd['a'] += d['b'] * 4\nprint(d['a'])",
+    "print(len([i for i in range(20) if i % 3 == 0]))",
+    "a, b = 0, 1\nfor _ in range(10):\n    a, b = b, a + b\nprint(a)",
+    "print(int('101', 2) + 7)",
+]
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _code_answer(code: str) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(code, {})  # noqa: S102 - our own fixed snippets
+    return out.getvalue().strip()
+
+
+def builtin_tasks() -> list[Task]:
+    tasks = []
+    for i, (template, params, answer) in enumerate(_WORD):
+        for j, values in enumerate(params):
+            names = "abc"[: len(values)]
+            text = template.format(**dict(zip(names, values)))
+            tasks.append(Task(f"arith-{i + 1}{'ab'[j]}", "arithmetic", INSTRUCTION + text, answer=_number(answer(*values))))
+    for i, code in enumerate(_CODE):
+        question = f"What does this Python code print?\n\n```python\n{code}\n```"
+        tasks.append(Task(f"code-{i + 1}", "code-output", INSTRUCTION + question, answer=_code_answer(code)))
+    return tasks
+
+
+def load_tasks(path: str | None, limit: int | None, categories: list[str] | None = None) -> list[Task]:
+    """The built-in set (interleaved by category) or a JSONL file of {prompt, answer, id?,
+    category?, pattern?}; ``categories`` keeps only those, then ``limit`` the first N."""
+    check_limit(limit)
+    if path is None:
+        return select(interleaved(builtin_tasks()), categories, limit)
+    tasks = []
+    for n, row, where in read_jsonl(path, "--tasks", "tasks"):
+        if not isinstance(row.get("answer"), (str, int, float)) or isinstance(row.get("answer"), bool):
+            raise ConfigError(f"{where}: each task needs an 'answer' (a string or a number)")
+        if problem := _answer_problem(row["answer"]):
+            raise ConfigError(f"{where}: 'answer' {problem}")
+        pattern = row.get("pattern")
+        if pattern is not None:
+            try:
+                if not isinstance(pattern, str) or regex.compile(pattern).groups < 1:
+                    raise ConfigError(f"{where}: 'pattern' must be a regular expression with a group for the answer")
+            except (re.error, regex.error) as err:
+                raise ConfigError(f"{where}: 'pattern' is not a valid regular expression ({err})") from None
+        answer = row["answer"] if isinstance(row["answer"], str) else _number(row["answer"])
+        tasks.append(Task(str(row.get("id", f"t{n}")), str(row.get("category", "default")), row["prompt"], where,
+                          answer=answer, pattern=pattern))
+    return select(tasks, categories, limit)
+
+
+# --------------------------------------------------------------------------- answers
+
+PATTERN_SECONDS = 2.0  # per completion: a task pattern that takes longer is given up on
+PATTERN_TIMED_OUT = "<pattern timed out>"  # the answer recorded then (graded wrong)
+_NUMBER = re.compile(r"-?\$?\s?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+")
+_FINAL = re.compile(r"####[ \t]*([^\n]*?)[ \t]*(?=####|\n|$)")
+
+
+def extract_answer(text: str, pattern: str | None = None) -> str | None:
+    """The answer a completion gives: the first group of ``pattern``'s last match; else what
+    follows the last '#### '; else the last number in the text (GSM8K's conventions)."""
+    if pattern:
+        try:
+            # the regex module takes a timeout: a pattern that backtracks catastrophically
+            # (^((.|\s)*)*QQQ) gives up instead of hanging, and Ctrl-C is seen when it does
+            groups = [m.group(1) for m in regex.finditer(pattern, text, timeout=PATTERN_SECONDS)]
+        except TimeoutError:
+            return PATTERN_TIMED_OUT
+        found = [g for g in groups if g is not None]  # a group that took no part in a match is no answer
+        return found[-1].strip() if found else None
+    final = _FINAL.findall(text)
+    if final:
+        return final[-1].strip()
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].strip() if numbers else None
+
+
+def _answer_problem(answer: str | int | float) -> str | None:
+    """Why a task's expected answer could never be matched, or None."""
+    if isinstance(answer, str):
+        if not answer.strip():
+            return "is empty; give the expected answer"
+        value = normalize(answer)
+        return f"{answer!r} is not a finite number" if value in ("nan", "inf", "-inf") else None
+    return None if math.isfinite(answer) else f"{answer!r} is not a finite number"
+
+
+def normalize(answer: str) -> str:
+    """Comparable form: numbers lose '$', thousands commas, a trailing period and trailing
+    zeros (1,000.50 -> 1000.5); anything else is lower-cased with collapsed spaces and no
+    trailing period."""
+    s = answer.strip().strip("*`").strip()
+    num = s.replace("$", "").replace(",", "").replace(" ", "").rstrip(".")
+    if num.endswith("%"):
+        num = num[:-1]
+    try:
+        value = float(num)
+    except ValueError:
+        return " ".join(s.lower().rstrip(".").split())
+    if math.isfinite(value) and value == int(value):
+        return str(int(value))
+    return f"{value:g}"
+
+
+def is_correct(task: Task, text: str) -> tuple[bool, str | None]:
+    """Whether ``text`` answers ``task``, and the answer it gave (None: none found). A number
+    after '####' is read up to its end ('#### 42 apples' is 42)."""
+    got = extract_answer(text, task.pattern)
+    if got is None:
+        return False, None
+    if not task.pattern and _FINAL.search(text):
+        first = _NUMBER.search(got)
+        if first and normalize(task.answer).lstrip("-").replace(".", "", 1).isdigit():
+            got = first.group(0)
+    return normalize(got) == normalize(task.answer), got
+
+
+def wilson(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval for a proportion (sound at 0/n and n/n, unlike p +- z*se)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = correct / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, center - half), min(1.0, center + half)

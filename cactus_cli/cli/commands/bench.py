@@ -1,0 +1,53 @@
+"""`cactus bench`: acceptance rules x delta x k side by side, against the verifier alone
+(and optionally Hugging Face assisted generation), for humans (a table) and scripts (JSON/CSV)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cactus_cli.cli import options as o
+from cactus_cli.cli.grid import (
+    DEFAULT_RULES,
+    Compiles,
+    Csv,
+    Deltas,
+    GridFlags,
+    GridOutput,
+    Ks,
+    Meter,
+    Quantizes,
+    Rules,
+    run_grid_command,
+)
+
+
+@o.shared_options(*o.MODEL_AND_SAMPLING)
+def bench(
+    rules: Rules = DEFAULT_RULES,
+    deltas: Deltas = None,
+    ks: Ks = None,
+    compiles: Compiles = None,
+    quantizes: Quantizes = None,
+    prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL file with 'prompt' and optional 'id', 'category' (default: the built-in set).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="Use only the first N prompts (the built-in set is interleaved by category).")] = None,
+    category: Annotated[Optional[str], typer.Option("--category", help="Comma list of prompt categories to keep (built-in: code, math, instructions, writing, grounded).")] = None,
+    meter: Meter = False,
+    compare_hf: Annotated[bool, typer.Option("--compare-hf", help="Also time transformers' assisted generation (constant k) on the same pair and prompts.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (schema_version 1) instead of the table.")] = False,
+    csv_path: Csv = None,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Write bench.json, bench.csv and environment.json into this folder.")] = None,
+    *,
+    shared: o.Shared,
+) -> None:
+    """Benchmark acceptance rules, delta and k on one model pair, with the verifier-alone
+    baseline always included (same prompts, sampling and seeds). Ctrl-C stops early and
+    still prints and saves what finished."""
+    run_grid_command("bench", shared, GridFlags(rules, deltas, ks, compiles, quantizes, prompts_file, limit, category,
+                                                meter, compare_hf), GridOutput(as_json, csv_path, out_dir))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench")(bench)

@@ -1,0 +1,132 @@
+"""`cactus calibrate`: measure, then choose delta and k for a model pair; optionally save them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cactus_cli.cli import options as o
+from cactus_cli.cli.edge import user_errors
+
+
+@o.shared_options(*o.MODEL_AND_SAMPLING, "rule", "compile", "quantize")
+def calibrate(
+    deltas: Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values to sweep (0 is always added). Default: 0,0.1,0.25,0.5,0.75,1,1.5,2.", rich_help_panel=o.DECODING)] = None,
+    ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of candidate k (default 1..12), timed against the verifier alone and -k auto; the delta sweep runs at the profile's k (for auto: the candidate nearest 4).", rich_help_panel=o.DECODING)] = None,
+    max_divergence: Annotated[Optional[float], typer.Option("--max-divergence", help="Largest mean realized KL(h_alg || q) per token, in nats (default 0.05).")] = None,
+    max_quality_drop: Annotated[Optional[float], typer.Option("--max-quality-drop", help="Largest drop in mean verifier log-likelihood per token vs SpS, in nats.")] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL prompts (default: the built-in set).")] = None,
+    limit: Annotated[int, typer.Option("--limit", help="Number of prompts.")] = 8,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw delta vs accepted length vs realized divergence to this PNG.")] = None,
+    save: Annotated[Optional[str], typer.Option("--save", help="Write the chosen delta and k (and a calibration block) to a user profile NAME or a PATH.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the whole sweep as one JSON document.")] = False,
+    *,
+    shared: o.Shared,
+) -> None:
+    """Choose delta and k for a model pair from measurements: sweep delta with the divergence
+    meter on, keep the largest delta within the divergence (or quality) budget, then time the k
+    values the cost model ranks best and keep the fastest."""
+    with user_errors():
+        from cactus_cli.app import calibrate as cal_mod
+        from cactus_cli.app import grid as b
+        from cactus_cli.app import runtime
+        from cactus_cli.app.prompts import load_prompts
+        from cactus_cli.app.settings import parse_list
+        from cactus_cli.cli import ui
+
+        settings, budget = _settings(shared, max_divergence, max_quality_drop)
+        delta_list = parse_list(deltas, float, "--delta") if deltas else list(cal_mod.DEFAULT_DELTAS)
+        k_list = parse_list(ks, int, "-k") if ks else list(cal_mod.DEFAULT_KS)
+        cal_mod.validate(settings, delta_list, k_list)
+        target, plot = _check_outputs(save, plot)
+        prompts = load_prompts(str(prompts_file) if prompts_file else None, limit)
+
+        err = ui.make_console(no_color=shared.no_color, stderr=True)
+        with ui.LoadProgress(err) as progress:
+            engine = runtime.load_engine(settings, progress)
+            encoded = runtime.encode_prompts(engine, prompts, settings.chat_template)
+            runtime.prepare(engine, settings, progress, max(len(ids) for _, ids in encoded), [*k_list, "auto"])
+        base = runtime.generation_params(settings)
+        runs = (len(set(delta_list) | {0.0}) + 2 + min(cal_mod.KEEP_K + 1, len(set(k_list)))) * len(prompts)
+        with ui.bench_progress(err, runs) as advance:
+            b.warm_up(engine, encoded[0][1], base, max(k_list))
+            cal = cal_mod.run(engine, settings, encoded, base, delta_list, k_list, budget, max_quality_drop,
+                              lambda label: advance(1, label))
+        doc = cal_mod.document(cal, settings, prompts, budget, max_quality_drop, b.environment(engine, settings.to_dict()))
+        _report(doc, cal, settings, shared, target, plot, as_json, err)
+
+
+def _settings(shared: o.Shared, max_divergence: float | None, max_quality_drop: float | None):
+    """The run's settings (seed 0 and 64 tokens per prompt unless given) and the divergence budget."""
+    from cactus_cli.app import calibrate as cal_mod
+    from cactus_cli.app.profiles import resolve_settings
+    from cactus_cli.core.errors import ConfigError
+
+    settings = resolve_settings(shared.profile, shared.flags)
+    if settings.draft is None:
+        raise ConfigError("calibrate needs a --draft model")
+    if settings.temperature == 0:
+        raise ConfigError("calibrate needs sampling: at temperature 0 every rule is greedy and delta has no effect")
+    budget = cal_mod.DEFAULT_MAX_DIVERGENCE if max_divergence is None else max_divergence
+    if budget < 0 or (max_quality_drop is not None and max_quality_drop < 0):
+        raise ConfigError("--max-divergence and --max-quality-drop must be >= 0")
+    if settings.seed is None:
+        settings = replace(settings, seed=0)
+    if shared.flags.get("max_tokens", ...) is ...:
+        settings = replace(settings, max_tokens=64)  # enough tokens per prompt to measure, short enough to sweep
+    return settings, budget
+
+
+def _check_outputs(save: str | None, plot: Path | None) -> tuple[Path | None, Path | None]:
+    """--save and --plot checked before the run: a long calibration must not die at the end."""
+    from cactus_cli.app import calibrate as cal_mod
+    from cactus_cli.core.errors import ConfigError
+    from cactus_cli.core.fileio import check_output_file
+
+    target = cal_mod.save_target(save) if save else None
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise ConfigError(f"--plot {plot}: give a .png path")
+    if plot is not None:
+        plot = check_output_file(plot, "--plot")
+    if target is not None:
+        cal_mod.check_save_target(target)
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError('--plot needs matplotlib: pip install -e ".[plot]"') from None
+    return target, plot
+
+
+def _report(doc: dict, cal, settings, shared: o.Shared, target: Path | None, plot: Path | None, as_json: bool,
+            err) -> None:
+    """Print first, then write: a failed write must not lose a finished calibration."""
+    from cactus_cli.app import calibrate as cal_mod
+    from cactus_cli.cli import tables, ui
+    from cactus_cli.core.errors import ConfigError
+
+    if target is not None:
+        doc["saved_profile"] = str(target)
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2))
+    else:
+        tables.print_calibration(ui.make_console(no_color=shared.no_color), doc)
+    if plot is not None:
+        try:
+            tables.plot_calibration_png(doc, plot)
+        except OSError as e:
+            raise ConfigError(f"--plot: could not write {plot} ({e.strerror or e})") from None
+        if not as_json:
+            err.print(f"wrote {plot}", style="dim")
+    if target is not None:
+        cal_mod.save_profile(target, shared.profile, settings, doc)
+        if not as_json:
+            err.print(f"saved delta={cal.chosen_delta:g} k={cal.chosen_k} to {target}", style="dim")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("calibrate")(calibrate)

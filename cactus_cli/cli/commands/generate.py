@@ -1,0 +1,108 @@
+"""`cactus generate PROMPT`: one-shot generation with the live view, plain text or JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+from cactus_cli.cli import options as o
+from cactus_cli.cli.edge import user_errors
+
+
+@o.shared_options(*o.GENERATION)
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The prompt, or - to read it from stdin.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: text, settings, stats.")] = False,
+    plain: Annotated[bool, typer.Option("--plain", help="Stream plain text even on a terminal.")] = False,
+    *,
+    shared: o.Shared,
+) -> None:
+    """Generate a completion for PROMPT with speculative decoding.
+
+    On a terminal the text grows live: accepted draft tokens, verifier corrections and bonus
+    tokens in different styles, rejected drafts struck through, and running stats. Piped or
+    with --plain: just the text. With --json: one JSON object.
+    """
+    with user_errors():
+        from cactus_cli.app import runtime
+        from cactus_cli.app.profiles import resolve_settings
+        from cactus_cli.app.settings import check_flags_apply, with_seed
+        from cactus_cli.cli import ui
+
+        settings = resolve_settings(shared.profile, shared.flags)
+        check_flags_apply(settings, shared.flags)
+        prompt = _read_prompt(prompt)
+        settings = with_seed(settings)
+        err_console = ui.make_console(no_color=shared.no_color, stderr=True)
+        messages = ([{"role": "system", "content": settings.system}] if settings.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        with ui.LoadProgress(err_console) as progress:
+            engine = runtime.load_engine(settings, progress)
+            ids = runtime.encode(engine.pair.tokenizer, messages, settings.chat_template)
+            runtime.prepare(engine, settings, progress, len(ids))
+        params = runtime.generation_params(settings)
+
+        out_console = ui.make_console(no_color=shared.no_color)
+        if as_json:
+            view = ui.QuietView()
+        elif out_console.is_terminal and not plain:
+            view = ui.LiveView(out_console)
+        else:
+            view = ui.PlainView()
+        text = []
+        interrupted = False
+        try:
+            with view:
+                for event in engine.generate(ids, params):
+                    text.append(event.text)
+                    view.update(event)
+        except KeyboardInterrupt:
+            if not as_json:
+                raise  # the live view and plain text already show what was generated
+            interrupted = True
+        if as_json:
+            typer.echo(json.dumps(_json_doc("".join(text), interrupted, settings, view.stats, engine, params), indent=2))
+            if interrupted:
+                raise typer.Exit(130)
+
+
+def _read_prompt(prompt: str) -> str:
+    """The prompt argument, or stdin for ``-``: valid UTF-8 and not empty."""
+    from cactus_cli.core.errors import ConfigError
+    from cactus_cli.core.fileio import clean_text, decode_input
+
+    if prompt == "-":
+        if sys.stdin is None or sys.stdin.closed:
+            raise ConfigError("generate -: stdin is closed; pipe the prompt in, or pass it as an argument")
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        prompt = decode_input(data, "stdin")
+        if not prompt.strip():
+            raise ConfigError("generate -: stdin was empty; pipe the prompt in (echo 'hi' | cactus generate -) "
+                              "or pass it as an argument")
+    prompt = clean_text(prompt, "the prompt")
+    if not prompt.strip():
+        raise ConfigError("the prompt is empty; pass some text, or - to read it from stdin")
+    return prompt
+
+
+def _json_doc(text: str, interrupted: bool, settings, stats, engine, params) -> dict:
+    """--json: the text, the settings as given and as resolved, the stats and the cost model."""
+    doc = {"text": text, "interrupted": interrupted, "settings": settings.to_dict(), "stats": stats.to_dict()}
+    doc["settings"]["dtype_resolved"] = str(engine.pair.verifier.dtype).removeprefix("torch.")
+    doc["settings"]["device_resolved"] = str(engine.pair.verifier.device)
+    doc["settings"]["dtype_reason"] = engine.pair.dtype_reason
+    doc["settings"]["quantized"] = {role: lm.quantize_note for role, lm in
+                                    (("verifier", engine.pair.verifier), ("draft", engine.pair.draft))
+                                    if lm is not None and lm.quantize_note}  # what ran, layer counts included
+    doc["settings"]["compiled"] = engine.compiled
+    doc["settings"]["compile_seconds"] = engine.compile_seconds
+    doc["cost_model"] = engine.cost_summary(params)
+    return doc
+
+
+def register(app: typer.Typer) -> None:
+    app.command("generate")(generate)

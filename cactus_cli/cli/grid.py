@@ -1,0 +1,162 @@
+"""What bench and eval share: the grid options, declared once, and the command body that parses
+them, runs the one grid runner (app/grid.py) and prints and writes the results."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from cactus_cli.cli import options as o
+from cactus_cli.cli.edge import user_errors
+from cactus_cli.core import defaults
+
+Rules = Annotated[str, typer.Option("--rules", help="Comma list of rules: sps,cactus,cactus-exact,tas,topk,interp.", rich_help_panel=o.DECODING)]
+Deltas = Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values for the rules that take one (default: the profile's).", rich_help_panel=o.DECODING)]
+Ks = Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of draft lengths, `auto` included (default: the profile's).", rich_help_panel=o.DECODING)]
+Compiles = Annotated[Optional[str], typer.Option("--compile", help="Comma list of auto, on, off: time eager and compiled engines side by side, e.g. --compile off,on (default: the profile's).", rich_help_panel=o.RUNTIME)]
+Quantizes = Annotated[Optional[str], typer.Option("--quantize", help="Comma list of none, int8, int4, auto: time weight-only quantized models side by side, e.g. --quantize none,int8 (default: the profile's).", rich_help_panel=o.RUNTIME)]
+Meter = Annotated[bool, typer.Option("--meter", help="Also measure the realized divergence KL(h_alg || q) and TV per position (costs time).")]
+Csv = Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per configuration to this file.")]
+DEFAULT_RULES = defaults.BENCH_RULES
+
+
+@dataclass
+class GridFlags:
+    """The grid options as typed (comma lists, None = the profile's value)."""
+
+    rules: str
+    deltas: str | None
+    ks: str | None
+    compiles: str | None
+    quantizes: str | None
+    prompts_file: Path | None
+    limit: int | None
+    category: str | None
+    meter: bool = False
+    compare_hf: bool = False
+
+
+@dataclass
+class GridOutput:
+    as_json: bool
+    csv_path: Path | None
+    out_dir: Path | None
+
+
+def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: GridOutput) -> None:
+    """bench and eval: the same grid (variants x rules x delta x k, the verifier alone first),
+    the same runner, the same outputs; eval also grades each answer."""
+    with user_errors():
+        settings, lists, prompts, grade = _parse(kind, shared, flags)
+        output = _check_outputs(output)
+        from cactus_cli.app import grid as g
+        from cactus_cli.app.runtime import generation_params
+        from cactus_cli.cli import ui
+
+        err = ui.make_console(no_color=shared.no_color, stderr=True)
+        with ui.LoadProgress(err) as progress:
+            engines, encoded = g.load_engines(settings, lists["quantize"], lists["compile"], prompts, lists["k"], progress)
+        grid = g.build_grid(lists["rules"], lists["delta"], lists["k"], settings.rule_params, flags.compare_hf,
+                            settings.max_draft_tokens, list(engines))
+        base = replace(generation_params(settings), measure=flags.meter)
+        results: list = []
+        interrupted = False
+        with ui.bench_progress(err, len(grid) * len(prompts)) as advance:
+            try:
+                for e in engines.values():
+                    g.warm_up(e, encoded[0][1], base, max(c.k for c in grid))
+                g.run_grid(engines, grid, encoded, base, lambda cfg: advance(1, cfg.label), results, grade)
+            except KeyboardInterrupt:
+                interrupted = True
+        engine = next(iter(engines.values()))
+        env = g.environment(engine, settings.to_dict())
+        doc = g.document(results, env, settings.to_dict(), prompts, interrupted,
+                         engine.costs.describe(None, settings.max_draft_tokens))
+        _report(kind, doc, env, output, shared.no_color, err)
+        if interrupted:
+            err.print("interrupted: the results above cover what finished", style="yellow")
+            raise typer.Exit(130)
+
+
+def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str, list], list, Any]:
+    """Settings, the parsed lists, the prompts (or tasks) and the grader, all checked before any
+    model loads."""
+    from cactus_cli.app import grid as g
+    from cactus_cli.app.profiles import resolve_settings
+    from cactus_cli.app.settings import check_each, parse_ks, parse_list, uses_lookup
+    from cactus_cli.core.errors import ConfigError
+
+    settings = resolve_settings(shared.profile, shared.flags)
+    if settings.draft is None:
+        raise ConfigError(f"{kind} compares speculative decoding with the verifier alone: it needs a --draft")
+    if flags.compare_hf and settings.tp > 1:
+        raise ConfigError("--compare-hf runs transformers' own generate, which cannot drive a --tp group; drop one")
+    if flags.compare_hf and uses_lookup(settings.draft):
+        raise ConfigError("--compare-hf compares draft-model drafting; use a --draft MODEL without ngram")
+    lists = {"delta": parse_list(flags.deltas, float, "--delta") if flags.deltas else [settings.delta],
+             "k": parse_ks(flags.ks) if flags.ks else [settings.num_draft_tokens],
+             "rules": parse_list(flags.rules, str, "--rules"),
+             "compile": parse_list(flags.compiles, str, "--compile") if flags.compiles else [settings.compile],
+             "quantize": parse_list(flags.quantizes, str, "--quantize") if flags.quantizes else [settings.quantize]}
+    check_each("compile", lists["compile"], "--compile")
+    check_each("quantize", lists["quantize"], "--quantize")
+    g.build_grid(lists["rules"], lists["delta"], lists["k"], settings.rule_params, flags.compare_hf,
+                 settings.max_draft_tokens)  # checks every rule, delta and k now
+    _check_sweep_flags(lists["rules"], flags.deltas, lists["k"], shared.flags)
+    categories = parse_list(flags.category, str, "--category") if flags.category else None
+    source = str(flags.prompts_file) if flags.prompts_file else None
+    grade = None
+    if kind == "eval":
+        from cactus_cli.app.tasks import is_correct, load_tasks
+
+        prompts, grade = load_tasks(source, flags.limit, categories), is_correct
+    else:
+        from cactus_cli.app.prompts import load_prompts
+
+        prompts = load_prompts(source, flags.limit, categories)
+    if settings.seed is None:
+        settings = replace(settings, seed=0)  # a benchmark is reproducible by default
+    return settings, lists, prompts, grade
+
+
+def _check_outputs(output: GridOutput) -> GridOutput:
+    """A 30-minute run must not die at the end on a path it could have checked now."""
+    from cactus_cli.core.fileio import check_output_dir, check_output_file
+
+    return GridOutput(output.as_json, check_output_file(output.csv_path, "--csv") if output.csv_path else None,
+                      check_output_dir(output.out_dir, "--out") if output.out_dir else None)
+
+
+def _report(kind: str, doc: dict, env: dict, output: GridOutput, no_color: bool, err) -> None:
+    """Print first, then write: a failed write must not lose the results."""
+    from cactus_cli.app.grid import csv_text
+    from cactus_cli.cli import tables, ui
+    from cactus_cli.core.fileio import write_or_fail
+
+    if output.as_json:
+        typer.echo(json.dumps(doc, indent=2))
+    else:
+        console = ui.make_console(no_color=no_color)
+        (tables.print_eval if kind == "eval" else tables.print_bench)(console, doc)
+    if output.out_dir:
+        write_or_fail(output.out_dir / f"{kind}.json", json.dumps(doc, indent=2), "--out")
+        write_or_fail(output.out_dir / "environment.json", json.dumps(env, indent=2), "--out")
+        write_or_fail(output.out_dir / f"{kind}.csv", csv_text(doc), "--out")
+        err.print(f"wrote {output.out_dir}/{kind}.json, {kind}.csv, environment.json", style="dim")
+    if output.csv_path:
+        write_or_fail(output.csv_path, csv_text(doc), "--csv")
+
+
+def _check_sweep_flags(rules: list[str], deltas: str | None, ks: list, flags: dict) -> None:
+    """A sweep option that no configuration of the grid would use is an error, not a no-op."""
+    from cactus_cli.core.acceptance import RULES
+    from cactus_cli.core.errors import ConfigError
+
+    if deltas and not any("delta" in RULES[r].param_names() for r in rules):
+        raise ConfigError(f"--delta has no effect with --rules {','.join(rules)}; add cactus or cactus-exact")
+    if flags.get("max_draft_tokens", ...) is not ... and "auto" not in ks:
+        raise ConfigError("--max-draft-tokens only applies with -k auto; add auto to -k")

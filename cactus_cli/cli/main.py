@@ -1,0 +1,47 @@
+"""The Typer app. Commands live in cli/commands/, one module each; heavy imports (torch,
+transformers) happen inside the commands so `cactus --help` answers at once."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from cactus_cli import __version__
+from cactus_cli.cli.commands import register
+from cactus_cli.core.signals import treat_sigterm_as_sigint
+
+app = typer.Typer(
+    name="cactus",
+    help="Speculative decoding with the Cactus acceptance rule: a small draft model proposes, "
+    "a large verifier checks, and a divergence budget (delta) trades fidelity for speed.",
+    no_args_is_help=True,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"cactus {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        Optional[bool],
+        typer.Option("--version", "-V", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = None,
+) -> None:
+    """Speculative decoding with the Cactus acceptance rule."""
+
+
+register(app)
+
+
+def main() -> None:
+    treat_sigterm_as_sigint()
+    app()

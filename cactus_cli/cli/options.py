@@ -1,0 +1,96 @@
+"""Options shared by generate, chat, bench and calibrate, declared once. Every option defaults
+to None, meaning "not given", so the profile underneath keeps its value (defaults < profile < flags).
+What the values mean and how they are checked lives with the settings (app/settings.py)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from cactus_cli.cli.edge import user_errors
+
+MODEL = "Models"
+DECODING = "Speculative decoding"
+SAMPLING = "Sampling"
+RUNTIME = "Runtime"
+
+Profile = Annotated[Optional[str], typer.Option("--profile", "-p", help="Profile name (see `cactus profiles list`) or path to a YAML file. Default: the `default` profile.", rich_help_panel=MODEL)]
+Verifier = Annotated[Optional[str], typer.Option("--verifier", help="Verifier (large) model: hub id, local folder, .gguf file, or embedded:NAME.", rich_help_panel=MODEL)]
+Draft = Annotated[Optional[str], typer.Option("--draft", help="Draft (small) model, same sources as --verifier; `ngram` drafts by prompt lookup (copying what followed the last occurrence of the current n-gram; no model); `ngram+MODEL` looks up first and lets MODEL draft when nothing matches; `none` runs the verifier alone.", rich_help_panel=MODEL)]
+Tokenizer = Annotated[Optional[str], typer.Option("--tokenizer", help="Tokenizer for both models (default: the verifier's; needed for a bare .gguf).", rich_help_panel=MODEL)]
+Rule = Annotated[Optional[str], typer.Option("--rule", "-r", help="Acceptance rule: sps, cactus, cactus-exact, tas, topk, interp.", rich_help_panel=DECODING)]
+Delta = Annotated[Optional[float], typer.Option("--delta", "-d", help="Divergence budget for cactus / cactus-exact (0 = lossless SpS).", rich_help_panel=DECODING)]
+Param = Annotated[Optional[list[str]], typer.Option("--param", help="Other rule parameter as KEY=VALUE (divergence, epsilon, alpha, topk); repeatable.", rich_help_panel=DECODING)]
+NumDraft = Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Draft tokens per verification step (k), or `auto`: before each step pick k in 0..--max-draft-tokens for the most tokens per second, from the step costs measured on this machine (k = 0 is plain decoding).", rich_help_panel=DECODING)]
+MaxDraft = Annotated[Optional[int], typer.Option("--max-draft-tokens", help="Largest k that `-k auto` may pick (default 8).", rich_help_panel=DECODING)]
+Temperature = Annotated[Optional[float], typer.Option("--temperature", "-t", help="Sampling temperature; 0 = greedy.", rich_help_panel=SAMPLING)]
+TopK = Annotated[Optional[int], typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).", rich_help_panel=SAMPLING)]
+TopP = Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass (1 = off).", rich_help_panel=SAMPLING)]
+MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="Stop after this many new tokens.", rich_help_panel=SAMPLING)]
+Seed = Annotated[Optional[int], typer.Option("--seed", "-s", help="Random seed (same seed, device and fixed k: same text; -k auto follows measured timings).", rich_help_panel=SAMPLING)]
+Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this string appears; repeatable.", rich_help_panel=SAMPLING)]
+Device = Annotated[Optional[str], typer.Option("--device", help="auto (CUDA if present), cpu, cuda, cuda:N, mps.", rich_help_panel=RUNTIME)]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help="auto, float32, float16, bfloat16.", rich_help_panel=RUNTIME)]
+Compile = Annotated[Optional[str], typer.Option("--compile", help="auto, on, off: static KV caches and compiled fixed-shape steps (CUDA graphs on CUDA). auto = on for CUDA; on a CPU only where an earlier run measured it faster. Compiling takes a while once per run and is not counted in tokens/s.", rich_help_panel=RUNTIME)]
+Quantize = Annotated[Optional[str], typer.Option("--quantize", help="none, int8, int4, auto: weight-only quantization of every Linear layer (lm_head included), activations in bfloat16; cached after the first start. auto = int8 on a CPU, none on a GPU. `cactus models quality` measures what it costs.", rich_help_panel=RUNTIME)]
+Tp = Annotated[Optional[int], typer.Option("--tp", help="Shard the verifier over N processes with tensor parallelism (transformers' TP plans; NCCL on CUDA, gloo in float32 on a CPU). Starts the other ranks itself, or runs under torchrun.", rich_help_panel=RUNTIME)]
+ChatTemplate = Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Wrap the prompt in the model's chat template (default: when the tokenizer has one).", rich_help_panel=RUNTIME)]
+NoColor = Annotated[bool, typer.Option("--no-color", help="No colours in the live view (NO_COLOR is honoured too).", rich_help_panel=RUNTIME)]
+System = Annotated[Optional[str], typer.Option("--system", help="System prompt (with a chat template).", rich_help_panel=RUNTIME)]
+
+# name -> (annotation, Settings key or None for options that are not settings)
+SHARED: dict[str, tuple[Any, str | None]] = {
+    "profile": (Profile, None), "verifier": (Verifier, "verifier"), "draft": (Draft, "draft"),
+    "tokenizer": (Tokenizer, "tokenizer"), "rule": (Rule, "rule"), "delta": (Delta, "delta"),
+    "param": (Param, "rule_params"), "num_draft_tokens": (NumDraft, "num_draft_tokens"),
+    "max_draft_tokens": (MaxDraft, "max_draft_tokens"),
+    "temperature": (Temperature, "temperature"), "top_k": (TopK, "top_k"), "top_p": (TopP, "top_p"),
+    "max_tokens": (MaxTokens, "max_tokens"), "seed": (Seed, "seed"), "stop": (Stop, "stop"),
+    "device": (Device, "device"), "dtype": (Dtype, "dtype"), "compile": (Compile, "compile"), "quantize": (Quantize, "quantize"), "tp": (Tp, "tp"), "chat_template": (ChatTemplate, "chat_template"),
+    "system": (System, "system"), "no_color": (NoColor, None),
+}
+MODEL_AND_SAMPLING = ("profile", "verifier", "draft", "tokenizer", "param", "temperature", "top_k", "top_p",
+                      "max_tokens", "seed", "device", "dtype", "chat_template", "no_color", "max_draft_tokens", "tp")
+GENERATION = MODEL_AND_SAMPLING + ("rule", "delta", "num_draft_tokens", "stop", "system", "compile", "quantize")
+
+
+@dataclass
+class Shared:
+    """What the shared options said: the profile to start from, --no-color, and the flags as
+    Settings keys (``...`` where not given, so the profile's value shows through)."""
+
+    profile: str | None
+    no_color: bool
+    flags: dict[str, Any]
+
+
+def shared_options(*names: str) -> Callable:
+    """Add the shared options ``names`` to a Typer command, declared once here. The command takes
+    one parameter ``shared: Shared`` instead of a dozen copies of the same declarations."""
+
+    def deco(fn: Callable) -> Callable:
+        sig = inspect.signature(fn, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.name != "shared"]
+        ordered = sorted(names, key=list(SHARED).index)  # --help lists them in SHARED's order
+        added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=SHARED[n][0],
+                                   default=False if n == "no_color" else None) for n in ordered]
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            from cactus_cli.app.settings import (
+                flags_to_settings,  # (here, not above: --help stays torch-free)
+            )
+
+            given = {n: kwargs.pop(n) for n in names}
+            with user_errors():
+                flags = flags_to_settings(**{SHARED[n][1]: v for n, v in given.items() if SHARED[n][1]})
+            return fn(*args, **kwargs, shared=Shared(given.get("profile"), bool(given.get("no_color")), flags))
+
+        wrapper.__signature__ = sig.replace(parameters=own + added)  # what Typer reads
+        return wrapper
+
+    return deco

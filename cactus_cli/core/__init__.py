@@ -1,0 +1,1 @@
+"""Layer 1: pure pieces with no model in sight: errors, events, sampling, the acceptance rules, stats, paths, defaults."""

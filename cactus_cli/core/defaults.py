@@ -1,0 +1,14 @@
+"""Every built-in default, in one place. ``Settings`` (app/settings.py), the engine's
+``GenerationParams``, ``SamplingParams``, the rules' parameters and the sweep commands all read
+them from here; a profile or a flag overrides them (defaults < profile < flags)."""
+
+RULE = "cactus"
+DELTA = 1.0  # nats: the divergence budget of cactus / cactus-exact (the paper's delta = 1)
+NUM_DRAFT_TOKENS = 4  # k
+MAX_DRAFT_TOKENS = 8  # k_max for -k auto
+NGRAM_MAX, NGRAM_MIN = 4, 1  # prompt lookup: the longest and shortest n-gram matched
+TEMPERATURE = 0.6
+TOP_K = 20  # 0 = off
+TOP_P = 0.95  # 1 = off
+MAX_TOKENS = 256
+BENCH_RULES = "sps,cactus"  # bench and eval compare these rules when --rules is not given

@@ -1,0 +1,48 @@
+"""The step event: one record per verification step, the only thing commands see of the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+MODEL, NGRAM = "model", "ngram"  # draft sources: a draft model's forwards, or prompt lookup (free)
+ExtraKind = Literal["correction", "bonus", "verifier"]  # verifier: autoregressive step, no drafts
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A piece of emitted text and where its token came from."""
+
+    text: str
+    kind: Literal["accepted", "copied", "correction", "bonus", "verifier"]  # copied: an accepted n-gram draft
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    num_drafted: int  # k for this step (may shrink near max_tokens or the context limit)
+    draft_source: str | None  # "model" or "ngram" (prompt lookup); None for a plain step
+    accepted: tuple[int, ...]  # draft tokens the verifier kept
+    rejected: tuple[int, ...]  # draft tokens thrown away
+    extra: int  # the correction (after a rejection), the bonus (all accepted), or the verifier's token
+    extra_kind: ExtraKind
+    emitted: tuple[int, ...]  # tokens added to the output (accepted + extra, cut at EOS/stop/max_tokens)
+    pieces: tuple[Piece, ...]  # the text those tokens added, one piece per token
+    rejected_text: tuple[str, ...]  # the rejected drafts as text, for the live view
+    draft_seconds: float
+    verify_seconds: float
+    prefill_seconds: float  # non-zero on the first step only
+    prefill_tokens: int  # prompt tokens encoded by the prefill (first step only)
+    reused_tokens: int  # prompt tokens found in the KV cache from the previous turn (first step only)
+    elapsed: float  # seconds since generation started, at the end of this step
+    draft_forward_passes: int  # model calls this step (prefill counted on the first step)
+    verifier_forward_passes: int
+    prompt_tokens: int
+    finish_reason: str | None = None  # "eos", "stop", "length", "context" on the last step
+    # the divergence meter (GenerationParams.measure), per emitted token decided by the rule:
+    realized_kl: tuple[float, ...] = ()  # KL(h_alg || q) of the exact emitted distribution
+    realized_tv: tuple[float, ...] = ()  # TV(h_alg, q)
+    verifier_loglik: tuple[float, ...] = ()  # log q(token) under the raw verifier, every emitted token
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.pieces)

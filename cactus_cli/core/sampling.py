@@ -1,0 +1,96 @@
+"""Logits -> probabilities (temperature, top-k, top-p), applied identically to draft and
+verifier, and a fast exact sampler for one token per row of a [B, V] distribution."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cactus_cli.core import defaults
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = defaults.TEMPERATURE  # 0 means greedy
+    top_k: int = defaults.TOP_K  # 0 means off
+    top_p: float = defaults.TOP_P  # 1 means off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k, then top-p
+    (the order transformers' warpers use). Not for greedy: the engine takes the argmax there."""
+    x = logits.float() / sp.temperature
+    V = x.shape[-1]
+    if 0 < sp.top_k < V:
+        vals, idx = x.topk(sp.top_k, dim=-1)  # sorted descending, [..., top_k]
+        small = _top_p_sorted(torch.softmax(vals, -1), sp.top_p)
+        return torch.zeros_like(x).scatter_(-1, idx, small)
+    probs = torch.softmax(x, -1)
+    if sp.top_p < 1.0:
+        sorted_probs, idx = probs.sort(-1, descending=True)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, _top_p_sorted(sorted_probs, sp.top_p))
+    return probs
+
+
+def _top_p_sorted(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest prefix whose mass reaches top_p (at least one token); renormalize."""
+    if top_p >= 1.0:
+        return sorted_probs
+    before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
+    kept = sorted_probs.masked_fill(before >= top_p, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+_BLOCK = 1024  # two-level inverse-CDF sampling: block sums, then a cumsum inside one block
+
+
+def sample(dist: torch.Tensor, generator: torch.Generator | None, fallback: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of the unnormalized, non-negative [B, V] ``dist``, by inverse CDF with one
+    uniform draw per row. A row with no usable mass (a rounding fluke: the rejection had
+    probability ~0) is drawn from ``fallback`` instead (default: uniform); the index is always in [0, V).
+
+    Two levels keep it exact and fast: float32 sums of 1024-token blocks, a float64 cumsum over
+    the blocks, then a float64 cumsum inside the chosen block only (a float32 cumsum over 150k
+    tokens drifts by ~1e-5; torch.multinomial is several times slower here)."""
+    B, V = dist.shape
+    block_mass = _block_mass(dist)  # [B, nb]
+    total = block_mass.sum(-1, keepdim=True)
+    bad = ~(torch.isfinite(total) & (total > 0))  # [B, 1]
+    # branch-free (no host sync: drafting can queue ahead on a GPU): the fallback's block sums
+    # are computed for every row and used where the row is bad; inside the chosen block too
+    fb_mass = _block_mass(torch.ones(1, V, dtype=dist.dtype, device=dist.device) if fallback is None else fallback)
+    block_mass = torch.where(bad, fb_mass, block_mass)
+    cum_blocks = block_mass.double().cumsum(-1)  # [B, nb]
+    u = torch.rand((B, 1), generator=generator, device=dist.device, dtype=torch.float64)
+    x = _below(u * cum_blocks[:, -1:], cum_blocks[:, -1:])  # [B, 1], in [0, total)
+    b = torch.searchsorted(cum_blocks, x, right=True).clamp(max=cum_blocks.shape[-1] - 1)  # first block past x
+    before = torch.where(b > 0, cum_blocks.gather(-1, (b - 1).clamp(min=0)), torch.zeros_like(x))
+    cols = b * _BLOCK + torch.arange(_BLOCK, device=dist.device)  # [B, BLOCK]
+    picked = dist.gather(-1, cols.clamp(max=V - 1))  # [B, BLOCK]
+    fb_picked = torch.ones_like(picked) if fallback is None else fallback.gather(-1, cols.clamp(max=V - 1))
+    inner = torch.where(bad, fb_picked, picked).masked_fill(cols >= V, 0.0).double().cumsum(-1)
+    xi = _below((x - before).clamp(min=0.0), inner[:, -1:])
+    i = torch.searchsorted(inner, xi, right=True)
+    return (b * _BLOCK + i).squeeze(-1).clamp(0, V - 1)
+
+
+def _block_mass(dist: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B, ceil(V / BLOCK)] float32 sums; the tail (V % BLOCK tokens) is a shorter block."""
+    B, V = dist.shape
+    nf = V // _BLOCK
+    full = dist[:, : nf * _BLOCK].view(B, nf, _BLOCK).sum(-1)
+    if V % _BLOCK == 0:
+        return full
+    return torch.cat([full, dist[:, nf * _BLOCK :].sum(-1, keepdim=True)], dim=-1)
+
+
+def _below(x: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """x clipped strictly below top, so the strict search lands on a token with positive mass."""
+    return torch.minimum(x, torch.nextafter(top, torch.zeros_like(top)))
+
+

@@ -1,0 +1,368 @@
+"""What a step costs on this machine and how often drafts are accepted: the facts a k policy
+(policy.py) chooses from.
+
+Speculation pays only when ``E[tokens | k, a] / (k t_d + t_v(k + 1))`` beats plain decoding's
+``1 / t_v(1)``. Both costs are properties of the machine, not of the pair: a verify over 5 tokens
+costs about what 1 token costs on a GPU or an AVX-512 BF16 CPU, and 4.5x more on an AVX2 CPU.
+
+- ``CostModel``: the draft's seconds per drafted token ``t_d`` and the verifier's seconds per
+  forward of width ``w``, ``t_v(w)``: medians over the last few timings per width (robust to a
+  stray slow step), made non-decreasing in width. Seeded by a short probe (``probe``) when
+  nothing is known.
+- ``Acceptance``: decayed estimates of the acceptance at each draft position, conditional on
+  the drafts before it being accepted, one set per (rule, parameters, sampling), since the rule
+  and delta change them. Per position because acceptance comes in runs: once three drafts are
+  accepted the text is easy and the fourth is likelier than the average token (an i.i.d. ``a``
+  undervalues long drafts).
+- ``CostStore``: both, loaded from and saved to ``$CACTUS_HOME/costs`` per (pair, device, dtype,
+  threads, torch), so the next run starts informed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from cactus_cli.core.events import MODEL, NGRAM
+from cactus_cli.core.fileio import atomic_write
+from cactus_cli.core.paths import cache_path
+from cactus_cli.infer.devices import device_name
+from cactus_cli.infer.models import ModelPair
+
+WINDOW = 15  # timings kept per width (median of these)
+DECAY = 0.97  # per step: the acceptance estimates follow the last ~30 steps
+PRIOR_A = 0.6  # an unseen configuration starts at a = 0.6 ...
+SHRINK = 2.0  # ... and each position leans on the one before it with the weight of 2 tested drafts
+A_MAX = 0.995  # E[tokens] would diverge at a = 1
+SCHEMA = 3
+
+
+@dataclass
+class CostModel:
+    draft: dict[str, deque] = field(default_factory=dict)  # source -> seconds per drafted token
+    verify: dict[int, deque] = field(default_factory=dict)  # width -> seconds per forward
+    source: str = "none"  # "none", "probe", "cache", plus "+online" once the run has added timings
+    _curve: tuple[list[int], list[float], float] | None = field(default=None, repr=False)  # the fit, until a timing arrives
+
+    def add_draft(self, seconds_per_token: float, source: str = MODEL) -> None:
+        if seconds_per_token > 0 and math.isfinite(seconds_per_token):
+            self.draft.setdefault(source, deque(maxlen=WINDOW)).append(seconds_per_token)
+
+    def add_verify(self, width: int, seconds: float) -> None:
+        if seconds > 0 and math.isfinite(seconds):
+            self.verify.setdefault(width, deque(maxlen=WINDOW)).append(seconds)
+            self._curve = None
+
+    def knows(self, source: str) -> bool:
+        """Enough to choose k for drafts from ``source`` (a lookup needs only the verifier's costs)."""
+        return bool(self.verify) and (source != MODEL or bool(self.draft.get(MODEL)))
+
+    def t_d(self, source: str = MODEL) -> float:
+        """Seconds per drafted token; a lookup never timed yet counts as free (it costs microseconds)."""
+        values = self.draft.get(source)
+        return statistics.median(values) if values else 0.0
+
+    def t_v(self, width: int) -> float:
+        """Seconds of a verifier forward over ``width`` tokens: the measured cost of each width,
+        made non-decreasing in width (isotonic, weighted by how many timings each has: noise
+        such as t_v(2) < t_v(1) is pooled away, not believed), linear between measured widths,
+        and past the widest one extended with the slope of a line fitted to them all. Measured
+        values are used as they are because cost is not linear in width everywhere: on an AVX2
+        CPU a 9-token verify costs far more than 9/5 of a 5-token one, and a line through all
+        widths there halves t_v(1), which makes every draft look like a loss."""
+        curve = self._fit()
+        if curve is None:
+            return 0.0
+        widths, costs, slope = curve
+        if width <= widths[0]:
+            return costs[0]
+        if width >= widths[-1]:
+            return costs[-1] + slope * (width - widths[-1])
+        i = bisect.bisect_right(widths, width)  # widths[i - 1] < width < widths[i] (or equal to the former)
+        w0, w1, c0, c1 = widths[i - 1], widths[i], costs[i - 1], costs[i]
+        return c0 + (c1 - c0) * (width - w0) / (w1 - w0)
+
+    def _fit(self) -> tuple[list[int], list[float], float] | None:
+        """Fitted once per new timing: each step asks t_v for every candidate k."""
+        if self._curve is None and self.verify:
+            self._curve = self._fit_curve()
+        return self._curve
+
+    def _fit_curve(self) -> tuple[list[int], list[float], float] | None:
+        pts = sorted((w, statistics.median(v), len(v)) for w, v in self.verify.items() if v)
+        if not pts:
+            return None
+        # pool adjacent violators: blocks of (weighted mean, weight, widths)
+        blocks: list[list[float]] = []
+        for w, t, c in pts:
+            blocks.append([t, c, 1])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                t2, c2, n2 = blocks.pop()
+                t1, c1, n1 = blocks[-1]
+                blocks[-1] = [(t1 * c1 + t2 * c2) / (c1 + c2), c1 + c2, n1 + n2]
+        costs = [max(t, 1e-9) for t, _, n in blocks for _ in range(int(n))]
+        return [w for w, _, _ in pts], costs, self._slope(pts)
+
+    @staticmethod
+    def _slope(pts: list[tuple[int, float, int]]) -> float:
+        """The weighted least-squares slope (>= 0) over every measured width: for widths past them."""
+        n = sum(c for _, _, c in pts)
+        mw = sum(c * w for w, _, c in pts) / n
+        mt = sum(c * t for _, t, c in pts) / n
+        var = sum(c * (w - mw) ** 2 for w, _, c in pts)
+        return max(sum(c * (w - mw) * (t - mt) for w, t, c in pts) / var, 0.0) if var > 0 else 0.0
+
+    def describe(self, widths: int) -> dict[str, Any]:
+        return {"source": self.source, "draft_seconds_per_token": self.t_d() if self.draft.get(MODEL) else None,
+                "lookup_seconds_per_token": self.t_d(NGRAM) if self.draft.get(NGRAM) else None,
+                "verify_seconds_by_width": {str(w): self.t_v(w) for w in range(1, widths + 1)} if self.verify else {},
+                "measured_widths": sorted(self.verify)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"draft": {src: list(v) for src, v in self.draft.items()},
+                "verify": {str(w): list(v) for w, v in self.verify.items()}}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], source: str) -> tuple[CostModel, int]:
+        """The model a cache file holds, and how many entries were dropped as invalid (a width
+        outside 1..MAX_WIDTH, a time that is not a positive number of seconds below an hour)."""
+        cm, dropped = cls(source=source), 0
+        for src, values in doc.get("draft", {}).items():
+            for s in values:
+                if src in (MODEL, NGRAM) and _valid_seconds(s):
+                    cm.add_draft(float(s), src)
+                else:
+                    dropped += 1
+        for w, values in doc.get("verify", {}).items():
+            width = int(w) if str(w).isdigit() else -1
+            # only the newest few per width: this run's own timings outweigh an old cache within
+            # a few steps (a cache learned while another process loaded the machine ages out)
+            for s in values[-CACHED_PER_WIDTH:] if isinstance(values, list) else [None]:
+                if 1 <= width <= MAX_WIDTH and _valid_seconds(s):
+                    cm.add_verify(width, float(s))
+                else:
+                    dropped += 1
+        return cm, dropped
+
+
+MAX_WIDTH = 65  # k_max (64) + 1
+CACHED_PER_WIDTH = 5  # of a width's WINDOW timings, the newest this many are taken from the cache
+MAX_SECONDS = 3600.0  # no forward takes an hour: a larger timing is corrupt
+
+
+def _valid_seconds(s: Any) -> bool:
+    return isinstance(s, (int, float)) and not isinstance(s, bool) and 0 < s < MAX_SECONDS
+
+
+def _valid_counts(acc: Any, tested: Any) -> bool:
+    """Acceptance counts as saved: finite, non-negative, accepted <= tested at each position."""
+    if not (isinstance(acc, list) and isinstance(tested, list) and len(acc) <= MAX_WIDTH and len(tested) <= MAX_WIDTH):
+        return False
+    nums = [x for x in acc + tested if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)]
+    if len(nums) != len(acc) + len(tested) or any(x < 0 for x in nums):
+        return False
+    return all(a <= t + 1e-9 for a, t in zip(acc, tested))
+
+
+def _rates(a: float | list[float], k: int) -> list[float]:
+    return [a] * k if isinstance(a, (int, float)) else list(a[:k]) + [a[-1] if a else PRIOR_A] * (k - len(a))
+
+
+def expected_tokens(a: float | list[float], k: int) -> float:
+    """Tokens a step emits on average with k drafts: the correction or bonus token plus each draft
+    that is reached and accepted, 1 + a_1 + a_1 a_2 + ... + a_1...a_k, with ``a`` one rate for
+    every position (the i.i.d. model) or the conditional rate per position."""
+    total, reach = 1.0, 1.0
+    for r in _rates(a, k):
+        reach *= min(max(r, 0.0), A_MAX)
+        total += reach
+    return total
+
+
+def tokens_per_second(costs: CostModel, a: float | list[float], k: int, source: str = MODEL) -> float:
+    step = k * costs.t_d(source) + costs.t_v(k + 1)
+    return expected_tokens(a, k) / step if step > 0 else 0.0
+
+
+def best_k(costs: CostModel, a: float | list[float], k_max: int, source: str = MODEL) -> int:
+    """The k in 0..k_max with the most expected tokens per second (ties: the smaller k)."""
+    if not costs.knows(source):
+        return min(k_max, 4)
+    rates = [tokens_per_second(costs, a, k, source) for k in range(k_max + 1)]
+    return max(range(k_max + 1), key=lambda k: (rates[k], -k))
+
+
+@dataclass
+class Acceptance:
+    accepted: list[float] = field(default_factory=list)  # [i]: decayed count of drafts accepted at position i
+    tested: list[float] = field(default_factory=list)  # [i]: decayed count of drafts the rule tested at i
+
+    def rates(self, k: int) -> list[float]:
+        """Conditional acceptance per position 0..k-1, each shrunk toward the position before it."""
+        out, prev = [], PRIOR_A
+        for i in range(k):
+            acc = self.accepted[i] if i < len(self.accepted) else 0.0
+            tested = self.tested[i] if i < len(self.tested) else 0.0
+            prev = (acc + SHRINK * prev) / (tested + SHRINK)
+            out.append(prev)
+        return out
+
+    @property
+    def a(self) -> float:
+        """The pooled per-token rate (accepted over tested), for reports."""
+        tested = sum(self.tested)
+        return (sum(self.accepted) + SHRINK * PRIOR_A) / (tested + SHRINK)
+
+    def add(self, accepted: int, k: int) -> None:
+        """One step: k drafts, the first ``accepted`` kept (the rule tested one more if any was left)."""
+        width = max(len(self.tested), k)
+        self.accepted = [x * DECAY for x in self.accepted] + [0.0] * (width - len(self.accepted))
+        self.tested = [x * DECAY for x in self.tested] + [0.0] * (width - len(self.tested))
+        for i in range(accepted):
+            self.accepted[i] += 1.0
+            self.tested[i] += 1.0
+        if accepted < k:
+            self.tested[accepted] += 1.0
+
+
+def cost_key(pair: ModelPair, compiled: bool = False) -> dict[str, Any]:
+    """What step costs depend on: the models, device, dtype, threads, torch and compilation."""
+    v = pair.verifier
+    key = {"verifier": v.path, "draft": pair.draft.path if pair.draft else None, "device": device_name(v.device),
+           "dtype": str(v.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+           "torch": torch.__version__}
+    if compiled:
+        key["compiled"] = True  # (absent when eager, so eager caches from earlier versions still apply)
+    if v.quantize != "none":
+        key["quantize"] = v.quantize
+    if v.tp > 1:
+        key["tp"] = v.tp
+    return key
+
+
+class CostStore:
+    """What steps cost on this machine and how often drafts are accepted, for one (pair, device,
+    dtype, threads, torch): loaded from ``path`` when there is a valid cache, taught by finished
+    steps (``observe``), saved atomically. Both k policies (policy.py) read it; warm-up runs do
+    not teach it (the engine runs them with ``learn=False``)."""
+
+    def __init__(self, path: Path | None = None, key: dict[str, Any] | None = None):
+        self.path = path
+        self.key = key or {}
+        self.costs = CostModel()
+        self.acceptance: dict[str, Acceptance] = {}
+        self.dirty = False
+        self.notes: list[str] = []  # what loading the cache had to drop, for the user (one line)
+        if path is not None and path.is_file():
+            self._load(path)
+
+    @classmethod
+    def read(cls, key: dict[str, Any]) -> CostStore:
+        """The store cached for ``key`` (empty when there is none)."""
+        return cls(cache_path(key), key)
+
+    def _load(self, path: Path) -> None:
+        """Read the cache file, keeping only valid entries; invalid ones are dropped, said once,
+        and never written back (the next save rewrites the file without them)."""
+        dropped = 0
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+            if doc.get("schema") != SCHEMA:
+                return
+            self.costs, dropped = CostModel.from_json(doc.get("costs", {}), "cache")
+            for name, pair in doc.get("acceptance", {}).items():
+                acc, tested = pair if isinstance(pair, list) and len(pair) == 2 else (None, None)
+                if isinstance(name, str) and _valid_counts(acc, tested):
+                    self.acceptance[name] = Acceptance([float(x) for x in acc], [float(x) for x in tested])
+                else:
+                    dropped += 1
+        except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+            self.costs, self.acceptance = CostModel(), {}  # unreadable: a missed head start, measured again
+            self.notes.append(f"the step-cost cache {path.name} is unreadable; measuring again and replacing it")
+            self.dirty = True
+            return
+        if dropped:
+            self.notes.append(f"dropped {dropped} invalid entr{'y' if dropped == 1 else 'ies'} from the step-cost "
+                              f"cache {path.name} (it is rewritten without them)")
+            self.dirty = True
+
+    def rates(self, akey: str, k_max: int, source: str = MODEL) -> list[float]:
+        """The acceptance estimate per draft position for drafts from ``source`` (nothing stored)."""
+        return self.acceptance.get(f"{akey} {source}", Acceptance()).rates(k_max)
+
+    def observe(self, akey: str, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
+                draft_catch_up: int = 1, source: str = MODEL) -> None:
+        """One finished step: k drafts from ``source``, ``accepted`` of them kept, its timings. A
+        draft forward that caught up on many missed tokens (after k = 0 steps) is not a typical
+        drafted token: its timing is skipped."""
+        if k > 0:
+            self.acceptance.setdefault(f"{akey} {source}", Acceptance()).add(accepted, k)
+            if source != MODEL or draft_catch_up <= 2:
+                self.costs.add_draft(draft_seconds / k, source)
+        self.costs.add_verify(k + 1, verify_seconds)
+        if not self.costs.source.endswith("+online"):
+            self.costs.source += "+online"
+        self.dirty = True
+
+    def describe(self, akey: str | None = None, k_max: int = 8, source: str = MODEL) -> dict[str, Any]:
+        """The cost model's figures and, for ``akey``, the acceptance estimate and the predicted
+        speed-up per k (read only: describing changes nothing)."""
+        out = self.costs.describe(k_max + 1)
+        if akey is not None:
+            acc = self.acceptance.get(f"{akey} {source}", Acceptance())
+            rates = acc.rates(k_max)
+            out["draft_source"] = source
+            out["acceptance_estimate"] = acc.a
+            out["acceptance_by_position"] = rates
+            known = self.costs.knows(source)
+            out["best_k"] = best_k(self.costs, rates, k_max, source) if known else None
+            if known:
+                base = 1 / self.costs.t_v(1)
+                out["predicted_speedup_by_k"] = {str(k): tokens_per_second(self.costs, rates, k, source) / base
+                                                 for k in range(k_max + 1)}
+        return out
+
+    def save(self) -> None:
+        """Atomically write the timings and acceptance estimates (best effort: a read-only cache
+        folder only costs the next run its head start)."""
+        if self.path is None or not self.dirty:
+            return
+        doc = {"schema": SCHEMA, "key": self.key, "saved": time.strftime("%Y-%m-%dT%H:%M:%S"),
+               "costs": self.costs.to_json(),
+               "acceptance": {k: [v.accepted, v.tested] for k, v in self.acceptance.items()}}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.path, json.dumps(doc, indent=1))
+            self.dirty = False
+        except OSError:
+            pass
+
+def probe(costs: CostModel, verify_forward: Callable[[int], None], draft_forward: Callable[[], None] | None,
+          widths: list[int], sync: Callable[[], None], repeats: int = 2) -> None:
+    """Seed the cost model: time verifier forwards at ``widths`` and one-token draft forwards,
+    after one untimed warm-up of each. The callables run a forward and restore the caches."""
+    verify_forward(1)
+    if draft_forward is not None:
+        draft_forward()
+    sync()
+    for _ in range(repeats):
+        for w in widths:
+            t0 = time.perf_counter()
+            verify_forward(w)
+            sync()
+            costs.add_verify(w, time.perf_counter() - t0)
+        if draft_forward is not None:
+            t0 = time.perf_counter()
+            draft_forward()
+            sync()
+            costs.add_draft(time.perf_counter() - t0)
+    costs.source = "probe"

@@ -1,0 +1,176 @@
+"""Devices and dtypes: which device to run on, which dtype is fastest there (measured on a CPU,
+cached), what quantization ``auto`` means on it, and a name that tells machines apart for
+cached measurements."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from cactus_cli.core.errors import ModelError
+from cactus_cli.core.fileio import atomic_write
+from cactus_cli.core.paths import cache_path
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError(f"--device {name}: CUDA is not available on this machine (use --device cpu or auto)")
+    if name.startswith("cuda"):
+        try:
+            dev = torch.device(name)
+        except RuntimeError:
+            raise ModelError(f"--device {name}: not a device name; use cuda, cuda:N, cpu or auto") from None
+        check_cuda_device(dev)
+        return dev
+    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ModelError("--device mps: MPS is not available on this machine (use --device cpu or auto)")
+    return torch.device(name)
+
+
+def cuda_native_bf16(device: torch.device) -> bool:
+    """bfloat16 in hardware (compute capability >= 8.0). ``is_bf16_supported()`` alone also counts
+    emulation (a Turing card runs it, slowly)."""
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # an older torch: no emulation to count
+        return bool(torch.cuda.is_bf16_supported())
+
+
+def check_cuda_device(device: torch.device) -> None:
+    """``cuda:N`` must name a visible GPU: fail now with one line, not at the first allocation."""
+    if device.type == "cuda" and device.index is not None:
+        visible = torch.cuda.device_count()
+        if device.index >= visible:
+            raise ModelError(f"--device {device}: only {visible} GPU{'s' if visible != 1 else ''} visible "
+                             f"(cuda:0{f'..cuda:{visible - 1}' if visible > 1 else ''}); pick one of those")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_has_fast_bf16() -> bool:
+    """CPUs with AVX-512 BF16 or AMX have native bfloat16 dot products."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def device_name(device: torch.device) -> str:
+    """A name that tells machines apart for cached measurements: the GPU's name, or the CPU's
+    model name with the flags that decide matmul speed."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type != "cpu":
+        return device.type
+    model = "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "asimd", "sve"})
+    return f"{model} [{' '.join(flags)}]"
+
+
+def _median_linear_seconds(dtype: torch.dtype, hidden: int, inter: int, rows: int, reps: int = 9) -> float:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(inter, hidden, generator=gen).to(dtype)  # [out, in], like an MLP up-projection
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)  # [rows, in]
+    with torch.inference_mode():
+        torch.nn.functional.linear(x, w)  # warm-up (first call picks kernels)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def fastest_cpu_dtype(hidden: int, inter: int) -> tuple[torch.dtype, str]:
+    """Time the model's MLP matmul shape in float32 and bfloat16 at 1 and 5 rows (one decode
+    step, one short verify) and keep the faster; cached per machine, threads, torch and shape,
+    so only the first run on a machine pays the ~1 s. CPU flags alone mislead: on a 2-core AVX2
+    EPYC bfloat16 is 2.6x faster for a 1-token forward although it has no AVX-512 BF16."""
+    key = {"cpu": device_name(torch.device("cpu")), "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "shape": [hidden, inter]}
+    path = cache_path(key, "dtype-")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        times = {name: float(v) for name, v in doc["seconds"].items() if name in ("float32", "bfloat16")}
+        # a corrupt file (zero, negative or NaN timings) is measured again and replaced
+        cached = len(times) == 2 and all(0 < t < 60 for t in times.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        cached = False
+    if not cached:
+        times = {name: sum(_median_linear_seconds(getattr(torch, name), hidden, inter, rows) for rows in (1, 5))
+                 for name in ("float32", "bfloat16")}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, json.dumps({"key": key, "seconds": times}, indent=1))
+        except OSError:
+            pass  # not cached: the next run measures again
+    best = min(times, key=times.get)
+    other = "float32" if best == "bfloat16" else "bfloat16"
+    why = (f"measured {'(cached) ' if cached else ''}{best} {times[other] / times[best]:.2f}x faster than {other} "
+           f"on a {hidden}x{inter} matmul")
+    return getattr(torch, best), why
+
+
+def resolve_dtype(name: str, device: torch.device, mlp_shape: tuple[int, int] | None = None) -> tuple[torch.dtype, str]:
+    """The dtype to run in, and why. ``auto`` on a CPU is measured (see fastest_cpu_dtype)."""
+    if name != "auto":
+        return getattr(torch, name), "as asked"
+    if device.type == "cuda":
+        if cuda_native_bf16(device):
+            return torch.bfloat16, "CUDA with native bfloat16"
+        return torch.float16, "CUDA without native bfloat16 (compute capability < 8.0)"
+    if device.type == "mps":
+        return torch.float16, "MPS"
+    if mlp_shape is None:
+        return (torch.bfloat16, "CPU has AVX-512 BF16 / AMX") if cpu_has_fast_bf16() else (torch.float32, "CPU flags")
+    return fastest_cpu_dtype(*mlp_shape)
+
+
+AUTO_QUANTIZE_CPU = "int8"  # what quantize: auto picks on a CPU (README: measured on the embedded pair)
+
+
+def resolve_quantize(name: str, device: torch.device, dtype: str = "auto") -> str:
+    """``auto``: weight-only quantization on a CPU (decoding there is bound by bytes read per
+    token), none on a GPU (whose kernels here need a compiled graph to pay), and none when the
+    user asked for activations the kernels do not run fast on (``--dtype float32``)."""
+    if name != "auto":
+        return name
+    return AUTO_QUANTIZE_CPU if device.type == "cpu" and dtype in ("auto", "bfloat16") else "none"
+
+
+def quantized_dtype(method: str, dtype: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """Activations for quantized weights: the packed kernels run fast on bfloat16 only (on a CPU
+    float32 activations take a slow path: 7.6 ms instead of 0.6 for one int8 row)."""
+    if device.type == "cuda" and method == "int4" and torch.cuda.get_device_capability(device) < (8, 0):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ModelError(f"--quantize int4 on CUDA needs compute capability 8.0 or newer (this GPU has "
+                         f"{major}.{minor}); use --quantize int8 or none")
+    if dtype in ("auto", "bfloat16"):
+        if device.type == "cuda" and not cuda_native_bf16(device):
+            return torch.float16, f"{method} weights, float16 activations (no bfloat16 on this GPU)"
+        return torch.bfloat16, f"{method} weights run on bfloat16 activations"
+    if device.type == "cuda" and method == "int8":
+        return getattr(torch, dtype), "as asked"
+    raise ModelError(f"--quantize {method} runs on bfloat16 activations; use --dtype bfloat16 (or auto), "
+                     f"or --quantize none to run in {dtype}")

