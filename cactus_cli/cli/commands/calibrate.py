@@ -9,8 +9,12 @@ from typing import Annotated, Optional
 
 import typer
 
+from cactus_cli.app.prompts import load_prompts
 from cactus_cli.cli import options as o
+from cactus_cli.cli import tables, ui
 from cactus_cli.cli.edge import user_errors
+from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.fileio import check_output_file
 
 
 @o.shared_options(*o.MODEL_AND_SAMPLING, "rule", "compile", "quantize")
@@ -34,9 +38,7 @@ def calibrate(
         from cactus_cli.app import calibrate as cal_mod
         from cactus_cli.app import grid as b
         from cactus_cli.app import runtime
-        from cactus_cli.app.prompts import load_prompts
         from cactus_cli.app.settings import parse_list
-        from cactus_cli.cli import ui
 
         settings, budget = _settings(shared, max_divergence, max_quality_drop)
         delta_list = parse_list(deltas, float, "--delta") if deltas else list(cal_mod.DEFAULT_DELTAS)
@@ -59,12 +61,10 @@ def calibrate(
         doc = cal_mod.document(cal, settings, prompts, budget, max_quality_drop, b.environment(engine, settings.to_dict()))
         _report(doc, cal, settings, shared, target, plot, as_json, err)
 
-
 def _settings(shared: o.Shared, max_divergence: float | None, max_quality_drop: float | None):
     """The run's settings (seed 0 and 64 tokens per prompt unless given) and the divergence budget."""
     from cactus_cli.app import calibrate as cal_mod
     from cactus_cli.app.profiles import resolve_settings
-    from cactus_cli.core.errors import ConfigError
 
     settings = resolve_settings(shared.profile, shared.flags)
     if settings.draft is None:
@@ -80,12 +80,9 @@ def _settings(shared: o.Shared, max_divergence: float | None, max_quality_drop: 
         settings = replace(settings, max_tokens=64)  # enough tokens per prompt to measure, short enough to sweep
     return settings, budget
 
-
 def _check_outputs(save: str | None, plot: Path | None) -> tuple[Path | None, Path | None]:
     """--save and --plot checked before the run: a long calibration must not die at the end."""
     from cactus_cli.app import calibrate as cal_mod
-    from cactus_cli.core.errors import ConfigError
-    from cactus_cli.core.fileio import check_output_file
 
     target = cal_mod.save_target(save) if save else None
     if plot is not None and plot.suffix.lower() != ".png":
@@ -101,13 +98,10 @@ def _check_outputs(save: str | None, plot: Path | None) -> tuple[Path | None, Pa
             raise ConfigError('--plot needs matplotlib: pip install -e ".[plot]"') from None
     return target, plot
 
-
 def _report(doc: dict, cal, settings, shared: o.Shared, target: Path | None, plot: Path | None, as_json: bool,
             err) -> None:
     """Print first, then write: a failed write must not lose a finished calibration."""
     from cactus_cli.app import calibrate as cal_mod
-    from cactus_cli.cli import tables, ui
-    from cactus_cli.core.errors import ConfigError
 
     if target is not None:
         doc["saved_profile"] = str(target)
@@ -126,7 +120,6 @@ def _report(doc: dict, cal, settings, shared: o.Shared, target: Path | None, plo
         cal_mod.save_profile(target, shared.profile, settings, doc)
         if not as_json:
             err.print(f"saved delta={cal.chosen_delta:g} k={cal.chosen_k} to {target}", style="dim")
-
 
 def register(app: typer.Typer) -> None:
     app.command("calibrate")(calibrate)

@@ -7,7 +7,10 @@ import sys
 import typer
 
 from cactus_cli.cli import options as o
+from cactus_cli.cli import ui
 from cactus_cli.cli.edge import user_errors
+from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.paths import cache_dir
 
 
 @o.shared_options(*o.GENERATION)
@@ -29,12 +32,9 @@ def chat(*, shared: o.Shared) -> None:
 
         from cactus_cli.app import runtime
         from cactus_cli.app.chat import ChatSession, read_turns
-        from cactus_cli.cli import ui
-        from cactus_cli.core.paths import cache_dir
 
         settings = with_seed(settings)
         if sys.stdin is None or sys.stdin.closed:
-            from cactus_cli.core.errors import ConfigError
 
             raise ConfigError("chat: stdin is closed; run it on a terminal or pipe the turns in")
         interactive = sys.stdin.isatty()
@@ -55,7 +55,6 @@ def chat(*, shared: o.Shared) -> None:
             session.run(read_turns(interactive, history_file=cache_dir() / "chat_history"))
         except KeyboardInterrupt:  # Ctrl-C at the prompt: leave cleanly
             out.info("")
-
 
 def register(app: typer.Typer) -> None:
     app.command("chat")(chat)

@@ -9,7 +9,10 @@ from typing import Annotated
 import typer
 
 from cactus_cli.cli import options as o
+from cactus_cli.cli import ui
 from cactus_cli.cli.edge import user_errors
+from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.fileio import clean_text, decode_input
 
 
 @o.shared_options(*o.GENERATION)
@@ -30,7 +33,6 @@ def generate(
         from cactus_cli.app import runtime
         from cactus_cli.app.profiles import resolve_settings
         from cactus_cli.app.settings import check_flags_apply, with_seed
-        from cactus_cli.cli import ui
 
         settings = resolve_settings(shared.profile, shared.flags)
         check_flags_apply(settings, shared.flags)
@@ -69,11 +71,8 @@ def generate(
             if interrupted:
                 raise typer.Exit(130)
 
-
 def _read_prompt(prompt: str) -> str:
     """The prompt argument, or stdin for ``-``: valid UTF-8 and not empty."""
-    from cactus_cli.core.errors import ConfigError
-    from cactus_cli.core.fileio import clean_text, decode_input
 
     if prompt == "-":
         if sys.stdin is None or sys.stdin.closed:
@@ -88,7 +87,6 @@ def _read_prompt(prompt: str) -> str:
         raise ConfigError("the prompt is empty; pass some text, or - to read it from stdin")
     return prompt
 
-
 def _json_doc(text: str, interrupted: bool, settings, stats, engine, params) -> dict:
     """--json: the text, the settings as given and as resolved, the stats and the cost model."""
     doc = {"text": text, "interrupted": interrupted, "settings": settings.to_dict(), "stats": stats.to_dict()}
@@ -102,7 +100,6 @@ def _json_doc(text: str, interrupted: bool, settings, stats, engine, params) -> 
     doc["settings"]["compile_seconds"] = engine.compile_seconds
     doc["cost_model"] = engine.cost_summary(params)
     return doc
-
 
 def register(app: typer.Typer) -> None:
     app.command("generate")(generate)

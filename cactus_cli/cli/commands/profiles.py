@@ -7,10 +7,11 @@ from typing import Annotated
 import typer
 
 from cactus_cli.cli.edge import user_errors
+from cactus_cli.cli.ui import make_console
+from cactus_cli.core.errors import CactusError
 
 profiles_app = typer.Typer(help="List and show YAML profiles (model pair, rule, delta, k, sampling).",
                            no_args_is_help=True)
-
 
 @profiles_app.command("list")
 def list_cmd() -> None:
@@ -23,7 +24,6 @@ def list_cmd() -> None:
             load_profile,
             user_profile_dir,
         )
-        from cactus_cli.cli.ui import make_console
 
         table = Table(title="profiles", title_justify="left")
         table.add_column("name", no_wrap=True, style="bold")
@@ -31,7 +31,6 @@ def list_cmd() -> None:
         table.add_column("verifier / draft", overflow="fold")
         for col in ("rule", "delta", "k"):
             table.add_column(col, no_wrap=True)
-        from cactus_cli.core.errors import CactusError
 
         bad = []
         for name, path, origin in list_profiles():
@@ -52,7 +51,6 @@ def list_cmd() -> None:
 
             make_console(stderr=True).print(Text.assemble(("invalid profile: ", "red"), problem), soft_wrap=True)
 
-
 @profiles_app.command("show")
 def show_cmd(name: Annotated[str, typer.Argument(help="Profile name or path.")]) -> None:
     """Show a profile's settings, resolved over the built-in defaults."""
@@ -66,7 +64,6 @@ def show_cmd(name: Annotated[str, typer.Argument(help="Profile name or path.")])
         settings = build_settings((data, str(path)))
         typer.echo(f"# {path}")
         typer.echo(yaml.safe_dump(settings.to_dict(), sort_keys=False).rstrip())
-
 
 def register(app: typer.Typer) -> None:
     app.add_typer(profiles_app, name="profiles")
