@@ -64,17 +64,42 @@ def test_packed_kernels_compute_the_dequantized_matmul(method):
         torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)  # bfloat16 activations and scales
 
 
+def test_w8a8_matches_the_dequantized_matmul_and_rows_never_see_each_other():
+    """Per-row activation scales: a row's output is bit-identical whatever else is in the call
+    (a token verified among drafts gets the logits it gets alone), and close to the dequantized
+    weights times the activations (7-bit activations per row, int8 weights per channel)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 96, bias=True)
+    q, s = qz.quantize_int8(lin.weight.detach())
+    layer = qz.Int8DynamicLinear(q, s, lin.bias.detach(), torch.bfloat16)
+    x = torch.randn(6, 128).to(torch.bfloat16)
+    x[3] *= 40  # a loud row: with one scale per call it would coarsen every other row's quantization
+    together = layer(x)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(6)])
+    assert torch.equal(together, alone)
+    want = x.float() @ qz.dequantize_int8(q, s).t() + lin.bias.detach()
+    err = (together.float() - want).norm(dim=1) / want.norm(dim=1)
+    assert err.max() < 0.03, err
+    assert qz.w8a8_problem(torch.device("cpu")) is None
+    assert "runs on a CPU" in qz.w8a8_problem(torch.device("cuda"))
+
+
 @pytest.fixture(scope="module")
 def quantized_pairs(tiny):
-    return {m: load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "auto", quantize=m) for m in ("int8", "int4")}
+    return {m: load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "auto", quantize=m)
+            for m in ("int8", "int4", "w8a8")}
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a8"])
 @pytest.mark.parametrize("k", [1, 4])
 def test_quantized_pair_greedy_speculative_equals_its_verifier_alone(quantized_pairs, method, k):
     pair = quantized_pairs[method]
     assert pair.verifier.dtype == torch.bfloat16 and pair.verifier.quantize == method
-    assert isinstance(pair.verifier.model.lm_head, qz.Int8Linear)  # the head is int8 in both methods
+    assert isinstance(pair.verifier.model.lm_head, qz.Int8Linear)  # the head is int8 in every method
+    if method == "w8a8":  # int8 x int8 everywhere but the head
+        layer = pair.verifier.model.model.layers[0]
+        assert all(isinstance(m, qz.Int8DynamicLinear) for m in (layer.self_attn.q_proj, layer.self_attn.o_proj,
+                                                                  layer.mlp.up_proj, layer.mlp.down_proj))
     ids = prompt_ids(pair)
     n = 40
     alone, _, _ = run(SpeculativeEngine(pair), ids, GenerationParams(sampling=GREEDY, num_draft_tokens=0,
@@ -83,6 +108,31 @@ def test_quantized_pair_greedy_speculative_equals_its_verifier_alone(quantized_p
                                                                         max_tokens=n, ignore_eos=True))
     assert spec == alone
     assert 0 < stats.draft_acceptance_rate < 1
+
+
+def test_smoothing_leaves_the_function_unchanged_and_is_cached(tiny, isolated_home):
+    """SmoothQuant moves activation range into the weights: the unquantized model computes the
+    same logits after it (to float rounding); a w8a8 start from the cache applies the cached
+    factors and gives the same logits as the first start."""
+    from transformers import AutoModelForCausalLM
+
+    from cactus_cli.infer import smooth
+
+    model = AutoModelForCausalLM.from_pretrained(tiny["verifier"], dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 9, 12, 7, 30, 11]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        found = smooth.groups(model)
+        assert len(found) == 3 * len(model.model.layers)  # attention input, MLP input, down_proj input
+        factors = smooth.factors(model, found, ids[0].tolist())
+        assert all((s > 0).all() and s.shape == (model.get_submodule(g.readers[0]).in_features,)
+                   for g, s in zip(found, factors.values()))
+        smooth.apply(model, found, factors)
+        torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=1e-4, atol=1e-4)
+    first = load_pair(tiny["verifier"], None, None, "cpu", "auto", quantize="w8a8")
+    again = load_pair(tiny["verifier"], None, None, "cpu", "auto", quantize="w8a8")  # from the cache
+    with torch.no_grad():
+        assert torch.equal(first.verifier.model(input_ids=ids).logits, again.verifier.model(input_ids=ids).logits)
 
 
 def test_quantized_weights_are_cached_and_reused(tiny, monkeypatch, isolated_home):
@@ -124,13 +174,46 @@ def test_quantize_needs_bfloat16_activations_on_cpu(tiny):
     assert r.exit_code == 2 and "--quantize must be one of auto, none, int8, int4" in r.stderr
 
 
-def test_quantize_auto_is_int8_on_cpu(tiny):
+def test_quantize_auto_on_cpu_is_measured_and_says_why(tiny):
     r = cli.invoke(app, ["generate", "the cat", "--verifier", tiny["verifier"], "--draft", tiny["draft_close"],
                          "--device", "cpu", "--quantize", "auto", "-n", "4", "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["settings"]["dtype_resolved"] == "bfloat16"
-    assert doc["settings"]["dtype_reason"] == "int8 weights run on bfloat16 activations"
+    reason = doc["settings"]["dtype_reason"]
+    assert reason.startswith("quantize auto: ") and "measured" in reason, reason
+    picked = reason.split(",")[0].removeprefix("quantize auto: ")
+    assert picked in ("int8", "w8a8") and doc["settings"]["quantized"]["verifier"].startswith(picked)
+    r = cli.invoke(app, ["generate", "the cat", "--verifier", tiny["verifier"], "--draft", "none", "--device", "cpu",
+                         "--quantize", "int8", "-n", "2", "--json"])
+    assert json.loads(r.stdout)["settings"]["dtype_reason"] == "int8 weights run on bfloat16 activations"
+
+
+def test_quantize_auto_gates_w8a8_on_its_measured_quality(tiny, isolated_home, monkeypatch):
+    from cactus_cli.core import defaults
+    from cactus_cli.infer import models
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(models, "fastest_cpu_quantization", lambda hidden, inter: ("w8a8", "measured w8a8 3x faster"))
+    src = models.Source("folder", tiny["verifier"])
+    assert models.choose_quantize("auto", cpu, "auto", src) == ("w8a8", "quantize auto: w8a8, measured w8a8 3x faster",
+                                                               defaults.QUALITY_TOLERANCE)
+    assert models.choose_quantize("int8", cpu, "auto", src) == ("int8", "", None)  # asked for by name: no probe
+    calibration = [5, 9, 12, 7, 30, 11, 8, 14] * 4
+    # a gate no model passes: w8a8 is measured, kept, and the model loaded again in int8
+    lm = models.load_model(tiny["verifier"], src, cpu, torch.bfloat16, "verifier", "w8a8", None, 1, calibration, -1.0)
+    assert lm.quantize == "int8" and isinstance(lm.model.model.layers[0].self_attn.q_proj, qz.Int8Linear)
+    verdict = qz.quality_verdict(tiny["verifier"])
+    assert verdict is not None and abs(verdict) < 1.0
+    # measured again from the cached w8a8 tensors: the same verdict (the reference is the model as loaded)
+    lm = models.load_model(tiny["verifier"], src, cpu, torch.bfloat16, "verifier", "w8a8", None, 1, calibration, 10.0)
+    assert lm.quantize == "w8a8" and qz.quality_verdict(tiny["verifier"]) == pytest.approx(verdict, abs=1e-3)
+    monkeypatch.setattr(defaults, "QUALITY_TOLERANCE", verdict - 1e-6)  # measured worse than the tolerance
+    method, why, gate = models.choose_quantize("auto", cpu, "auto", src)
+    assert (method, gate) == ("int8", None) and "more than" in why
+    monkeypatch.setattr(defaults, "QUALITY_TOLERANCE", verdict + 1e-6)  # within it: w8a8, no gate again
+    method, why, gate = models.choose_quantize("auto", cpu, "auto", src)
+    assert (method, gate) == ("w8a8", None) and "nats/token on this model" in why
 
 
 def test_models_quality_reports_nll_and_agreement(tiny):

@@ -11,9 +11,10 @@ from typing import Any, Callable
 
 import torch
 
+from cactus_cli.core import defaults
 from cactus_cli.infer.quantize import weight_bytes
 
-NLL_TOLERANCE = 0.03  # nats per token: what the default quantization may cost on the built-in prompts
+NLL_TOLERANCE = defaults.QUALITY_TOLERANCE  # nats per token: what the default quantization may cost
 
 @dataclass
 class Quality:

@@ -21,7 +21,7 @@ MIN_TEMPERATURE = 1e-3  # below this, logits / T overflows to inf and probabilit
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; bench adds the prompt index
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 COMPILE = ("auto", "on", "off")
-QUANTIZE = ("auto", "none", "int8", "int4")
+QUANTIZE = ("auto", "none", "int8", "int4", "w8a8")
 RULE_PARAM_KEYS = ("divergence", "epsilon", "alpha", "topk")  # rule parameters other than delta
 
 
@@ -48,7 +48,7 @@ class Settings:
     device: str = "auto"
     dtype: str = "auto"
     compile: str = "auto"  # static caches + compiled steps: on for CUDA; on a CPU only where measured faster
-    quantize: str = "none"  # weight-only int8 / int4 Linear layers; auto: int8 on a CPU, none on a GPU
+    quantize: str = "none"  # int8 / int4 weight-only, w8a8 (int8 x int8, CPU); auto: int8 on a CPU, none on a GPU
     tp: int = 1  # tensor-parallel ranks for the verifier (distributed.py)
     chat_template: bool | None = None  # None: use the tokenizer's chat template when it has one
     system: str | None = None

@@ -10,19 +10,23 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from cactus_cli.app.prompts import load_prompts
+from cactus_cli.app.tasks import is_correct, load_tasks
 from cactus_cli.cli import options as o
+from cactus_cli.cli import tables, ui
 from cactus_cli.cli.edge import user_errors
 from cactus_cli.core import defaults
+from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.fileio import check_output_dir, check_output_file, write_or_fail
 
 Rules = Annotated[str, typer.Option("--rules", help="Comma list of rules: sps,cactus,cactus-exact,tas,topk,interp.", rich_help_panel=o.DECODING)]
 Deltas = Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values for the rules that take one (default: the profile's).", rich_help_panel=o.DECODING)]
 Ks = Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of draft lengths, `auto` included (default: the profile's).", rich_help_panel=o.DECODING)]
 Compiles = Annotated[Optional[str], typer.Option("--compile", help="Comma list of auto, on, off: time eager and compiled engines side by side, e.g. --compile off,on (default: the profile's).", rich_help_panel=o.RUNTIME)]
-Quantizes = Annotated[Optional[str], typer.Option("--quantize", help="Comma list of none, int8, int4, auto: time weight-only quantized models side by side, e.g. --quantize none,int8 (default: the profile's).", rich_help_panel=o.RUNTIME)]
+Quantizes = Annotated[Optional[str], typer.Option("--quantize", help="Comma list of none, int8, int4, w8a8, auto: time quantized models side by side, e.g. --quantize none,int8,w8a8 (default: the profile's).", rich_help_panel=o.RUNTIME)]
 Meter = Annotated[bool, typer.Option("--meter", help="Also measure the realized divergence KL(h_alg || q) and TV per position (costs time).")]
 Csv = Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per configuration to this file.")]
 DEFAULT_RULES = defaults.BENCH_RULES
-
 
 @dataclass
 class GridFlags:
@@ -39,13 +43,11 @@ class GridFlags:
     meter: bool = False
     compare_hf: bool = False
 
-
 @dataclass
 class GridOutput:
     as_json: bool
     csv_path: Path | None
     out_dir: Path | None
-
 
 def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: GridOutput) -> None:
     """bench and eval: the same grid (variants x rules x delta x k, the verifier alone first),
@@ -55,7 +57,6 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
         output = _check_outputs(output)
         from cactus_cli.app import grid as g
         from cactus_cli.app.runtime import generation_params
-        from cactus_cli.cli import ui
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         with ui.LoadProgress(err) as progress:
@@ -81,14 +82,12 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
             err.print("interrupted: the results above cover what finished", style="yellow")
             raise typer.Exit(130)
 
-
 def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str, list], list, Any]:
     """Settings, the parsed lists, the prompts (or tasks) and the grader, all checked before any
     model loads."""
     from cactus_cli.app import grid as g
     from cactus_cli.app.profiles import resolve_settings
     from cactus_cli.app.settings import check_each, parse_ks, parse_list, uses_lookup
-    from cactus_cli.core.errors import ConfigError
 
     settings = resolve_settings(shared.profile, shared.flags)
     if settings.draft is None:
@@ -111,31 +110,24 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
     source = str(flags.prompts_file) if flags.prompts_file else None
     grade = None
     if kind == "eval":
-        from cactus_cli.app.tasks import is_correct, load_tasks
 
         prompts, grade = load_tasks(source, flags.limit, categories), is_correct
     else:
-        from cactus_cli.app.prompts import load_prompts
 
         prompts = load_prompts(source, flags.limit, categories)
     if settings.seed is None:
         settings = replace(settings, seed=0)  # a benchmark is reproducible by default
     return settings, lists, prompts, grade
 
-
 def _check_outputs(output: GridOutput) -> GridOutput:
     """A 30-minute run must not die at the end on a path it could have checked now."""
-    from cactus_cli.core.fileio import check_output_dir, check_output_file
 
     return GridOutput(output.as_json, check_output_file(output.csv_path, "--csv") if output.csv_path else None,
                       check_output_dir(output.out_dir, "--out") if output.out_dir else None)
 
-
 def _report(kind: str, doc: dict, env: dict, output: GridOutput, no_color: bool, err) -> None:
     """Print first, then write: a failed write must not lose the results."""
     from cactus_cli.app.grid import csv_text
-    from cactus_cli.cli import tables, ui
-    from cactus_cli.core.fileio import write_or_fail
 
     if output.as_json:
         typer.echo(json.dumps(doc, indent=2))
@@ -150,11 +142,9 @@ def _report(kind: str, doc: dict, env: dict, output: GridOutput, no_color: bool,
     if output.csv_path:
         write_or_fail(output.csv_path, csv_text(doc), "--csv")
 
-
 def _check_sweep_flags(rules: list[str], deltas: str | None, ks: list, flags: dict) -> None:
     """A sweep option that no configuration of the grid would use is an error, not a no-op."""
     from cactus_cli.core.acceptance import RULES
-    from cactus_cli.core.errors import ConfigError
 
     if deltas and not any("delta" in RULES[r].param_names() for r in rules):
         raise ConfigError(f"--delta has no effect with --rules {','.join(rules)}; add cactus or cactus-exact")

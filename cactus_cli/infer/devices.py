@@ -14,6 +14,12 @@ import torch
 from cactus_cli.core.errors import ModelError
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.paths import cache_path
+from cactus_cli.infer.qlayers import (
+    Int8DynamicLinear,
+    Int8Linear,
+    quantize_int8,
+    w8a8_problem,
+)
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -85,7 +91,8 @@ def device_name(device: torch.device) -> str:
     except OSError:
         pass
     flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "asimd", "sve"})
-    return f"{model} [{' '.join(flags)}]"
+    isa = torch.backends.cpu.get_cpu_capability()  # what torch's kernels use (ATEN_CPU_CAPABILITY can lower it)
+    return f"{model} [{' '.join(flags)}] {isa}"
 
 
 def _median_linear_seconds(dtype: torch.dtype, hidden: int, inter: int, rows: int, reps: int = 9) -> float:
@@ -102,29 +109,68 @@ def _median_linear_seconds(dtype: torch.dtype, hidden: int, inter: int, rows: in
     return statistics.median(times)
 
 
+def _timed_once(prefix: str, shape: list[int], names: tuple[str, ...], seconds) -> tuple[dict[str, float], bool]:
+    """``seconds(name)`` for each name, measured once per machine, threads, torch and shape and
+    cached; (the times, whether they came from the cache). A corrupt file (zero, negative or NaN
+    timings) is measured again and replaced."""
+    key = {"cpu": device_name(torch.device("cpu")), "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "shape": shape}
+    path = cache_path(key, prefix)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        times = {name: float(v) for name, v in doc["seconds"].items() if name in names}
+        if len(times) == len(names) and all(0 < t < 60 for t in times.values()):
+            return times, True
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        pass
+    times = {name: seconds(name) for name in names}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps({"key": key, "seconds": times}, indent=1))
+    except OSError:
+        pass  # not cached: the next run measures again
+    return times, False
+
+
+def fastest_cpu_quantization(hidden: int, inter: int, rows: int = 9) -> tuple[str, str]:
+    """``--quantize auto`` on a CPU: int8 weight-only or w8a8, whichever runs the model's MLP
+    matmul faster at the two widths a step runs (1 token, and a verify of ``rows``: k_max + 1),
+    measured once per machine and cached. (w8a8's quality gate: models.load_pair.)"""
+    if w8a8_problem(torch.device("cpu")) is not None:
+        return "int8", "fbgemm is not available for w8a8"
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(inter, hidden, generator=gen) * 0.02
+    q, scales = quantize_int8(w)
+
+    def seconds(name: str) -> float:
+        layer = (Int8DynamicLinear if name == "w8a8" else Int8Linear)(q, scales, None, torch.bfloat16)
+        total = 0.0
+        for n in (1, rows):
+            x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16)
+            with torch.inference_mode():
+                layer(x)  # warm-up
+                times = []
+                for _ in range(7):
+                    t0 = time.perf_counter()
+                    layer(x)
+                    times.append(time.perf_counter() - t0)
+            total += statistics.median(times)
+        return total
+
+    times, cached = _timed_once("quantize-", [hidden, inter, rows], ("int8", "w8a8"), seconds)
+    best = min(times, key=times.get)
+    other = "int8" if best == "w8a8" else "w8a8"
+    return best, (f"measured {'(cached) ' if cached else ''}{best} {times[other] / times[best]:.2f}x faster than "
+                  f"{other} on a {hidden}x{inter} matmul at 1 and {rows} rows")
+
+
 def fastest_cpu_dtype(hidden: int, inter: int) -> tuple[torch.dtype, str]:
     """Time the model's MLP matmul shape in float32 and bfloat16 at 1 and 5 rows (one decode
     step, one short verify) and keep the faster; cached per machine, threads, torch and shape,
     so only the first run on a machine pays the ~1 s. CPU flags alone mislead: on a 2-core AVX2
     EPYC bfloat16 is 2.6x faster for a 1-token forward although it has no AVX-512 BF16."""
-    key = {"cpu": device_name(torch.device("cpu")), "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "shape": [hidden, inter]}
-    path = cache_path(key, "dtype-")
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        times = {name: float(v) for name, v in doc["seconds"].items() if name in ("float32", "bfloat16")}
-        # a corrupt file (zero, negative or NaN timings) is measured again and replaced
-        cached = len(times) == 2 and all(0 < t < 60 for t in times.values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        cached = False
-    if not cached:
-        times = {name: sum(_median_linear_seconds(getattr(torch, name), hidden, inter, rows) for rows in (1, 5))
-                 for name in ("float32", "bfloat16")}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, json.dumps({"key": key, "seconds": times}, indent=1))
-        except OSError:
-            pass  # not cached: the next run measures again
+    times, cached = _timed_once("dtype-", [hidden, inter], ("float32", "bfloat16"), lambda name: sum(
+        _median_linear_seconds(getattr(torch, name), hidden, inter, rows) for rows in (1, 5)))
     best = min(times, key=times.get)
     other = "float32" if best == "bfloat16" else "bfloat16"
     why = (f"measured {'(cached) ' if cached else ''}{best} {times[other] / times[best]:.2f}x faster than {other} "
@@ -166,6 +212,13 @@ def quantized_dtype(method: str, dtype: str, device: torch.device) -> tuple[torc
         major, minor = torch.cuda.get_device_capability(device)
         raise ModelError(f"--quantize int4 on CUDA needs compute capability 8.0 or newer (this GPU has "
                          f"{major}.{minor}); use --quantize int8 or none")
+    if method == "w8a8":
+        if (problem := w8a8_problem(device)) is not None:
+            raise ModelError(problem)
+        if dtype not in ("auto", "bfloat16", "float32"):
+            raise ModelError(f"--quantize w8a8 runs on bfloat16 or float32 activations; use --dtype auto, not {dtype}")
+        return (torch.float32, "w8a8 weights, float32 activations (as asked)") if dtype == "float32" else (
+            torch.bfloat16, "w8a8 weights, bfloat16 activations between the int8 matmuls")
     if dtype in ("auto", "bfloat16"):
         if device.type == "cuda" and not cuda_native_bf16(device):
             return torch.float16, f"{method} weights, float16 activations (no bfloat16 on this GPU)"

@@ -13,15 +13,18 @@ from typing import Any
 
 import torch
 
+from cactus_cli.core import defaults
 from cactus_cli.core.errors import ModelError
 from cactus_cli.infer import embedded
 from cactus_cli.infer.devices import (
+    fastest_cpu_quantization,
     quantized_dtype,
     resolve_device,
     resolve_dtype,
     resolve_quantize,
 )
-from cactus_cli.infer.quantize import quantize_model
+from cactus_cli.infer.quantize import QualityGateFailed, quality_verdict, quantize_model
+from cactus_cli.infer.smooth import CALIBRATION_TEXT
 from cactus_cli.infer.tp import group
 
 
@@ -161,9 +164,11 @@ def load_tokenizer(src: Source):
 
 
 def load_model(name: str, src: Source, device: torch.device, dtype: torch.dtype, role: str = "model",
-               quantize: str = "none", reporter=None, tp: int = 1) -> LoadedModel:
+               quantize: str = "none", reporter=None, tp: int = 1, calibration: list[int] | None = None,
+               gate: float | None = None) -> LoadedModel:
     """Load ``src`` (already materialized: a folder or a hub id); ``name`` is what the user called
-    it. ``quantize`` int8 / int4 replaces every Linear by its weight-only quantized version;
+    it. ``quantize`` int8 / int4 / w8a8 replaces every Linear by its quantized version (``gate``:
+    a w8a8 that costs more than that many nats/token on ``calibration`` becomes int8);
     ``tp`` > 1 loads this rank's shard (every rank of the group calls this together)."""
     import time
 
@@ -192,7 +197,15 @@ def load_model(name: str, src: Source, device: torch.device, dtype: torch.dtype,
     if quantize != "none":
         if reporter is not None:
             reporter.task(f"quantizing the {role} to {quantize}")
-        note = quantize_model(model, quantize, src.location, reporter.task if reporter is not None else None, device)
+        report = reporter.task if reporter is not None else None
+        try:
+            note = quantize_model(model, quantize, src.location, report, device, calibration, gate)
+        except QualityGateFailed as failed:  # (the model was half replaced: load it again)
+            if reporter is not None:
+                reporter.warn(f"--quantize auto: {failed} (more than {gate:g}); using int8")
+            model = _from_pretrained(AutoModelForCausalLM, src, f"{role} model", dtype=dtype).eval()
+            quantize = "int8"
+            note = quantize_model(model, quantize, src.location, report, device)
     if tp == 1:
         model.to(device)  # (a no-op for what is already there)
     return LoadedModel(model, name, src.location, device, dtype, ctx, width, time.perf_counter() - t0, quantize, tp,
@@ -249,6 +262,27 @@ def check_same_vocab(verifier_tok, draft_tok, verifier: str, draft: str, what: s
         f"draft {draft!r} and verifier {verifier!r} do not share a tokenizer ({detail}); "
         "speculative decoding needs one vocabulary: pick a draft from the verifier's model family"
     )
+
+
+def choose_quantize(name: str, dev: torch.device, dtype: str, vsrc: Source) -> tuple[str, str, float | None]:
+    """(method, why, quality gate). ``auto`` on a CPU with bfloat16 activations: w8a8 or int8,
+    whichever runs the model's MLP matmul faster here (measured once per machine), where w8a8's
+    quality on this model passes: its mean NLL within QUALITY_TOLERANCE of the unquantized model
+    on the calibration text, measured at its first quantization (the gate) and kept."""
+    method = resolve_quantize(name, dev, dtype)
+    shape = mlp_shape(vsrc) if name == "auto" and method == "int8" else None
+    if shape is None:  # asked for by name, or not a CPU
+        return method, "", None
+    best, why = fastest_cpu_quantization(*shape)
+    if best != "w8a8":
+        return "int8", f"quantize auto: int8, {why}", None
+    verdict = quality_verdict(vsrc.location)
+    if verdict is None:
+        return "w8a8", f"quantize auto: w8a8, {why}", defaults.QUALITY_TOLERANCE
+    if verdict > defaults.QUALITY_TOLERANCE:
+        return "int8", (f"quantize auto: int8, w8a8 measured {verdict:+.3f} nats/token on this model "
+                        f"(more than {defaults.QUALITY_TOLERANCE:g})"), None
+    return "w8a8", f"quantize auto: w8a8, {why}; {verdict:+.3f} nats/token on this model", None
 
 
 def tp_plan(tp: int, vsrc: Source, verifier: str, dev: torch.device, dtype: str, quantize: str,
@@ -315,16 +349,21 @@ def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, de
         if reporter is not None:
             reporter.task(f"starting {tp} tensor-parallel ranks")
         group.start(tp, dev, load)
-        quantize = "none"
+        quantize, gate = "none", None
     else:
-        quantize = resolve_quantize(quantize, dev, dtype)
+        quantize, qwhy, gate = choose_quantize(quantize, dev, dtype, vsrc)
         if quantize != "none":
             dt, why = quantized_dtype(quantize, dtype, dev)
+            why = f"{qwhy}; {why}" if qwhy else why
         else:
             dt, why = resolve_dtype(dtype, dev, mlp_shape(vsrc) if dtype == "auto" and dev.type == "cpu" else None)
-    vm = load_model(verifier, vsrc, dev, dt, "verifier", quantize, reporter, tp)
+    calibration = list(tok(CALIBRATION_TEXT)["input_ids"]) if quantize == "w8a8" else None  # (smooth.py)
+    vm = load_model(verifier, vsrc, dev, dt, "verifier", quantize, reporter, tp, calibration,
+                    gate if quantize == "w8a8" else None)
+    quantize = vm.quantize  # (int8 if w8a8 failed its quality gate: the draft follows)
     # the draft sits with rank 0's shard under --tp (acceptance is decided there)
-    dm = load_model(draft, dsrc, vm.device if tp > 1 else dev, dt, "draft", quantize, reporter) if dsrc is not None else None
+    dm = (load_model(draft, dsrc, vm.device if tp > 1 else dev, dt, "draft", quantize, reporter, 1, calibration)
+          if dsrc is not None else None)
     vocab = len(tok)
     for lm, role in ((vm, "verifier"), (dm, "draft")):
         # padded output rows are a few hundred at most (Qwen2.5: 271); far fewer tokens than rows

@@ -1,5 +1,5 @@
-"""Weight-only quantization of every Linear layer (lm_head included), with torch's own packed
-kernels, the way gpt-fast does it:
+"""Quantization of every Linear layer (lm_head included), with torch's own kernels. Weight-only,
+the way gpt-fast does it:
 
 - ``int8``: symmetric, one scale per output channel. CPU: ``aten._weight_int8pack_mm``;
   elsewhere ``F.linear(x, w.to(x.dtype)) * scales``, which torch.compile fuses (CUDA).
@@ -7,6 +7,15 @@ kernels, the way gpt-fast does it:
   CPU: ``aten._weight_int4pack_mm_for_cpu``; CUDA: ``aten._weight_int4pack_mm`` (tinygemm).
 
 Activations stay in the model's dtype (bfloat16: the packed CPU kernels are fast only there).
+And int8 x int8 on a CPU:
+
+- ``w8a8``: int8 weights (symmetric, per output channel, as ``int8``) times activations quantized
+  to int8 at each call (one scale per row: see ``Int8DynamicLinear``), on fbgemm's dynamic linear
+  (``quantized.linear_dynamic`` over ``quantized.linear_prepack``): x86's int8 GEMM, flat in the
+  number of rows, where the weight-only kernels slow down with every verified token on AVX2. The
+  layers whose inputs carry outlier channels (``mlp.down_proj``, after SwiGLU) and the output
+  head stay on the weight-only int8 kernel: one scale per row cannot hold those inputs (README,
+  "Quantized weights": NLL per plan).
 torchao was the first choice and was measured first: torchao 0.18 with torch 2.13 could not load
 its compiled extension, its Int8WeightOnlyConfig ran a 1536x8960 matmul 2.3x *slower* than
 bfloat16 (3.85 vs 1.70 ms) and its CPU int4 layout is gone; torch's kernels ran it in 0.60 ms
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -29,99 +39,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cactus_cli.core.paths import cache_dir
+from cactus_cli.core.fileio import atomic_write
+from cactus_cli.core.paths import cache_dir, cache_path
+from cactus_cli.infer import smooth
+from cactus_cli.infer.qlayers import (  # noqa: F401  (the layers and arithmetic, re-exported)
+    INT4_GROUP,
+    INT4_TILES,
+    Int4Linear,
+    Int8DynamicLinear,
+    Int8Linear,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+    w8a8_problem,
+)
 
-METHODS = ("none", "int8", "int4")
-INT4_GROUP = 32  # input channels per int4 scale/zero: 32 keeps the embedded verifier within 0.03 nats
-INT4_TILES = 8  # inner k tiles of the CUDA int4 packing
+METHODS = ("none", "int8", "int4", "w8a8")
+W8A8_KEEP: tuple[str, ...] = ()  # layer names (last part) kept on weight-only int8 under w8a8 (see README)
 FORMAT = 3  # bump when what is cached changes (2: int4 keeps the head in int8; 3: a checksum)
-
-
-# --------------------------------------------------------------------------- the arithmetic
-
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (q int8 [N, K], scales float32 [N]) with w ~= q * scales[:, None]."""
-    w = w.float()
-    scales = (w.abs().amax(1) / 127).clamp(min=1e-10)
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scales
-
-
-def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return q.float() * scales[:, None]
-
-
-def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[N, K] -> (q in 0..15 as uint8 [N, K], scales [N, K/group], mins [N, K/group]) with
-    w ~= q * scale + min per group (asymmetric: the group's range maps onto 16 levels)."""
-    n, k = w.shape
-    g = w.float().reshape(n, k // group, group)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scales = ((hi - lo) / 15).clamp(min=1e-10)
-    q = torch.round((g - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
-    return q.reshape(n, k), scales, lo
-
-
-def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    n, k = q.shape
-    g = q.float().reshape(n, scales.shape[1], -1)
-    return (g * scales[..., None] + mins[..., None]).reshape(n, k)
-
-
-# --------------------------------------------------------------------------- the layers
-
-
-class Int8Linear(nn.Module):
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
-        super().__init__()
-        self.in_features, self.out_features = q.shape[1], q.shape[0]
-        self.register_buffer("weight", q)
-        self.register_buffer("scales", scales.to(dtype))
-        self.register_buffer("bias", None if bias is None else bias.to(dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.device.type == "cpu":
-            out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales)
-        else:
-            out = F.linear(x2, self.weight.to(x2.dtype)) * self.scales
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*shape[:-1], self.out_features)
-
-
-class Int4Linear(nn.Module):
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.in_features, self.out_features = q.shape[1], q.shape[0]
-        self.group = q.shape[1] // scales.shape[1]
-        # the kernels compute w = (q - 8) * scale + zero per group, so zero = min + 8 * scale;
-        # scales_and_zeros is [K/group, N, 2]
-        zeros = mins + 8 * scales
-        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
-                             .to(device=device, dtype=dtype))
-        q32 = q.to(device=device, dtype=torch.int32)
-        if device.type == "cpu":
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32, INT4_TILES)
-        else:
-            packed = torch.ops.aten._convert_weight_to_int4pack((q32[:, ::2] << 4 | q32[:, 1::2]).to(torch.uint8),
-                                                                INT4_TILES)
-        self.register_buffer("weight", packed)
-        self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()
-        if x2.device.type == "cpu":
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.group, self.scales_and_zeros)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm(x2, self.weight, self.group, self.scales_and_zeros)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*shape[:-1], self.out_features)
 
 
 def fits(method: str, linear: nn.Linear, device_type: str = "cpu") -> bool:
@@ -129,20 +65,21 @@ def fits(method: str, linear: nn.Linear, device_type: str = "cpu") -> bool:
     and N % 8 on a CPU; CUDA's packing also needs K % (INT4_TILES * 16) = K % 128, so hidden
     sizes such as 576 or 960 do not fit there."""
     n, k = linear.weight.shape
-    if method == "int8":
+    if method in ("int8", "w8a8"):
         return True
     return k % INT4_GROUP == 0 and n % 8 == 0 and (device_type != "cuda" or k % (INT4_TILES * 16) == 0)
 
 
 def plan_layers(model: nn.Module, method: str, device_type: str) -> dict[str, str]:
-    """Layer name -> the method it runs: ``method``, except the output head (int8 under int4:
-    logits are what we sample) and int4 layers whose shape the device's kernel cannot take
-    (int8 instead)."""
+    """Layer name -> the method it runs: ``method``, except the output head (int8 under int4 and
+    w8a8: logits are what we sample), ``W8A8_KEEP`` layers under w8a8 (int8) and int4 layers whose
+    shape the device's kernel cannot take (int8 instead)."""
     out = model.get_output_embeddings()
     plan = {}
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
-            kind = "int8" if m is out else method
+            kept = m is out or (method == "w8a8" and name.rpartition(".")[2] in W8A8_KEEP)
+            kind = "int8" if kept else method
             plan[name] = kind if fits(kind, m, device_type) else "int8"
     return plan
 
@@ -152,7 +89,10 @@ def describe_plan(plan: dict[str, str], method: str, device_type: str) -> str:
     fell_back = sum(1 for kind in plan.values() if kind != method)
     if not fell_back:
         return f"{method} weights ({len(plan)} layers)"
-    why = "the output head" + (f" and widths the {device_type.upper()} int4 kernel cannot take" if fell_back > 1 else "")
+    if method == "w8a8":
+        why = " and ".join(["the output head"] + [f"mlp.{k}" for k in W8A8_KEEP])
+    else:
+        why = "the output head" + (f" and widths the {device_type.upper()} int4 kernel cannot take" if fell_back > 1 else "")
     return f"{method} weights ({len(plan)} layers, {fell_back} in int8: {why})"
 
 
@@ -188,24 +128,67 @@ def weights_key(location: str) -> dict:
     return {"source": str(folder.resolve()), "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
 
 
+class QualityGateFailed(Exception):
+    """``--quantize auto`` tried w8a8 and it cost more than the tolerance on this model."""
+
+    def __init__(self, delta: float):
+        super().__init__(f"w8a8 costs {delta:+.3f} nats/token on this model")
+        self.delta = delta
+
+
+def verdict_path(location: str) -> Path:
+    """Where w8a8's measured quality for these weights is kept (mean NLL change, nats/token)."""
+    return cache_path({"weights": weights_key(location), "method": "w8a8", "format": FORMAT,
+                       "torch": torch.__version__.split("+")[0]}, "quality-")
+
+
+def quality_verdict(location: str) -> float | None:
+    """w8a8's measured NLL change on these weights, or None when not measured (or unreadable)."""
+    try:
+        value = json.loads(verdict_path(location).read_text(encoding="utf-8"))["nll_delta"]
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@torch.inference_mode()
+def mean_nll(model: nn.Module, ids: list[int]) -> float:
+    """Teacher-forced mean negative log-likelihood of ``ids`` (nats/token)."""
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    return float(F.cross_entropy(model(input_ids=x).logits[0, :-1].float(), x[0, 1:]))
+
+
 def quantize_model(model: nn.Module, method: str, location: str, report: Callable[[str], None] | None = None,
-                   device: torch.device | None = None) -> str:
+                   device: torch.device | None = None, calibration: list[int] | None = None,
+                   gate: float | None = None) -> str:
     """Replace every nn.Linear of ``model`` (lm_head included) by its ``method`` version, from the
     cache when this model was quantized before. The new layers are built on ``device`` (default:
     where the model is): a model loaded on the CPU is quantized there and only the quantized
     weights reach the GPU. Each original layer is released as it is replaced, so the peak is one
-    full-precision model, not both. Returns a description of what ran, for the user."""
+    full-precision model, not both. w8a8 first smooths the model (smooth.py) over the
+    ``calibration`` token ids. With ``gate`` (``--quantize auto`` trying w8a8 on a model never
+    measured), the mean NLL of that text before and after is compared, kept (``quality_verdict``)
+    and QualityGateFailed raised past ``gate`` nats/token. Returns a description of what ran."""
     from safetensors.torch import save_file
 
     param = next(model.parameters())
     dtype, device = param.dtype, device or param.device
     plan = plan_layers(model, method, device.type)
+    before = mean_nll(model, calibration) if gate is not None and calibration else None  # the model as loaded
     path = cache_file(weights_key(location), method, device.type)
     remove_stale_temp_files(path.parent)
-    cached = _load_cache(path, model, plan, report)
+    found = smooth.groups(model) if method == "w8a8" else []
+    extra = {g.key: (model.get_submodule(g.readers[0]).in_features,) for g in found}
+    cached = _load_cache(path, model, plan, report, extra)
     fresh: dict[str, torch.Tensor] = {}
     if report is not None and not cached:
         report(f"quantizing {len(plan)} layers to {method} (once; cached for the next start)")
+    if found and cached:
+        smooth.apply(model, found, {g.key: cached[g.key] for g in found}, readers_too=False)
+    elif found:
+        factors = smooth.factors(model, found, calibration or list(range(1, 257)))
+        smooth.apply(model, found, factors)
+        fresh.update(factors)
     for name, kind in plan.items():
         new = _quantized_layer(model.get_submodule(name), name, kind, cached, fresh, dtype, device)
         parent, _, attr = name.rpartition(".")
@@ -213,6 +196,16 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
     if fresh:
         _save(path, {**cached, **fresh}, save_file)
     text = describe_plan(plan, method, device.type)
+    if before is not None:
+        delta = mean_nll(model, calibration) - before
+        try:
+            verdict_path(location).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(verdict_path(location), json.dumps({"nll_delta": delta, "tokens": len(calibration)}))
+        except OSError:
+            pass  # measured again next time
+        if delta > gate:
+            raise QualityGateFailed(delta)
+        text += f"; {delta:+.3f} nats/token on the calibration text"
     if report is not None and any(kind != method for kind in plan.values()):
         report(text)  # said once: what ran is not all the method asked
     return text
@@ -224,12 +217,14 @@ def _quantized_layer(lin: nn.Linear, name: str, kind: str, cached: dict[str, tor
     added to ``fresh``). Which layers fall back to int8 depends on the device, so int4 caches
     are kept per device type (``cache_file``)."""
     bias = lin.bias.detach() if lin.bias is not None else None
-    if kind == "int8":
+    if kind in ("int8", "w8a8"):
         if f"{name}.q" in cached:
             q, scales = cached[f"{name}.q"], cached[f"{name}.scales"]
         else:
             q, scales = quantize_int8(lin.weight.detach())
             fresh.update({f"{name}.q": q.cpu(), f"{name}.scales": scales.cpu()})
+        if kind == "w8a8":
+            return Int8DynamicLinear(q, scales, bias, dtype)
         return Int8Linear(q.to(device), scales.to(device), None if bias is None else bias.to(device), dtype)
     if f"{name}.mins" in cached:
         packed, scales, mins = cached[f"{name}.q"], cached[f"{name}.scales"], cached[f"{name}.mins"]
@@ -254,14 +249,14 @@ def checksum(tensors: dict[str, torch.Tensor]) -> str:
 def expected_shapes(lin: nn.Linear, name: str, kind: str) -> dict[str, tuple[int, ...]]:
     """The cached tensors of one layer and their shapes."""
     n, k = lin.weight.shape
-    if kind == "int8":
+    if kind in ("int8", "w8a8"):
         return {f"{name}.q": (n, k), f"{name}.scales": (n,)}
     g = k // INT4_GROUP
     return {f"{name}.q": (n, k // 2), f"{name}.scales": (n, g), f"{name}.mins": (n, g)}
 
 
-def _load_cache(path: Path, model: nn.Module, plan: dict[str, str], report: Callable[[str], None] | None
-                ) -> dict[str, torch.Tensor]:
+def _load_cache(path: Path, model: nn.Module, plan: dict[str, str], report: Callable[[str], None] | None,
+                extra: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
     """The cached tensors, if the file is whole: its checksum matches and every layer of the
     plan has its tensors in their shapes. Otherwise nothing (the model is quantized again and
     the file replaced), said in one line."""
@@ -275,7 +270,7 @@ def _load_cache(path: Path, model: nn.Module, plan: dict[str, str], report: Call
             # copies, not views of a memory map: a cache file replaced or truncated while this
             # process runs must not pull the weights from under it
             cached = {k: f.get_tensor(k).clone() for k in f.keys()}
-        want = {}
+        want = dict(extra or {})
         for name, kind in plan.items():
             want.update(expected_shapes(model.get_submodule(name), name, kind))
         wrong = next((k for k, shape in want.items() if k not in cached or tuple(cached[k].shape) != shape), None)

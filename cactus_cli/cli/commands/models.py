@@ -6,15 +6,18 @@ from typing import Annotated, Optional
 
 import typer
 
+from cactus_cli.app.prompts import load_prompts
 from cactus_cli.cli.edge import user_errors
+from cactus_cli.cli.tables import print_quality
+from cactus_cli.cli.ui import LoadProgress, make_console
+from cactus_cli.core.errors import ConfigError, ModelError
+from cactus_cli.infer import embedded
 
 models_app = typer.Typer(help="Show cached models; convert the embedded pair or a .gguf file ahead of time; measure what quantization costs.",
                          no_args_is_help=True)
 
-
 def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
-
 
 @models_app.command("list")
 def list_cmd() -> None:
@@ -23,9 +26,6 @@ def list_cmd() -> None:
         import json
 
         from rich.table import Table
-
-        from cactus_cli.cli.ui import make_console
-        from cactus_cli.infer import embedded
 
         table = Table(title=f"models (cache: {embedded.models_dir()})", title_justify="left")
         for col in ("model", "source", "status", "size", "path"):
@@ -57,16 +57,12 @@ def list_cmd() -> None:
             pass
         make_console().print(table)
 
-
 @models_app.command("prepare")
 def prepare_cmd(
     names: Annotated[Optional[list[str]], typer.Argument(help="embedded:NAME, NAME or a .gguf path (default: the embedded pair).")] = None,
 ) -> None:
     """Assemble, check and convert models now, so later runs start in seconds."""
     with user_errors():
-        from cactus_cli.cli.ui import LoadProgress, make_console
-        from cactus_cli.core.errors import ModelError
-        from cactus_cli.infer import embedded
 
         console = make_console(stderr=True)
         targets = names or [f"embedded:{n}" for n in embedded.EMBEDDED]
@@ -81,7 +77,6 @@ def prepare_cmd(
                 else:
                     path = embedded.prepare_embedded(name.removeprefix("embedded:"), progress)
             typer.echo(f"{name}: {path} ({_gb(embedded.folder_size(path))})")
-
 
 @models_app.command("quality")
 def quality_cmd(
@@ -101,12 +96,8 @@ def quality_cmd(
         import json
 
         from cactus_cli.app.profiles import resolve_settings
-        from cactus_cli.app.prompts import load_prompts
         from cactus_cli.app.quality import NLL_TOLERANCE, measure
         from cactus_cli.app.settings import check_each, parse_list
-        from cactus_cli.cli.tables import print_quality
-        from cactus_cli.cli.ui import LoadProgress, make_console
-        from cactus_cli.core.errors import ConfigError
         from cactus_cli.infer.models import load_pair
 
         flags = {"verifier": verifier if verifier is not None else ..., "device": device if device is not None else ...}
@@ -114,7 +105,7 @@ def quality_cmd(
         method_list = parse_list(methods, str, "--quantize")
         check_each("quantize", method_list, "--quantize")
         if "auto" in method_list or "none" in method_list:
-            raise ConfigError("--quantize: list int8 and/or int4 (the unquantized model is always the reference)")
+            raise ConfigError("--quantize: list int8, int4 and/or w8a8 (the unquantized model is always the reference)")
         prompts = load_prompts(prompts_file, limit)
         err = make_console(stderr=True)
         rows, reference, texts = [], None, None
@@ -141,7 +132,6 @@ def quality_cmd(
             typer.echo(json.dumps(doc, indent=2))
         else:
             print_quality(make_console(), doc)
-
 
 def register(app: typer.Typer) -> None:
     app.add_typer(models_app, name="models")

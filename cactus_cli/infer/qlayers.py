@@ -1,0 +1,145 @@
+"""The quantized Linear layers and their arithmetic: int8 weight-only (``Int8Linear``), int4
+(``Int4Linear``) and int8 x int8 (``Int8DynamicLinear``, w8a8); quantize.py plans, caches and
+installs them (its docstring says which kernel runs where, and why)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INT4_GROUP = 32  # input channels per int4 scale/zero: 32 keeps the embedded verifier within 0.03 nats
+INT4_TILES = 8  # inner k tiles of the CUDA int4 packing
+
+
+# --------------------------------------------------------------------------- the arithmetic
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (q int8 [N, K], scales float32 [N]) with w ~= q * scales[:, None]."""
+    w = w.float()
+    scales = (w.abs().amax(1) / 127).clamp(min=1e-10)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return q.float() * scales[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] -> (q in 0..15 as uint8 [N, K], scales [N, K/group], mins [N, K/group]) with
+    w ~= q * scale + min per group (asymmetric: the group's range maps onto 16 levels)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = ((hi - lo) / 15).clamp(min=1e-10)
+    q = torch.round((g - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scales, lo
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    g = q.float().reshape(n, scales.shape[1], -1)
+    return (g * scales[..., None] + mins[..., None]).reshape(n, k)
+
+
+# --------------------------------------------------------------------------- the layers
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.register_buffer("weight", q)
+        self.register_buffer("scales", scales.to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.device.type == "cpu":
+            out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales)
+        else:
+            out = F.linear(x2, self.weight.to(x2.dtype)) * self.scales
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+
+class Int8DynamicLinear(nn.Module):
+    """int8 weights x int8 activations, quantized per row at each call, on fbgemm's dynamic linear
+    (CPU). fbgemm picks one activation scale per call, from the whole input: a row's result would
+    then depend on the other rows of the call, so a token verified among k drafts would not get
+    the logits it gets alone, and greedy speculation would drift from plain decoding. So each row
+    is divided by its own largest magnitude first and multiplied back after (the matmul is linear),
+    and a pinned row (+1, -1) fixes the call's range at [-1, 1]: every row is quantized with its
+    own scale, whatever else is in the call (per-token quantization, one extra row of work).
+    Activations come in and go out in the model's dtype; the kernel reads float32."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        with warnings.catch_warnings():  # torch 2.13 marks the quantized tensor types deprecated; the ops are not
+            warnings.simplefilter("ignore")
+            qw = torch._make_per_channel_quantized_tensor(q.contiguous(), scales.double(),
+                                                          torch.zeros(q.shape[0], dtype=torch.long), 0)
+            self._packed = torch.ops.quantized.linear_prepack(qw, None)
+        pin = torch.zeros(1, self.in_features)
+        pin[0, 0], pin[0, -1] = 1.0, -1.0
+        self.register_buffer("pin", pin)
+        self.register_buffer("scales", scales.float())  # (for weight_bytes; the packed copy is what runs)
+        self.register_buffer("bias", None if bias is None else bias.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float()
+        m = x2.abs().amax(1, keepdim=True).clamp_(min=1e-30)  # [M, 1]
+        out = torch.ops.quantized.linear_dynamic(torch.cat([x2 / m, self.pin]), self._packed, True)[:-1] * m
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+def w8a8_problem(device: torch.device) -> str | None:
+    """Why w8a8 cannot run here (None: it can)."""
+    if device.type != "cpu":
+        return f"--quantize w8a8 runs on a CPU (fbgemm); on {device.type} use --quantize int8"
+    engines = torch.backends.quantized.supported_engines
+    if not any(e in engines for e in ("fbgemm", "x86")):
+        return f"--quantize w8a8 needs fbgemm (x86); this torch has {', '.join(engines)}; use --quantize int8"
+    return None
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.group = q.shape[1] // scales.shape[1]
+        # the kernels compute w = (q - 8) * scale + zero per group, so zero = min + 8 * scale;
+        # scales_and_zeros is [K/group, N, 2]
+        zeros = mins + 8 * scales
+        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
+                             .to(device=device, dtype=dtype))
+        q32 = q.to(device=device, dtype=torch.int32)
+        if device.type == "cpu":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32, INT4_TILES)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack((q32[:, ::2] << 4 | q32[:, 1::2]).to(torch.uint8),
+                                                                INT4_TILES)
+        self.register_buffer("weight", packed)
+        self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        if x2.device.type == "cpu":
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.group, self.scales_and_zeros)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm(x2, self.weight, self.group, self.scales_and_zeros)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], self.out_features)
