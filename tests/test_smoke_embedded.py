@@ -40,8 +40,10 @@ def test_main_command_on_the_embedded_pair():
     assert doc["text"].strip()
     assert stats["num_output_tokens"] == 32 or stats["finish_reason"] == "eos"
     assert doc["settings"]["verifier"] == "embedded:qwen2.5-coder-1.5b"
-    assert doc["settings"]["dtype_resolved"] == "bfloat16"  # quantize: auto = int8 weights, bfloat16 activations
-    assert doc["settings"]["dtype_reason"] == "int8 weights run on bfloat16 activations"
+    assert doc["settings"]["dtype_resolved"] == "bfloat16"  # quantize: auto = int8 or w8a8, bfloat16 activations
+    reason = doc["settings"]["dtype_reason"]  # measured on this machine, and said
+    assert reason.startswith(("quantize auto: int8, measured", "quantize auto: w8a8, measured")), reason
+    assert doc["settings"]["quantized"]["verifier"].startswith(reason.split(",")[0].removeprefix("quantize auto: "))
     # -k auto may decode plainly where drafting does not pay on this machine; a fixed k shows the
     # pair itself works: the draft gets tokens accepted
     fixed = generate("-k", "4")

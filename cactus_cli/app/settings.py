@@ -48,7 +48,7 @@ class Settings:
     device: str = "auto"
     dtype: str = "auto"
     compile: str = "auto"  # static caches + compiled steps: on for CUDA; on a CPU only where measured faster
-    quantize: str = "none"  # int8 / int4 weight-only, w8a8 (int8 x int8, CPU); auto: int8 on a CPU, none on a GPU
+    quantize: str = "none"  # int8 / int4 weight-only, w8a8 (int8 x int8, CPU); auto: measured (models.choose_quantize)
     tp: int = 1  # tensor-parallel ranks for the verifier (distributed.py)
     chat_template: bool | None = None  # None: use the tokenizer's chat template when it has one
     system: str | None = None

@@ -193,7 +193,7 @@ def resolve_dtype(name: str, device: torch.device, mlp_shape: tuple[int, int] | 
     return fastest_cpu_dtype(*mlp_shape)
 
 
-AUTO_QUANTIZE_CPU = "int8"  # what quantize: auto picks on a CPU (README: measured on the embedded pair)
+AUTO_QUANTIZE_CPU = "int8"  # quantize: auto on a CPU before measuring (models.choose_quantize may pick w8a8)
 
 
 def resolve_quantize(name: str, device: torch.device, dtype: str = "auto") -> str:
