@@ -90,7 +90,8 @@ class Int8DynamicLinear(nn.Module):
         pin = torch.zeros(1, self.in_features)
         pin[0, 0], pin[0, -1] = 1.0, -1.0
         self.register_buffer("pin", pin)
-        self.register_buffer("scales", scales.float())  # (for weight_bytes; the packed copy is what runs)
+        self.register_buffer("scales", scales.float())
+        self.packed_bytes = q.numel()  # the packed int8 weight is no buffer: weight_bytes counts it from here
         self.register_buffer("bias", None if bias is None else bias.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -338,4 +338,4 @@ def weight_bytes(model: nn.Module) -> int:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
-    return total
+    return total + sum(getattr(m, "packed_bytes", 0) for m in model.modules())  # w8a8's packed weights
