@@ -4,6 +4,7 @@ cached measurements."""
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -95,18 +96,24 @@ def device_name(device: torch.device) -> str:
     return f"{model} [{' '.join(flags)}] {isa}"
 
 
+def _median_seconds(fn, x: torch.Tensor, reps: int = 9) -> float:
+    """Median seconds of ``fn(x)`` over ``reps`` calls, after one untimed warm-up call (the
+    first call picks kernels)."""
+    with torch.inference_mode():
+        fn(x)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn(x)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def _median_linear_seconds(dtype: torch.dtype, hidden: int, inter: int, rows: int, reps: int = 9) -> float:
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(inter, hidden, generator=gen).to(dtype)  # [out, in], like an MLP up-projection
     x = torch.randn(rows, hidden, generator=gen).to(dtype)  # [rows, in]
-    with torch.inference_mode():
-        torch.nn.functional.linear(x, w)  # warm-up (first call picks kernels)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return _median_seconds(lambda x: torch.nn.functional.linear(x, w), x, reps)
 
 
 def _timed_once(prefix: str, shape: list[int], names: tuple[str, ...], seconds) -> tuple[dict[str, float], bool]:
@@ -139,23 +146,15 @@ def fastest_cpu_quantization(hidden: int, inter: int, rows: int = 9) -> tuple[st
     if w8a8_problem(torch.device("cpu")) is not None:
         return "int8", "fbgemm is not available for w8a8"
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(inter, hidden, generator=gen) * 0.02
-    q, scales = quantize_int8(w)
+
+    @functools.cache
+    def weights() -> tuple[torch.Tensor, torch.Tensor]:  # made only when not cached: not on every start
+        return quantize_int8(torch.randn(inter, hidden, generator=gen) * 0.02)
 
     def seconds(name: str) -> float:
-        layer = (Int8DynamicLinear if name == "w8a8" else Int8Linear)(q, scales, None, torch.bfloat16)
-        total = 0.0
-        for n in (1, rows):
-            x = torch.randn(n, hidden, generator=gen).to(torch.bfloat16)
-            with torch.inference_mode():
-                layer(x)  # warm-up
-                times = []
-                for _ in range(7):
-                    t0 = time.perf_counter()
-                    layer(x)
-                    times.append(time.perf_counter() - t0)
-            total += statistics.median(times)
-        return total
+        layer = (Int8DynamicLinear if name == "w8a8" else Int8Linear)(*weights(), None, torch.bfloat16)
+        return sum(_median_seconds(layer, torch.randn(n, hidden, generator=gen).to(torch.bfloat16), 7)
+                   for n in (1, rows))
 
     times, cached = _timed_once("quantize-", [hidden, inter, rows], ("int8", "w8a8"), seconds)
     best = min(times, key=times.get)

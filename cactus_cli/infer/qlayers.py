@@ -90,8 +90,8 @@ class Int8DynamicLinear(nn.Module):
         pin = torch.zeros(1, self.in_features)
         pin[0, 0], pin[0, -1] = 1.0, -1.0
         self.register_buffer("pin", pin)
-        self.register_buffer("scales", scales.float())
-        self.packed_bytes = q.numel()  # the packed int8 weight is no buffer: weight_bytes counts it from here
+        # the packed weight (int8, float32 scale per channel) is no buffer: weight_bytes counts it from here
+        self.packed_bytes = q.numel() + 4 * q.shape[0]
         self.register_buffer("bias", None if bias is None else bias.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
