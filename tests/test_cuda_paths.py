@@ -15,10 +15,12 @@ import torch
 from torch import nn
 
 from cactus_cli.core.errors import ModelError
+from cactus_cli.core.events import NGRAM
 from cactus_cli.core.sampling import SamplingParams, sample
 from cactus_cli.infer import compiled as runners
 from cactus_cli.infer import devices, models, quantize
 from cactus_cli.infer.compiled import CompiledLM, compile_problem
+from cactus_cli.infer.draft import Lookup
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
 from cactus_cli.infer.tp import sharded as distributed
@@ -131,8 +133,7 @@ class _SyncCounter:
 
 @pytest.mark.parametrize("draft", ["model", "ngram+model"])
 def test_a_sampled_step_syncs_the_host_at_most_twice(pair, monkeypatch, draft):
-    ngram = (3, 1) if draft.startswith("ngram") else None
-    engine = SpeculativeEngine(pair, ngram=ngram)
+    engine = SpeculativeEngine(pair, Lookup(NGRAM, 3, 1) if draft.startswith("ngram") else None)
     params = GenerationParams(sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0), rule="cactus",
                               rule_kwargs={"delta": 1.0}, num_draft_tokens=4, max_tokens=40, ignore_eos=True)
     gen = engine.generate(prompt_ids(pair) * 2, params)

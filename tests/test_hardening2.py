@@ -24,10 +24,10 @@ from cactus_cli.app import tasks
 from cactus_cli.app.settings import check_flags_apply, flags_to_settings, parse_params
 from cactus_cli.cli.main import app
 from cactus_cli.core.errors import ConfigError
-from cactus_cli.infer import costs as policy
 from cactus_cli.core.paths import cache_path
-from cactus_cli.infer.policy import AdaptiveK
+from cactus_cli.infer import costs as policy
 from cactus_cli.infer import quantize
+from cactus_cli.infer.policy import AdaptiveK
 
 runner = CliRunner()
 

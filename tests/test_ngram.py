@@ -11,7 +11,9 @@ from typer.testing import CliRunner
 
 from cactus_cli.app.settings import parse_draft
 from cactus_cli.cli.main import app
+from cactus_cli.core.events import NGRAM
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits
+from cactus_cli.infer.draft import Lookup
 from cactus_cli.infer.draft.ngram import NgramDrafter
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
@@ -49,10 +51,12 @@ def test_lookup_takes_the_longest_then_most_recent_match():
 
 
 def test_parse_draft():
-    assert parse_draft("ngram") == (True, None)
-    assert parse_draft("ngram+embedded:x") == (True, "embedded:x")
-    assert parse_draft("some/model") == (False, "some/model")
-    assert parse_draft(None) == (False, None)
+    assert parse_draft("ngram") == ("ngram", None)
+    assert parse_draft("ngram+embedded:x") == ("ngram", "embedded:x")
+    assert parse_draft("suffix") == ("suffix", None)
+    assert parse_draft("suffix+embedded:x") == ("suffix", "embedded:x")
+    assert parse_draft("some/model") == (None, "some/model")
+    assert parse_draft(None) == (None, None)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,7 @@ def pairs(tiny):
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_greedy_with_lookup_equals_the_verifier_and_caches_stay_exact(pairs, which, adaptive):
     pair = pairs[which]
-    engine = SpeculativeEngine(pair, ngram=(3, 1))
+    engine = SpeculativeEngine(pair, Lookup(NGRAM, 3, 1))
     ids = pair.tokenizer(REPEATS)["input_ids"]
     n = 40
     params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=adaptive, max_tokens=n, ignore_eos=True)
@@ -101,7 +105,7 @@ def test_sps_with_lookup_drafts_reproduces_the_verifier_distribution(pairs):
                 exact[(t1, t2)] = (q1[t1] * q2[t2]).item()
     cells = sorted(exact)
     index = {c: i for i, c in enumerate(cells)}
-    engine = SpeculativeEngine(pair, ngram=(2, 1))
+    engine = SpeculativeEngine(pair, Lookup(NGRAM, 2, 1))
     samples, drafted = [], 0
     for seed in range(1500):
         params = GenerationParams(sampling=sp, rule="sps", num_draft_tokens=2, max_tokens=2, ignore_eos=True, seed=seed)

@@ -17,9 +17,9 @@ from cactus_cli.infer.costs import (
     expected_tokens,
 )
 from cactus_cli.infer.devices import fastest_cpu_dtype, resolve_dtype
-from cactus_cli.infer.policy import AdaptiveK
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.policy import AdaptiveK
 from tests.test_engine import hf_greedy, prompt_ids
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)

@@ -19,7 +19,7 @@ import torch
 from cactus_cli import __version__
 from cactus_cli.app import runtime
 from cactus_cli.app.prompts import Prompt
-from cactus_cli.app.settings import Settings, check_each
+from cactus_cli.app.settings import Settings, check_each, parse_draft, parse_list
 from cactus_cli.app.tasks import wilson
 from cactus_cli.core.acceptance import RULES, resolve_params
 from cactus_cli.core.errors import ConfigError
@@ -40,11 +40,12 @@ class BenchConfig:
     adaptive: bool = False  # -k auto
     compiled: bool = False  # which engine runs it: bench --compile off,on times both side by side
     quantize: str = "none"  # ... and --quantize none,int8
+    draft: str = ""  # ... and --draft ngram,suffix,MODEL (bench and eval take a list)
     tag: str = ""  # names the engine in the label when a grid has more than one
 
     @property
-    def variant(self) -> tuple[str, bool]:
-        return self.quantize, self.compiled
+    def variant(self) -> tuple[str, bool, str]:
+        return self.quantize, self.compiled, self.draft
 
     @property
     def k_label(self) -> str:
@@ -69,19 +70,31 @@ class BenchConfig:
 
 
 def build_grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_params: dict[str, Any],
-               compare_hf: bool, k_max: int = 8, variants: list[tuple[str, bool]] = (("none", False),)) -> list[BenchConfig]:
-    """Per engine variant (quantize, compiled): the baseline, then each rule (x delta where it
-    takes one) x k; then HF rows (first variant's models, eager). ``auto`` in ``ks`` is the
-    adaptive k (0..k_max)."""
+               compare_hf: bool, k_max: int = 8, variants: list[tuple[str, bool, str]] = (("none", False, ""),)
+               ) -> list[BenchConfig]:
+    """Per engine variant (quantize, compiled, draft): the baseline (once per quantize and
+    compiled: it drafts nothing), then each rule (x delta where it takes one) x k; then HF rows
+    (the first variant with a draft model, eager). ``auto`` in ``ks`` is the adaptive k (0..k_max)."""
     grid: list[BenchConfig] = []
-    several_q = len({q for q, _ in variants}) > 1
-    several_c = len({c for _, c in variants}) > 1
-    for quantize, compiled in variants:
-        tag = ", ".join(([quantize] if several_q else []) + (["compiled" if compiled else "eager"] if several_c else []))
-        grid += [dataclasses.replace(c, quantize=quantize, compiled=compiled, tag=tag)
-                 for c in _grid(rules, deltas, ks, rule_params, k_max)]
+    several = [len({v[i] for v in variants}) > 1 for i in range(3)]
+
+    def tag(quantize: str, compiled: bool, draft: str) -> str:
+        parts = (quantize if several[0] else "", ("compiled" if compiled else "eager") if several[1] else "",
+                 draft if several[2] else "")
+        return ", ".join(p for p in parts if p)
+
+    baselines = set()
+    for quantize, compiled, draft in variants:
+        rows = _grid(rules, deltas, ks, rule_params, k_max)
+        if (quantize, compiled) in baselines:
+            rows = rows[1:]
+        baselines.add((quantize, compiled))
+        grid += [dataclasses.replace(c, quantize=quantize, compiled=compiled, draft=draft,
+                                     tag=tag(quantize, compiled, "" if c.kind == "autoregressive" else draft))
+                 for c in rows]
     if compare_hf:
-        grid += [BenchConfig("hf-assisted", None, k, quantize=variants[0][0], compiled=variants[0][1]) for k in ks if k != "auto"]
+        q, c, d = variants[0]
+        grid += [BenchConfig("hf-assisted", None, k, quantize=q, compiled=c, draft=d) for k in ks if k != "auto"]
     return grid
 
 
@@ -165,7 +178,8 @@ def run_one(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int],
     if cfg.kind == "hf-assisted":
         return _one_hf(engine, cfg, i, ids, base)
     params = dataclasses.replace(base, rule=cfg.rule or "sps", rule_kwargs=cfg.rule_kwargs, num_draft_tokens=cfg.k,
-                                 adaptive_k=cfg.adaptive, ignore_eos=False, seed=base.seed + i)
+                                 adaptive_k=cfg.adaptive, ignore_eos=False, seed=base.seed + i,
+                                 memory=cfg.label)  # (a drafter with memory learns from this row's own answers only)
     s, text = SpecStats(), []
     for ev in engine.generate(ids, params):
         s.update(ev)
@@ -278,7 +292,7 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
         m = r.metrics()
         tps = m["tokens_per_second"]
         row = {"config": r.config.label, "kind": r.config.kind, "rule": r.config.rule, "compiled": r.config.compiled,
-               "quantize": r.config.quantize,
+               "quantize": r.config.quantize, "draft": r.config.draft if r.config.kind != "autoregressive" else None,
                "k": "auto" if r.config.adaptive else r.config.k, "max_draft_tokens": r.config.k if r.config.adaptive else None,
                "rule_params": r.config.rule_kwargs, "prompts": r.prompts_done, **m,
                "speedup": tps / base_tps if tps and base_tps else None,
@@ -307,7 +321,7 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
             "settings": settings, "prompts": [p.id for p in prompts], "results": rows, "cost_model": cost_model}
 
 
-CSV_COLUMNS = ["config", "kind", "rule", "k", "quantize", "compiled", "prompts", "problems", "correct", "accuracy",
+CSV_COLUMNS = ["config", "kind", "rule", "k", "quantize", "compiled", "draft", "prompts", "problems", "correct", "accuracy",
                "accuracy_ci95_low", "accuracy_ci95_high", "num_output_tokens", "total_seconds", "tokens_per_second",
                "ms_per_output_token", "speedup", "tokens_per_second_vs_hf", "mean_accepted_tokens_per_step",
                "mean_acceptance_length", "draft_acceptance_rate", "per_token_acceptance",
@@ -329,23 +343,42 @@ def csv_text(doc: dict[str, Any]) -> str:
     return buf.getvalue()
 
 
-def load_engines(settings: Settings, quantizes: list[str], compiles: list[str], prompts: list[Prompt],
-                 ks: list[int | str], reporter) -> tuple[dict[tuple[str, bool], SpeculativeEngine], list]:
-    """An engine per variant (quantize, compiled), one pair in memory per quantization, each
-    prepared (compiled, costs probed) for the longest prompt; and the prompts encoded. A compiled
-    engine that fell back to eager (the warning says why) is not a second variant."""
-    engines: dict[tuple[str, bool], SpeculativeEngine] = {}
+def load_engines(settings: Settings, quantizes: list[str], compiles: list[str], drafts: list[str],
+                 prompts: list[Prompt], ks: list[int | str], reporter
+                 ) -> tuple[dict[tuple[str, bool, str], SpeculativeEngine], list]:
+    """An engine per variant (quantize, compiled, draft), one pair in memory per quantization
+    (``drafts`` share at most one draft model: parse_drafts checks), each prepared (compiled,
+    costs probed) for the longest prompt; and the prompts encoded. A compiled engine that fell
+    back to eager (the warning says why) is not a second variant."""
+    model = next((m for m in (parse_draft(d)[1] for d in drafts) if m), None)
+    engines: list[tuple[str, SpeculativeEngine]] = []
     for quantize in quantizes:
         pair = None
         for mode in compiles:
-            engine = runtime.load_engine(settings, reporter, mode, pair, quantize)
-            pair = engine.pair
-            engines.setdefault((pair.verifier.quantize, engine.compiled), engine)
-    encoded = runtime.encode_prompts(next(iter(engines.values())), prompts, settings.chat_template)
+            if pair is None:  # the verifier and the shared draft model, loaded once per quantization
+                pair = runtime.load_engine(dataclasses.replace(settings, draft=model or drafts[0]), reporter, mode,
+                                           None, quantize).pair
+            for draft in drafts:
+                own = pair if parse_draft(draft)[1] else dataclasses.replace(pair, draft=None)
+                engines.append((draft, runtime.load_engine(dataclasses.replace(settings, draft=draft), reporter, mode,
+                                                           own, quantize)))
+    encoded = runtime.encode_prompts(engines[0][1], prompts, settings.chat_template)
     longest = max(len(ids) for _, ids in encoded)
-    for e in engines.values():
+    for _, e in engines:
         runtime.prepare(e, settings, reporter, longest, ks)
-    ready: dict[tuple[str, bool], SpeculativeEngine] = {}
-    for e in engines.values():
-        ready.setdefault((e.pair.verifier.quantize, e.compiled), e)
+    ready: dict[tuple[str, bool, str], SpeculativeEngine] = {}
+    for draft, e in engines:
+        ready.setdefault((e.pair.verifier.quantize, e.compiled, draft), e)
     return ready, encoded
+
+
+def parse_drafts(text: str) -> list[str]:
+    """bench and eval's --draft list: each value checked, one draft model at most among them
+    (each model would hold its own copy of the pair in memory)."""
+    drafts = list(dict.fromkeys(parse_list(text, str, "--draft")))
+    check_each("draft", drafts, "--draft")
+    models = {m for m in (parse_draft(d)[1] for d in drafts) if m}
+    if len(models) > 1:
+        raise ConfigError(f"--draft: one draft model per run ({', '.join(sorted(models))} were given); "
+                          "ngram and suffix may come with it, e.g. --draft ngram,suffix,MODEL")
+    return drafts

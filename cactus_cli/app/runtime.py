@@ -4,14 +4,19 @@ by every command and the lm-eval adapter, so they all behave the same."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from cactus_cli.app import follower
 from cactus_cli.app.settings import Settings, draft_limit, parse_draft
 from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.events import NGRAM, SUFFIX
+from cactus_cli.core.fileio import check_output_file
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer.compiled import compile_problem
 from cactus_cli.infer.costs import CostStore, cost_key
+from cactus_cli.infer.draft import History, Lookup
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import ModelPair, load_pair, tp_load_spec
 from cactus_cli.infer.tp import group
@@ -22,7 +27,7 @@ def load_engine(settings: Settings, reporter=None, compile_mode: str | None = No
     """Load the pair (or take ``pair``, already loaded) and build the engine, compiled or not
     (``compile_mode`` and ``quantize`` override the settings': bench times several). A rank > 0
     of a torchrun tensor-parallel group never returns: it serves rank 0, then exits."""
-    lookup, model = parse_draft(settings.draft)
+    kind, model = parse_draft(settings.draft)
     if pair is None and settings.tp > 1 and group.is_follower():
         follower.serve(tp_load_spec(settings.verifier, settings.tokenizer, settings.device, settings.dtype,
                                     quantize or settings.quantize, settings.tp))
@@ -33,10 +38,35 @@ def load_engine(settings: Settings, reporter=None, compile_mode: str | None = No
     compiled, note = resolve_compile(compile_mode or settings.compile, pair)
     if note and reporter is not None:
         reporter.warn(note)
-    engine = SpeculativeEngine(pair, (settings.ngram_max, settings.ngram_min) if lookup else None, compiled)
+    engine = SpeculativeEngine(pair, lookup(kind, settings, pair, reporter), compiled)
     for line in engine.costs.notes if reporter is not None else ():
         reporter.warn(line)
     return engine
+
+
+def lookup(kind: str | None, settings: Settings, pair: ModelPair, reporter=None) -> Lookup | None:
+    """The model-free drafting a draft value asks for; the suffix drafter's remembered history is
+    loaded here (a file that cannot serve is one warning and an empty history)."""
+    if kind == NGRAM:
+        return Lookup(NGRAM, settings.ngram_max, settings.ngram_min)
+    if kind != SUFFIX:
+        return None
+    history = None
+    if settings.remember:
+        path = check_output_file(settings.remember, "--remember")
+        history, note = History.load(path, tokenizer_fingerprint(pair.tokenizer), pair.vocab_size)
+        if reporter is not None:
+            if note:
+                reporter.warn(note)
+            history.on_error = reporter.warn
+    return Lookup(SUFFIX, history=history)
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Names the vocabulary token ids belong to (a saved history is refused by another one)."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+    return f"{len(vocab)} tokens, sha256 {digest}"
 
 
 PROMPT_ALLOWANCE = 512  # tokens of prompt a compiled engine is sized for before it sees the prompt (chat)

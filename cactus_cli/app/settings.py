@@ -40,6 +40,7 @@ class Settings:
     max_draft_tokens: int = defaults.MAX_DRAFT_TOKENS  # k_max for num_draft_tokens: auto
     ngram_max: int = defaults.NGRAM_MAX  # prompt lookup (draft: ngram or ngram+MODEL): the longest n-gram matched ...
     ngram_min: int = defaults.NGRAM_MIN  # ... and the shortest
+    remember: str | None = None  # draft: suffix or suffix+MODEL: a file the history tree is loaded from and saved to
     temperature: float = defaults.TEMPERATURE
     top_k: int = defaults.TOP_K
     top_p: float = defaults.TOP_P
@@ -85,6 +86,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "max_draft_tokens": (int,),
     "ngram_max": (int,),
     "ngram_min": (int,),
+    "remember": (str, type(None)),
     "temperature": (int, float),
     "top_k": (int,),
     "top_p": (int, float),
@@ -126,8 +128,12 @@ def check_value(key: str, value: Any) -> str | None:
         return f"must be an integer in 1..64, got {value!r}"
     if key in ("ngram_max", "ngram_min") and not 1 <= value <= 16:
         return f"must be an integer in 1..16, got {value!r}"
-    if key == "draft" and value.startswith("ngram+") and not value[len("ngram+"):].strip():
-        return "ngram+MODEL needs a model after the +, e.g. ngram+embedded:qwen2.5-coder-0.5b"
+    if key == "draft":
+        for kind in LOOKUPS:
+            if value.startswith(kind + "+") and not value[len(kind) + 1:].strip():
+                return f"{kind}+MODEL needs a model after the +, e.g. {kind}+embedded:qwen2.5-coder-0.5b"
+    if key == "remember" and not value.strip():
+        return "must be a file path"
     if key == "temperature" and not (math.isfinite(value) and (value == 0 or MIN_TEMPERATURE <= value <= 1e4)):
         return f"must be 0 (greedy) or a number in {MIN_TEMPERATURE:g}..1e4, got {value!r}"
     if key == "seed" and not 0 <= value <= MAX_SEED:
@@ -230,26 +236,31 @@ def parse_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where}: YAML nested too deeply") from None
 
 
-def uses_lookup(draft: str | None) -> bool:
-    """Whether a draft value drafts by prompt lookup (``ngram`` or ``ngram+MODEL``)."""
-    return draft is not None and (draft == "ngram" or draft.startswith("ngram+"))
+LOOKUPS = ("ngram", "suffix")  # drafting without a model: prompt lookup, the suffix trees
 
 
+def uses_lookup(draft: str | None, kind: str | None = None) -> bool:
+    """Whether a draft value drafts without a model first (``ngram``, ``suffix``, ``KIND+MODEL``);
+    with ``kind``, by that one."""
+    return draft is not None and parse_draft(draft)[0] in ((kind,) if kind else LOOKUPS)
 
 
-def parse_draft(spec: str | None) -> tuple[bool, str | None]:
-    """A draft value: ``MODEL``, ``ngram`` (prompt lookup alone) or ``ngram+MODEL`` (lookup,
-    the model when nothing matches). Returns (use lookup, model source or None)."""
+def parse_draft(spec: str | None) -> tuple[str | None, str | None]:
+    """A draft value: ``MODEL``; ``ngram`` (prompt lookup) or ``suffix`` (the suffix trees)
+    alone; or ``ngram+MODEL`` / ``suffix+MODEL`` (the model drafts when they have nothing).
+    Returns (the lookup kind or None, the model source or None)."""
     if spec is None:
-        return False, None
-    if spec == "ngram":
-        return True, None
-    if spec.startswith("ngram+"):
-        model = spec[len("ngram+"):].strip()
-        if not model:
-            raise ConfigError("--draft ngram+MODEL: name the draft model after the +, e.g. ngram+embedded:qwen2.5-coder-0.5b")
-        return True, model
-    return False, spec
+        return None, None
+    if spec in LOOKUPS:
+        return spec, None
+    for kind in LOOKUPS:
+        if spec.startswith(kind + "+"):
+            model = spec[len(kind) + 1:].strip()
+            if not model:
+                raise ConfigError(f"--draft {kind}+MODEL: name the draft model after the +, "
+                                  f"e.g. {kind}+embedded:qwen2.5-coder-0.5b")
+            return kind, model
+    return None, spec
 
 
 def parse_params(items: list[str] | None) -> dict[str, Any]:
@@ -324,8 +335,10 @@ def check_flags_apply(settings: Settings, flags: dict[str, Any]) -> None:
             if flags.get(key, ...) is not ...:
                 raise ConfigError(f"{flag} has no effect without a draft model; pass --draft")
     for key in ("ngram_max", "ngram_min"):
-        if flags.get(key, ...) is not ... and not uses_lookup(settings.draft):
+        if flags.get(key, ...) is not ... and not uses_lookup(settings.draft, "ngram"):
             raise ConfigError(f"--{key.replace('_', '-')} applies only to prompt lookup (--draft ngram or ngram+MODEL)")
+    if flags.get("remember", ...) is not ... and not uses_lookup(settings.draft, "suffix"):
+        raise ConfigError("--remember applies only to the suffix drafter (--draft suffix or suffix+MODEL)")
     if flags.get("max_draft_tokens", ...) is not ... and settings.num_draft_tokens != "auto":
         raise ConfigError("--max-draft-tokens only applies with -k auto")
 

@@ -59,8 +59,13 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
         from cactus_cli.app.runtime import generation_params
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
+        if settings.remember:
+            err.print(f"{kind} does not use the profile's remember: {settings.remember} (each row's history starts "
+                      "empty, or rows would draft from earlier runs' answers to the same prompts)", style="yellow")
+            settings = replace(settings, remember=None)
         with ui.LoadProgress(err) as progress:
-            engines, encoded = g.load_engines(settings, lists["quantize"], lists["compile"], prompts, lists["k"], progress)
+            engines, encoded = g.load_engines(settings, lists["quantize"], lists["compile"], lists["draft"], prompts,
+                                              lists["k"], progress)
         grid = g.build_grid(lists["rules"], lists["delta"], lists["k"], settings.rule_params, flags.compare_hf,
                             settings.max_draft_tokens, list(engines))
         base = replace(generation_params(settings), measure=flags.meter)
@@ -94,9 +99,10 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
         raise ConfigError(f"{kind} compares speculative decoding with the verifier alone: it needs a --draft")
     if flags.compare_hf and settings.tp > 1:
         raise ConfigError("--compare-hf runs transformers' own generate, which cannot drive a --tp group; drop one")
-    if flags.compare_hf and uses_lookup(settings.draft):
-        raise ConfigError("--compare-hf compares draft-model drafting; use a --draft MODEL without ngram")
-    lists = {"delta": parse_list(flags.deltas, float, "--delta") if flags.deltas else [settings.delta],
+    drafts = g.parse_drafts(settings.draft)
+    if flags.compare_hf and (len(drafts) > 1 or uses_lookup(drafts[0])):
+        raise ConfigError("--compare-hf compares draft-model drafting; use one --draft MODEL (no ngram or suffix)")
+    lists = {"draft": drafts,"delta": parse_list(flags.deltas, float, "--delta") if flags.deltas else [settings.delta],
              "k": parse_ks(flags.ks) if flags.ks else [settings.num_draft_tokens],
              "rules": parse_list(flags.rules, str, "--rules"),
              "compile": parse_list(flags.compiles, str, "--compile") if flags.compiles else [settings.compile],

@@ -20,7 +20,8 @@ RUNTIME = "Runtime"
 
 Profile = Annotated[Optional[str], typer.Option("--profile", "-p", help="Profile name (see `cactus profiles list`) or path to a YAML file. Default: the `default` profile.", rich_help_panel=MODEL)]
 Verifier = Annotated[Optional[str], typer.Option("--verifier", help="Verifier (large) model: hub id, local folder, .gguf file, or embedded:NAME.", rich_help_panel=MODEL)]
-Draft = Annotated[Optional[str], typer.Option("--draft", help="Draft (small) model, same sources as --verifier; `ngram` drafts by prompt lookup (copying what followed the last occurrence of the current n-gram; no model); `ngram+MODEL` looks up first and lets MODEL draft when nothing matches; `none` runs the verifier alone.", rich_help_panel=MODEL)]
+Draft = Annotated[Optional[str], typer.Option("--draft", help="Draft (small) model, same sources as --verifier; `ngram` drafts by prompt lookup (copying what followed the last occurrence of the current n-gram; no model); `suffix` drafts the most frequent continuation from suffix trees over the request and earlier requests in this run (no model; see --remember); `ngram+MODEL` / `suffix+MODEL` let MODEL draft when they have nothing; `none` runs the verifier alone. bench and eval take a comma list, e.g. ngram,suffix,embedded:qwen2.5-coder-0.5b.", rich_help_panel=MODEL)]
+Remember = Annotated[Optional[str], typer.Option("--remember", help="With --draft suffix: load the history tree (earlier prompts and outputs) from this file and save it back after every answer, so the next run drafts from what this one wrote. Off by default: nothing you type is written to disk unless you ask.", rich_help_panel=MODEL)]
 Tokenizer = Annotated[Optional[str], typer.Option("--tokenizer", help="Tokenizer for both models (default: the verifier's; needed for a bare .gguf).", rich_help_panel=MODEL)]
 Rule = Annotated[Optional[str], typer.Option("--rule", "-r", help="Acceptance rule: sps, cactus, cactus-exact, tas, topk, interp.", rich_help_panel=DECODING)]
 Delta = Annotated[Optional[float], typer.Option("--delta", "-d", help="Divergence budget for cactus / cactus-exact (0 = lossless SpS).", rich_help_panel=DECODING)]
@@ -51,11 +52,12 @@ SHARED: dict[str, tuple[Any, str | None]] = {
     "temperature": (Temperature, "temperature"), "top_k": (TopK, "top_k"), "top_p": (TopP, "top_p"),
     "max_tokens": (MaxTokens, "max_tokens"), "seed": (Seed, "seed"), "stop": (Stop, "stop"),
     "device": (Device, "device"), "dtype": (Dtype, "dtype"), "compile": (Compile, "compile"), "quantize": (Quantize, "quantize"), "tp": (Tp, "tp"), "chat_template": (ChatTemplate, "chat_template"),
-    "system": (System, "system"), "no_color": (NoColor, None),
+    "system": (System, "system"), "no_color": (NoColor, None), "remember": (Remember, "remember"),
 }
 MODEL_AND_SAMPLING = ("profile", "verifier", "draft", "tokenizer", "param", "temperature", "top_k", "top_p",
                       "max_tokens", "seed", "device", "dtype", "chat_template", "no_color", "max_draft_tokens", "tp")
-GENERATION = MODEL_AND_SAMPLING + ("rule", "delta", "num_draft_tokens", "stop", "system", "compile", "quantize")
+GENERATION = MODEL_AND_SAMPLING + ("rule", "delta", "num_draft_tokens", "stop", "system", "compile", "quantize",
+                                  "remember")
 
 
 @dataclass

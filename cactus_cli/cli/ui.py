@@ -2,7 +2,8 @@
 chat's output (tables.py draws the result tables).
 
 The live view shows the text as it grows: accepted draft tokens in green (italic blue when the
-draft was copied from the context by prompt lookup), tokens the verifier
+draft was copied from the context by prompt lookup, italic magenta when the suffix trees drafted
+it from memory), tokens the verifier
 chose (corrections after a rejection, bonus tokens after a full acceptance) in bold, underlined
 yellow/cyan, and the last step's rejected draft tokens struck through in a side lane under the
 text. Without colour (--no-color or NO_COLOR) the same styles keep them apart: plain, bold
@@ -25,6 +26,7 @@ from cactus_cli.core.stats import SpecStats
 STYLES = {
     "accepted": "green",
     "copied": "italic blue",  # an accepted draft copied from the context (prompt lookup)
+    "remembered": "italic magenta",  # an accepted draft from the suffix trees (the request and earlier ones)
     "correction": "bold underline yellow",
     "bonus": "bold underline cyan",
     "verifier": "default",
@@ -43,6 +45,8 @@ def legend() -> Text:
     t.append("accepted draft", style=STYLES["accepted"])
     t.append("  ")
     t.append("copied (n-gram)", style=STYLES["copied"])
+    t.append("  ")
+    t.append("remembered (suffix)", style=STYLES["remembered"])
     t.append("  ")
     t.append("verifier correction", style=STYLES["correction"])
     t.append("  ")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-MODEL, NGRAM = "model", "ngram"  # draft sources: a draft model's forwards, or prompt lookup (free)
+MODEL, NGRAM, SUFFIX = "model", "ngram", "suffix"  # draft sources: a draft model, prompt lookup, the suffix trees (both free)
 ExtraKind = Literal["correction", "bonus", "verifier"]  # verifier: autoregressive step, no drafts
 
 
@@ -14,13 +14,14 @@ class Piece:
     """A piece of emitted text and where its token came from."""
 
     text: str
-    kind: Literal["accepted", "copied", "correction", "bonus", "verifier"]  # copied: an accepted n-gram draft
+    kind: Literal["accepted", "copied", "remembered", "correction", "bonus", "verifier"]  # copied: an accepted
+    # prompt-lookup draft; remembered: an accepted suffix-tree draft
 
 
 @dataclass(frozen=True)
 class StepEvent:
     num_drafted: int  # k for this step (may shrink near max_tokens or the context limit)
-    draft_source: str | None  # "model" or "ngram" (prompt lookup); None for a plain step
+    draft_source: str | None  # "model", "ngram" (prompt lookup) or "suffix" (suffix trees); None for a plain step
     accepted: tuple[int, ...]  # draft tokens the verifier kept
     rejected: tuple[int, ...]  # draft tokens thrown away
     extra: int  # the correction (after a rejection), the bonus (all accepted), or the verifier's token

@@ -18,13 +18,14 @@ def _umask_mode() -> int:
     return 0o666 & ~mask
 
 
-def atomic_write(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically, with the mode a plain ``open`` would give (the umask's).
-    The parent folder must exist: callers create it only where the user asked for a new place."""
+def atomic_write(path: str | Path, text: str, mode: int | None = None) -> Path:
+    """Write ``text`` to ``path`` atomically, with the mode a plain ``open`` would give (the umask's)
+    unless ``mode`` says (0o600 for what the user typed). The parent folder must exist: callers
+    create it only where the user asked for a new place."""
     path = Path(path).expanduser()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, _umask_mode())  # mkstemp makes 0600; a results file should be as readable as any
+        os.fchmod(fd, _umask_mode() if mode is None else mode)  # mkstemp makes 0600; a results file should be as readable as any
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

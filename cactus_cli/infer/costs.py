@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from cactus_cli.core.events import MODEL, NGRAM
+from cactus_cli.core.events import MODEL, NGRAM, SUFFIX
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.paths import cache_path
 from cactus_cli.infer.devices import device_name
@@ -124,6 +124,7 @@ class CostModel:
     def describe(self, widths: int) -> dict[str, Any]:
         return {"source": self.source, "draft_seconds_per_token": self.t_d() if self.draft.get(MODEL) else None,
                 "lookup_seconds_per_token": self.t_d(NGRAM) if self.draft.get(NGRAM) else None,
+                "suffix_seconds_per_token": self.t_d(SUFFIX) if self.draft.get(SUFFIX) else None,
                 "verify_seconds_by_width": {str(w): self.t_v(w) for w in range(1, widths + 1)} if self.verify else {},
                 "measured_widths": sorted(self.verify)}
 
@@ -138,7 +139,7 @@ class CostModel:
         cm, dropped = cls(source=source), 0
         for src, values in doc.get("draft", {}).items():
             for s in values:
-                if src in (MODEL, NGRAM) and _valid_seconds(s):
+                if src in (MODEL, NGRAM, SUFFIX) and _valid_seconds(s):
                     cm.add_draft(float(s), src)
                 else:
                     dropped += 1

@@ -25,7 +25,7 @@ from cactus_cli.core.exact import meter
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits
 from cactus_cli.infer.compiled import CompileUnavailable
 from cactus_cli.infer.costs import CostStore, cost_key, probe
-from cactus_cli.infer.draft import Drafter, Proposal, make_drafter
+from cactus_cli.infer.draft import Drafter, Lookup, Proposal, make_drafter
 from cactus_cli.infer.factory import make_runner
 from cactus_cli.infer.models import ModelPair
 from cactus_cli.infer.policy import AdaptiveK, FixedK, KPolicy, acceptance_key
@@ -47,7 +47,8 @@ class GenerationParams:
     ignore_eos: bool = False
     seed: int = 0
     measure: bool = False  # the divergence meter: realized KL/TV per position, verifier log-likelihood
-    learn: bool = True  # teach the cost store this run's step costs (a warm-up does not)
+    learn: bool = True  # teach the cost store this run's step costs and a drafter's history this sequence (a warm-up does not)
+    memory: str = ""  # which history a drafter with memory reads and extends (bench: one per configuration)
 
 
 def eos_ids(pair: ModelPair) -> set[int]:
@@ -66,11 +67,12 @@ MAX_GRAPHS = 4  # verifier widths compiled as asked; a longer list (a sweep over
 
 
 class SpeculativeEngine:
-    def __init__(self, pair: ModelPair, ngram: tuple[int, int] | None = None, compiled: bool = False):
-        """``ngram`` = (n_max, n_min) drafts by prompt lookup, with the pair's draft model (if any)
-        for when nothing matches. ``compiled``: static caches and compiled steps (compiled.py)."""
+    def __init__(self, pair: ModelPair, lookup: Lookup | None = None, compiled: bool = False):
+        """``lookup`` drafts by prompt lookup or from the suffix trees, with the pair's draft model
+        (if any) for when they have nothing. ``compiled``: static caches and compiled steps
+        (compiled.py)."""
         self.pair = pair
-        self.ngram = ngram
+        self.lookup = lookup
         self.eos = eos_ids(pair)
         limits = [pair.verifier.context_length] + ([pair.draft.context_length] if pair.draft else [])
         self.context_length = min(limits)
@@ -85,7 +87,7 @@ class SpeculativeEngine:
         self.compiled = compiled
         self.verifier: Runner = make_runner(pair.verifier, pair.vocab_size, compiled, self.context_length, "verifier")
         draft = make_runner(pair.draft, pair.vocab_size, compiled, self.context_length, "draft") if pair.draft else None
-        self.drafter: Drafter | None = make_drafter(draft, self.ngram, pair.vocab_size, pair.verifier.device)
+        self.drafter: Drafter | None = make_drafter(draft, self.lookup, pair.vocab_size, pair.verifier.device)
         self.tokens = []
         self.costs = CostStore.read(cost_key(pair, compiled))  # what a step costs here
         self.auto_k = AdaptiveK(self.costs)  # -k auto (its exploration spans runs)
@@ -238,6 +240,8 @@ class SpeculativeEngine:
                 if event.finish_reason:
                     return
         finally:
+            if run.drafter is not None:
+                run.drafter.finish(self.tokens)  # (the suffix drafter's history; empty after a reset)
             if params.learn:
                 self.costs.save()  # what this run learned about step costs, for the next run
 
@@ -293,7 +297,7 @@ class _Run:
         e.tokens = list(prompt)
         self.last = to_device(prompt[-1:], self.vdev)  # [1]: the next step's first input
         if self.drafter is not None:
-            self.drafter.start(prompt, previous, reuse)
+            self.drafter.start(prompt, previous, reuse, self.params.memory if self.params.learn else None)
         sync(self.vdev)
         self.prefill_seconds = time.perf_counter() - self.t_start
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator
 
-from cactus_cli.core.events import NGRAM, Piece, StepEvent
+from cactus_cli.core.events import NGRAM, SUFFIX, Piece, StepEvent
 
 
 class Detokenizer:
@@ -54,7 +54,7 @@ class TextStream:
             events.close()  # (a stop string, or the consumer left): the engine's caches stay consistent
 
     def add_text(self, ev: StepEvent) -> StepEvent:
-        accepted_kind = "copied" if ev.draft_source == NGRAM else "accepted"
+        accepted_kind = {NGRAM: "copied", SUFFIX: "remembered"}.get(ev.draft_source or "", "accepted")
         pieces: list[Piece] = []
         finish = ev.finish_reason
         emitted = ev.emitted

@@ -1,24 +1,44 @@
-"""Drafters, one module each behind one interface (base.py): the draft model (model.py) and
-prompt lookup (ngram.py, optionally backed by the draft model). ``make_drafter`` is the one
-place that names them, so the engine never does; a new drafter is a new module added here."""
+"""Drafters, one module each behind one interface (base.py): the draft model (model.py), prompt
+lookup (ngram.py) and the suffix trees over the request and earlier requests (suffix.py), the
+last two optionally backed by the draft model. ``make_drafter`` is the one place that names
+them, so the engine never does; a new drafter is a new module added here."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from cactus_cli.core import defaults
+from cactus_cli.core.events import NGRAM, SUFFIX
 from cactus_cli.infer.draft.base import Drafter, Proposal
 from cactus_cli.infer.draft.model import ModelDrafter
 from cactus_cli.infer.draft.ngram import NgramDrafter
+from cactus_cli.infer.draft.suffix import SuffixDrafter
+from cactus_cli.infer.draft.suffix_tree import History
 from cactus_cli.infer.runners import Runner
 
-__all__ = ["Drafter", "Proposal", "make_drafter"]
+__all__ = ["Drafter", "History", "Lookup", "Proposal", "make_drafter"]
 
 
-def make_drafter(model_runner: Runner | None, lookup: tuple[int, int] | None, vocab_size: int,
+@dataclass(frozen=True)
+class Lookup:
+    """Drafting that needs no model: prompt lookup (NGRAM) or the suffix trees (SUFFIX)."""
+
+    kind: str = NGRAM
+    n_max: int = defaults.NGRAM_MAX  # prompt lookup: the longest n-gram matched ...
+    n_min: int = defaults.NGRAM_MIN  # ... and the shortest
+    history: History | None = field(default=None, compare=False)  # suffix: the remembered history (--remember)
+    sampled: bool = False  # suffix: drafts drawn from the tree's frequencies instead of its most frequent path
+
+
+def make_drafter(model_runner: Runner | None, lookup: Lookup | None, vocab_size: int,
                  device: torch.device) -> Drafter | None:
-    """The drafter for a run: prompt lookup with ``lookup`` = (n_max, n_min), backed by the
-    draft model's runner if there is one; the draft model alone; or None (the verifier alone)."""
+    """The drafter for a run: ``lookup`` backed by the draft model's runner if there is one;
+    the draft model alone; or None (the verifier alone)."""
     model = ModelDrafter(model_runner) if model_runner is not None else None
-    if lookup is not None:
-        return NgramDrafter(vocab_size, device, lookup[0], lookup[1], fallback=model)
-    return model
+    if lookup is None:
+        return model
+    if lookup.kind == SUFFIX:
+        return SuffixDrafter(vocab_size, device, lookup.history, fallback=model, sampled=lookup.sampled)
+    return NgramDrafter(vocab_size, device, lookup.n_max, lookup.n_min, fallback=model)

@@ -18,7 +18,7 @@ from cactus_cli.infer.runners import Runner
 class Proposal:
     tokens: torch.Tensor  # [k'] int64, on the drafter's device; k' <= k (a lookup may offer fewer)
     probs: torch.Tensor | None  # [k', V] float32 draft probabilities; None when greedy
-    source: str = MODEL  # MODEL or NGRAM
+    source: str = MODEL  # MODEL, NGRAM or SUFFIX
     fed: int = 0  # tokens the first draft forward caught up on (1, 2 after a full acceptance, more after k = 0 steps)
 
 
@@ -29,15 +29,17 @@ class Drafter(Protocol):
     cost_source: str  # whose draft costs a choice of k mostly rests on: MODEL, or NGRAM (lookup alone)
 
     def next_source(self, seq: list[int]) -> str | None:
-        """Where the next proposal's drafts would come from (MODEL, NGRAM), or None when it has
+        """Where the next proposal's drafts would come from (MODEL, NGRAM, SUFFIX), or None when it has
         nothing to offer (a lookup with no match): then the step is a plain one."""
 
     def reset(self) -> None:
         """Forget everything cached."""
 
-    def start(self, prompt: list[int], previous: list[int], reuse: bool = False) -> int:
+    def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> int:
         """Begin a sequence at ``prompt``; with ``reuse``, keep what is cached of the prefix it
-        shares with ``previous`` (the last sequence). Returns how many tokens were reused."""
+        shares with ``previous`` (the last sequence). ``memory`` names the history a drafter
+        with memory reads and extends (bench keeps one per configuration; None: none, as in a
+        warm-up). Returns how many tokens were reused."""
 
     def propose(self, seq: list[int], k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
         """Draft up to k tokens continuing ``seq``."""
@@ -45,3 +47,6 @@ class Drafter(Protocol):
     def accept(self, seq: list[int], num_accepted: int) -> None:
         """The verifier kept ``num_accepted`` of the last proposal; ``seq`` has grown by those
         and the correction or bonus token."""
+
+    def finish(self, seq: list[int]) -> None:
+        """The sequence is done (finished, stopped or abandoned): a drafter with memory learns it."""

@@ -37,7 +37,10 @@ class ModelDrafter:
         self.runner.reset()
         self._k = 0
 
-    def start(self, prompt: list[int], previous: list[int], reuse: bool = False) -> int:
+    def finish(self, seq: list[int]) -> None:
+        pass
+
+    def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> int:
         self._k = 0
         return self.runner.prefill(prompt, previous, reuse)
 

@@ -50,10 +50,13 @@ class NgramDrafter:
         if self.fallback:
             self.fallback.reset()
 
-    def start(self, prompt: list[int], previous: list[int], reuse: bool = False) -> int:
+    def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> int:
         self.index, self.indexed = {}, 0
         self._update(prompt)
         return self.fallback.start(prompt, previous, reuse) if self.fallback else 0
+
+    def finish(self, seq: list[int]) -> None:
+        pass  # (a lookup reads the current sequence only)
 
     def _update(self, seq: list[int]) -> None:
         for j in range(self.indexed, len(seq)):  # seq[j] landed: every n-gram ending at j - 1 has a continuation

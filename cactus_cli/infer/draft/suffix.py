@@ -1,0 +1,122 @@
+"""Drafts from memory (SuffixDecoding, Oliaro et al., NeurIPS 2025): a suffix tree over the
+request (prompt and output so far) and a history tree over earlier requests' prompts and outputs
+in this process (chat turns, bench and eval prompts, lm-eval requests), optionally remembered
+across runs (``--remember``). Each step drafts the most frequent continuation of the longest
+useful match, as long as the path's estimated probability stays above MIN_PROB, so the draft's
+length follows how predictable the text is (the k policy still caps it by cost).
+
+Drafts are one-hot (the most frequent path), like prompt lookup's, so every rule applies
+unchanged and SpS stays exactly lossless; ``sampled=True`` draws each token from the tree's
+empirical frequencies instead and hands those to the rule as the draft distribution (also exact
+for SpS; README, "Drafts from memory", has the acceptance of both). With ``fallback``, a draft
+model drafts when neither tree has a likely continuation.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from cactus_cli.core.events import SUFFIX
+from cactus_cli.core.sampling import SamplingParams
+from cactus_cli.infer.draft.base import Drafter, Proposal
+from cactus_cli.infer.draft.suffix_tree import History, Match, SuffixTree, follow
+from cactus_cli.infer.runners import Runner, to_device
+
+MIN_PROB = 0.1  # a draft ends where its path's estimated probability would fall below this
+MAX_DRAFT = 16  # tokens looked ahead when asked whether there is a draft (the k policy caps it)
+
+
+class SuffixDrafter:
+    def __init__(self, vocab_size: int, device: torch.device, history: History | None = None,
+                 fallback: Drafter | None = None, sampled: bool = False):
+        self.vocab_size = vocab_size
+        self._device = device
+        self.fallback = fallback
+        self.sampled = sampled
+        self.histories: dict[str, History] = {"": history if history is not None else History()}
+        self.memory: str | None = ""  # the history this sequence reads and extends (None: none)
+        self.request = SuffixTree()
+        self.rng: random.Random | None = None
+        self._found: tuple[int, Match | None, History | None] | None = None  # (len(seq), match, its history)
+
+    @property
+    def forward_passes(self) -> int:
+        return self.fallback.forward_passes if self.fallback else 0
+
+    @property
+    def runner(self) -> Runner | None:
+        return self.fallback.runner if self.fallback else None
+
+    @property
+    def cost_source(self) -> str:
+        return self.fallback.cost_source if self.fallback else SUFFIX
+
+    @property
+    def device(self) -> torch.device:
+        return self.fallback.device if self.fallback else self._device
+
+    def reset(self) -> None:
+        """Forget the request tree (and the draft model's cache); the history stays."""
+        self.request, self._found = SuffixTree(), None
+        if self.fallback:
+            self.fallback.reset()
+
+    def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> int:
+        self.request, self._found, self.rng = SuffixTree(), None, None
+        self.memory = memory
+        return self.fallback.start(prompt, previous, reuse) if self.fallback else 0
+
+    def finish(self, seq: list[int]) -> None:
+        """The sequence is done: the history remembers it (unless this run reads no history)."""
+        if self.memory is not None and seq:
+            self.histories.setdefault(self.memory, History()).add(seq)
+
+    def _match(self, seq: list[int]) -> tuple[Match | None, History | None]:
+        """The best node to draft from in the request or the history tree (ties: the request's),
+        computed once per sequence length."""
+        if self._found is None or self._found[0] != len(seq):
+            self.request.add(0, seq)
+            best, where = self.request.best(seq, MAX_DRAFT, MIN_PROB), None
+            if self.memory is not None:
+                history = self.histories.setdefault(self.memory, History())
+                other = history.tree.best(seq, MAX_DRAFT, MIN_PROB)
+                if other is not None and (best is None or other.score > best.score):
+                    best, where = other, history
+            self._found = (len(seq), best, where)
+        return self._found[1], self._found[2]
+
+    def next_source(self, seq: list[int]) -> str | None:
+        if self._match(seq)[0] is not None:
+            return SUFFIX
+        return self.fallback.next_source(seq) if self.fallback else None
+
+    def propose(self, seq: list[int], k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        match, history = self._match(seq) if k else (None, None)
+        if match is None and self.fallback is not None and k:
+            return self.fallback.propose(seq, k, sp, generator)
+        tokens: list[int] = match.tokens[:k] if match is not None else []
+        dists: list[dict[int, float]] = []
+        if match is not None and self.sampled and not sp.greedy:
+            if self.rng is None:  # seeded by the run's seed: a sampled run replays exactly
+                self.rng = random.Random(generator.initial_seed() if generator is not None else 0)
+            tokens, dists, _ = follow(match.node, k, MIN_PROB, self.rng)
+        if history is not None and tokens:
+            history.touch(match.doc)
+        ids = to_device(tokens, self.device)  # [k']
+        probs = None
+        if not sp.greedy and tokens:  # [k', V]
+            if dists:
+                probs = torch.zeros(len(tokens), self.vocab_size)
+                for i, dist in enumerate(dists):
+                    probs[i, list(dist)] = torch.tensor(list(dist.values()))
+                probs = probs.to(self.device)
+            else:
+                probs = torch.zeros(len(tokens), self.vocab_size, device=self.device).scatter_(1, ids.view(-1, 1), 1.0)
+        return Proposal(ids, probs, SUFFIX)
+
+    def accept(self, seq: list[int], num_accepted: int) -> None:
+        self._found = None
+        if self.fallback:
+            self.fallback.accept(seq, num_accepted)
