@@ -215,7 +215,7 @@ def test_a_suffix_proposal_is_one_hot_or_the_counts(pairs):
     history = History()
     for doc in ([1, 2, 3, 5], [7, 1, 2, 3, 5], [1, 2, 4]):  # earlier requests: after 1 2, 3 twice and 4 once
         history.add(doc)
-    d = SuffixDrafter(10, torch.device("cpu"), history)
+    d = SuffixDrafter(10, torch.device("cpu"), history, sampled=False)
     seq = [1, 2]
     d.start(seq, [])
     sp = SamplingParams(1.0, 0, 1.0)

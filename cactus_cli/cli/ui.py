@@ -118,10 +118,12 @@ class LiveView:
 
 
 class PlainView:
-    """Just the text, streamed, for pipes and --plain."""
+    """Just the text, streamed, for pipes and --plain; with ``err``, the stats line goes there
+    at the end (a scripted chat: each turn's figures on stderr, the replies alone on stdout)."""
 
-    def __init__(self, out: TextIO | None = None):
+    def __init__(self, out: TextIO | None = None, err: Console | None = None):
         self.out = out or sys.stdout
+        self.err = err
         self.stats = SpecStats()
 
     def __enter__(self) -> PlainView:
@@ -130,6 +132,8 @@ class PlainView:
     def __exit__(self, *exc: Any) -> None:
         self.out.write("\n")
         self.out.flush()
+        if self.err is not None and self.stats.num_output_tokens:
+            self.err.print(stats_line(self.stats), soft_wrap=True)
 
     def update(self, ev: StepEvent) -> None:
         self.stats.update(ev)
@@ -261,7 +265,7 @@ class ChatOutput:
             view = LiveView(self.console, show_legend=not self._legend_shown)
             self._legend_shown = True
             return view
-        return PlainView()
+        return PlainView(err=self.err)
 
     def info(self, text: str) -> None:
         self.console.print(Text(text), soft_wrap=True)

@@ -29,7 +29,7 @@ class Lookup:
     n_max: int = defaults.NGRAM_MAX  # prompt lookup: the longest n-gram matched ...
     n_min: int = defaults.NGRAM_MIN  # ... and the shortest
     history: History | None = field(default=None, compare=False)  # suffix: the remembered history (--remember)
-    sampled: bool = False  # suffix: drafts drawn from the tree's frequencies instead of its most frequent path
+    sampled: bool = True  # suffix, T > 0: drafts drawn from the tree's counts (False: its most frequent path)
 
 
 def make_drafter(model_runner: Runner | None, lookup: Lookup | None, vocab_size: int,

@@ -5,11 +5,13 @@ across runs (``--remember``). Each step drafts the most frequent continuation of
 useful match, as long as the path's estimated probability stays above MIN_PROB, so the draft's
 length follows how predictable the text is (the k policy still caps it by cost).
 
-Drafts are one-hot (the most frequent path), like prompt lookup's, so every rule applies
-unchanged and SpS stays exactly lossless; ``sampled=True`` draws each token from the tree's
-empirical frequencies instead and hands those to the rule as the draft distribution (also exact
-for SpS; README, "Drafts from memory", has the acceptance of both). With ``fallback``, a draft
-model drafts when neither tree has a likely continuation.
+Sampling (T > 0), each drafted token is drawn from the tree's counts at its node (restricted to
+the tokens that keep the path above MIN_PROB), and those counts are the draft distribution the
+rule sees: a real distribution, so every rule applies unchanged and SpS stays exactly lossless.
+``sampled=False`` (and greedy decoding, always) drafts the most frequent path one-hot instead,
+like prompt lookup. Sampled is the default because it measured as good or better: README,
+"Drafts from memory", has both. With ``fallback``, a draft model drafts when neither tree has a
+likely continuation.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ MAX_DRAFT = 16  # tokens looked ahead when asked whether there is a draft (the k
 
 class SuffixDrafter:
     def __init__(self, vocab_size: int, device: torch.device, history: History | None = None,
-                 fallback: Drafter | None = None, sampled: bool = False):
+                 fallback: Drafter | None = None, sampled: bool = True):
         self.vocab_size = vocab_size
         self._device = device
         self.fallback = fallback
