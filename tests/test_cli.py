@@ -135,8 +135,14 @@ def test_bad_inputs_are_one_line_errors(tiny, extra, needle):
     assert_one_line_error(invoke("generate", "hi", *pair_args(tiny), *extra), needle)
 
 
-def test_mismatched_vocabularies_one_line_error(tiny):
-    assert_one_line_error(invoke("generate", "hi", *pair_args(tiny, "odd_vocab")), "do not share a tokenizer")
+def test_cross_vocab_flag_errors(tiny):
+    # (a draft with another vocabulary drafts across vocabularies: tests/test_cross_vocab.py)
+    assert_one_line_error(invoke("generate", "hi", *pair_args(tiny), "--cross-vocab", "string"),
+                          "shares the verifier's vocabulary")
+    assert_one_line_error(invoke("generate", "hi", *pair_args(tiny, "odd_vocab"), "--cross-vocab", "letters"),
+                          "must be one of auto, string, intersection")
+    assert_one_line_error(invoke("generate", "hi", "--verifier", tiny["verifier"], "--draft", "none",
+                                 "--cross-vocab", "string"), "--cross-vocab applies to a draft model")
 
 
 def test_missing_model_one_line_error(tmp_path):

@@ -32,7 +32,8 @@ multi-line input: end a line with \\ to continue, or wrap a block in triple quot
 SETTABLE = {"rule": "rule", "delta": "delta", "k": "num_draft_tokens", "num_draft_tokens": "num_draft_tokens",
             "max_draft_tokens": "max_draft_tokens",
             "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_tokens": "max_tokens"}
-MODEL_KEYS = ("verifier", "draft", "tokenizer", "device", "dtype", "ngram_max", "ngram_min", "compile", "quantize", "tp")
+MODEL_KEYS = ("verifier", "draft", "tokenizer", "cross_vocab", "device", "dtype", "ngram_max", "ngram_min", "remember", "compile",
+              "quantize", "tp")
 
 @dataclass
 class Turn:

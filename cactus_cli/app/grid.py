@@ -276,6 +276,7 @@ def environment(engine: SpeculativeEngine, settings: dict[str, Any]) -> dict[str
         "quantized": engine.pair.verifier.quantize_note or None,  # what ran ("int4 weights (N layers, M in int8)")
         "verifier": settings.get("verifier"),
         "draft": settings.get("draft"),
+        "cross_vocab": engine.pair.cross.method if engine.pair.cross else None,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 

@@ -34,7 +34,7 @@ def load_engine(settings: Settings, reporter=None, compile_mode: str | None = No
         raise SystemExit(0)
     if pair is None:
         pair = load_pair(settings.verifier, model, settings.tokenizer, settings.device, settings.dtype, reporter,
-                         quantize or settings.quantize, settings.tp)
+                         quantize or settings.quantize, settings.tp, settings.cross_vocab)
     compiled, note = resolve_compile(compile_mode or settings.compile, pair)
     if note and reporter is not None:
         reporter.warn(note)

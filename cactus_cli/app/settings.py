@@ -22,6 +22,7 @@ MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; bench adds the promp
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 COMPILE = ("auto", "on", "off")
 QUANTIZE = ("auto", "none", "int8", "int4", "w8a8")
+CROSS_VOCAB = ("auto", "string", "intersection")
 RULE_PARAM_KEYS = ("divergence", "epsilon", "alpha", "topk")  # rule parameters other than delta
 
 
@@ -33,6 +34,7 @@ class Settings:
     verifier: str | None = None  # model source: hub id, local folder, .gguf file, or "embedded:NAME"
     draft: str | None = None  # None: the verifier alone (autoregressive)
     tokenizer: str | None = None  # tokenizer source for both models (default: the verifier's)
+    cross_vocab: str = "auto"  # a draft with another tokenizer: string (SLEM), intersection (TLI), auto
     rule: str = defaults.RULE
     delta: float = defaults.DELTA  # divergence budget, for cactus and cactus-exact
     rule_params: dict[str, Any] = field(default_factory=dict)  # divergence, epsilon, alpha, topk
@@ -79,6 +81,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "verifier": (str, type(None)),
     "draft": (str, type(None)),
     "tokenizer": (str, type(None)),
+    "cross_vocab": (str,),
     "rule": (str,),
     "delta": (int, float),
     "rule_params": (dict,),
@@ -152,6 +155,8 @@ def check_value(key: str, value: Any) -> str | None:
         return f"must be one of {', '.join(COMPILE)}, got {value!r}"
     if key == "tp" and not 1 <= value <= 64:
         return f"must be an integer in 1..64, got {value!r}"
+    if key == "cross_vocab" and value not in CROSS_VOCAB:
+        return f"must be one of {', '.join(CROSS_VOCAB)}, got {value!r}"
     if key == "quantize" and value not in QUANTIZE:
         return f"must be one of {', '.join(QUANTIZE)}, got {value!r}"
     if key == "rule":
@@ -339,6 +344,8 @@ def check_flags_apply(settings: Settings, flags: dict[str, Any]) -> None:
             raise ConfigError(f"--{key.replace('_', '-')} applies only to prompt lookup (--draft ngram or ngram+MODEL)")
     if flags.get("remember", ...) is not ... and not uses_lookup(settings.draft, "suffix"):
         raise ConfigError("--remember applies only to the suffix drafter (--draft suffix or suffix+MODEL)")
+    if flags.get("cross_vocab", ...) is not ... and settings.draft is None:
+        raise ConfigError("--cross-vocab applies to a draft model with another tokenizer; pass --draft")
     if flags.get("max_draft_tokens", ...) is not ... and settings.num_draft_tokens != "auto":
         raise ConfigError("--max-draft-tokens only applies with -k auto")
 

@@ -22,6 +22,7 @@ Profile = Annotated[Optional[str], typer.Option("--profile", "-p", help="Profile
 Verifier = Annotated[Optional[str], typer.Option("--verifier", help="Verifier (large) model: hub id, local folder, .gguf file, or embedded:NAME.", rich_help_panel=MODEL)]
 Draft = Annotated[Optional[str], typer.Option("--draft", help="Draft (small) model, same sources as --verifier; `ngram` drafts by prompt lookup (copying what followed the last occurrence of the current n-gram; no model); `suffix` drafts the most frequent continuation from suffix trees over the request and earlier requests in this run (no model; see --remember); `ngram+MODEL` / `suffix+MODEL` let MODEL draft when they have nothing; `none` runs the verifier alone. bench and eval take a comma list, e.g. ngram,suffix,embedded:qwen2.5-coder-0.5b.", rich_help_panel=MODEL)]
 Remember = Annotated[Optional[str], typer.Option("--remember", help="With --draft suffix: load the history tree (earlier prompts and outputs) from this file and save it back after every answer, so the next run drafts from what this one wrote. Off by default: nothing you type is written to disk unless you ask.", rich_help_panel=MODEL)]
+CrossVocabOpt = Annotated[Optional[str], typer.Option("--cross-vocab", help="A draft whose tokenizer differs from the verifier's: `string` re-tokenizes the draft's text into verifier tokens (one-hot drafts); `intersection` drafts from the draft's distribution over the tokens both vocabularies spell alike; `auto` (default) picks string. Both keep SpS exactly lossless.", rich_help_panel=MODEL)]
 Tokenizer = Annotated[Optional[str], typer.Option("--tokenizer", help="Tokenizer for both models (default: the verifier's; needed for a bare .gguf).", rich_help_panel=MODEL)]
 Rule = Annotated[Optional[str], typer.Option("--rule", "-r", help="Acceptance rule: sps, cactus, cactus-exact, tas, topk, interp.", rich_help_panel=DECODING)]
 Delta = Annotated[Optional[float], typer.Option("--delta", "-d", help="Divergence budget for cactus / cactus-exact (0 = lossless SpS).", rich_help_panel=DECODING)]
@@ -46,7 +47,7 @@ System = Annotated[Optional[str], typer.Option("--system", help="System prompt (
 # name -> (annotation, Settings key or None for options that are not settings)
 SHARED: dict[str, tuple[Any, str | None]] = {
     "profile": (Profile, None), "verifier": (Verifier, "verifier"), "draft": (Draft, "draft"),
-    "tokenizer": (Tokenizer, "tokenizer"), "rule": (Rule, "rule"), "delta": (Delta, "delta"),
+    "tokenizer": (Tokenizer, "tokenizer"), "cross_vocab": (CrossVocabOpt, "cross_vocab"), "rule": (Rule, "rule"), "delta": (Delta, "delta"),
     "param": (Param, "rule_params"), "num_draft_tokens": (NumDraft, "num_draft_tokens"),
     "max_draft_tokens": (MaxDraft, "max_draft_tokens"),
     "temperature": (Temperature, "temperature"), "top_k": (TopK, "top_k"), "top_p": (TopP, "top_p"),
@@ -54,7 +55,7 @@ SHARED: dict[str, tuple[Any, str | None]] = {
     "device": (Device, "device"), "dtype": (Dtype, "dtype"), "compile": (Compile, "compile"), "quantize": (Quantize, "quantize"), "tp": (Tp, "tp"), "chat_template": (ChatTemplate, "chat_template"),
     "system": (System, "system"), "no_color": (NoColor, None), "remember": (Remember, "remember"),
 }
-MODEL_AND_SAMPLING = ("profile", "verifier", "draft", "tokenizer", "param", "temperature", "top_k", "top_p",
+MODEL_AND_SAMPLING = ("profile", "verifier", "draft", "tokenizer", "cross_vocab", "param", "temperature", "top_k", "top_p",
                       "max_tokens", "seed", "device", "dtype", "chat_template", "no_color", "max_draft_tokens", "tp")
 GENERATION = MODEL_AND_SAMPLING + ("rule", "delta", "num_draft_tokens", "stop", "system", "compile", "quantize",
                                   "remember")

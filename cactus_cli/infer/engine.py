@@ -86,8 +86,12 @@ class SpeculativeEngine:
         pair = self.pair
         self.compiled = compiled
         self.verifier: Runner = make_runner(pair.verifier, pair.vocab_size, compiled, self.context_length, "verifier")
-        draft = make_runner(pair.draft, pair.vocab_size, compiled, self.context_length, "draft") if pair.draft else None
-        self.drafter: Drafter | None = make_drafter(draft, self.lookup, pair.vocab_size, pair.verifier.device)
+        draft = None
+        if pair.draft is not None:  # (a draft with its own tokenizer runs eagerly: its token count differs)
+            draft = make_runner(pair.draft, pair.cross.rows if pair.cross else pair.vocab_size,
+                                compiled and pair.cross is None, self.context_length, "draft")
+        self.drafter: Drafter | None = make_drafter(draft, self.lookup, pair.vocab_size, pair.verifier.device,
+                                                    pair.cross, pair.tokenizer)
         self.tokens = []
         self.costs = CostStore.read(cost_key(pair, compiled))  # what a step costs here
         self.auto_k = AdaptiveK(self.costs)  # -k auto (its exploration spans runs)
@@ -171,12 +175,14 @@ class SpeculativeEngine:
                 v.forward(ids[length : length + w], keep=w)
                 v.crop(length)
 
+            dids = [t % d.vocab_size for t in ids] if d is not None else []  # (a draft may have its own vocabulary)
+
             def draft_forward() -> None:
-                d.forward(ids[length : length + 1], keep=1)
+                d.forward(dids[length : length + 1], keep=1)
                 d.crop(length)
 
             if d is not None:
-                d.forward(ids[:length], keep=1)
+                d.forward(dids[:length], keep=1)
             try:
                 probe(self.costs.costs, verify_forward, draft_forward if d is not None else None,
                       sorted({1, 2, 3, 5, k_max + 1}), lambda: sync(self.pair.verifier.device))

@@ -26,6 +26,7 @@ from cactus_cli.infer.devices import (
 from cactus_cli.infer.quantize import QualityGateFailed, quality_verdict, quantize_model
 from cactus_cli.infer.smooth import CALIBRATION_TEXT
 from cactus_cli.infer.tp import group
+from cactus_cli.infer.vocab import CrossVocab
 
 
 @dataclass
@@ -50,6 +51,7 @@ class ModelPair:
     tokenizer: Any
     vocab_size: int  # len(tokenizer): logits are cut to this many columns
     dtype_reason: str = ""  # why this dtype (``--dtype auto`` measures on a CPU)
+    cross: CrossVocab | None = None  # a draft with its own tokenizer (draft/cross.py), else None
 
 
 def mlp_shape(src: "Source") -> tuple[int, int] | None:
@@ -229,6 +231,18 @@ def load_shard(load: dict) -> tuple[LoadedModel, int]:
     return lm, int(load["vocab"])
 
 
+def _draft_tokenizer(tok: Any, dsrc: Source | None, cross_vocab: str, draft: str) -> Any:
+    """The draft's own tokenizer when its vocabulary differs from ``tok`` (it drafts across
+    vocabularies), else None. With --tokenizer (``dsrc`` None) both use that one."""
+    dtok = load_tokenizer(dsrc) if dsrc is not None else None
+    if dtok is not None and dtok.get_vocab() == tok.get_vocab():
+        dtok = None
+    if dtok is None and cross_vocab != "auto":
+        raise ModelError(f"--cross-vocab {cross_vocab}: draft {draft!r} shares the verifier's vocabulary; "
+                         "drop --cross-vocab (it applies to a draft with another tokenizer)")
+    return dtok
+
+
 def _own_tokenizer(src: Source | None):
     """The tokenizer a model folder ships, or None (a bare converted model, a hub id without one)."""
     if src is None or src.kind != "folder":
@@ -320,9 +334,11 @@ def tp_load_spec(verifier: str, tokenizer: str | None, device: str, dtype: str, 
 
 
 def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, device: str, dtype: str,
-              reporter=None, quantize: str = "none", tp: int = 1) -> ModelPair:
+              reporter=None, quantize: str = "none", tp: int = 1, cross_vocab: str = "auto") -> ModelPair:
     """Load verifier, optional draft and the shared tokenizer (the verifier's unless ``tokenizer``
-    names another source). Sources are all resolved first, so a missing one fails before any load."""
+    names another source). A draft with another vocabulary drafts across vocabularies by
+    ``cross_vocab`` (auto, string, intersection: draft/cross.py). Sources are all resolved
+    first, so a missing one fails before any load."""
     if not verifier:
         raise ModelError("no verifier model: pass --verifier (hub id, folder or .gguf) or use a --profile that names one")
     dev = resolve_device(device)
@@ -337,8 +353,7 @@ def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, de
         if reporter is not None:
             reporter.task(f"loading draft {draft}")
         dsrc = materialize(dsrc, reporter)
-        if tsrc is None:
-            check_same_vocab(tok, load_tokenizer(dsrc), verifier, draft)
+        dtok = _draft_tokenizer(tok, dsrc if tsrc is None else None, cross_vocab, draft)
     if tsrc is not None:  # the shared-vocabulary check holds whatever the tokenizer's source
         for src, name in ((vsrc, verifier), (dsrc, draft)):
             own = _own_tokenizer(src)
@@ -365,7 +380,10 @@ def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, de
     dm = (load_model(draft, dsrc, vm.device if tp > 1 else dev, dt, "draft", quantize, reporter, 1, calibration)
           if dsrc is not None else None)
     vocab = len(tok)
-    for lm, role in ((vm, "verifier"), (dm, "draft")):
+    cross = None
+    if dm is not None and dtok is not None:
+        cross = CrossVocab.build(dtok, tok, dm.logits_width, vm.logits_width, cross_vocab, draft, verifier)
+    for lm, role in ((vm, "verifier"), (dm if cross is None else None, "draft")):
         # padded output rows are a few hundred at most (Qwen2.5: 271); far fewer tokens than rows
         # means the tokenizer belongs to another model
         if lm is not None and not (lm.logits_width - max(1024, lm.logits_width // 100) <= vocab <= lm.logits_width):
@@ -373,4 +391,4 @@ def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, de
                 f"{role} {lm.source!r} has {lm.logits_width} output rows but the tokenizer has {vocab} tokens; "
                 "the tokenizer does not belong to this model"
             )
-    return ModelPair(vm, dm, tok, vocab, why)
+    return ModelPair(vm, dm, tok, vocab, why, cross)

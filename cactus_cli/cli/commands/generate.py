@@ -93,6 +93,8 @@ def _json_doc(text: str, interrupted: bool, settings, stats, engine, params) -> 
     doc["settings"]["dtype_resolved"] = str(engine.pair.verifier.dtype).removeprefix("torch.")
     doc["settings"]["device_resolved"] = str(engine.pair.verifier.device)
     doc["settings"]["dtype_reason"] = engine.pair.dtype_reason
+    cross = engine.pair.cross
+    doc["settings"]["cross_vocab_resolved"] = {"method": cross.method, "why": cross.why} if cross else None
     doc["settings"]["quantized"] = {role: lm.quantize_note for role, lm in
                                     (("verifier", engine.pair.verifier), ("draft", engine.pair.draft))
                                     if lm is not None and lm.quantize_note}  # what ran, layer counts included

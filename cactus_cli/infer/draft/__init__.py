@@ -1,22 +1,25 @@
-"""Drafters, one module each behind one interface (base.py): the draft model (model.py), prompt
-lookup (ngram.py) and the suffix trees over the request and earlier requests (suffix.py), the
-last two optionally backed by the draft model. ``make_drafter`` is the one place that names
+"""Drafters, one module each behind one interface (base.py): the draft model (model.py; with its
+own tokenizer, cross.py), prompt lookup (ngram.py) and the suffix trees over the request and
+earlier requests (suffix.py), the last two optionally backed by the draft model. ``make_drafter`` is the one place that names
 them, so the engine never does; a new drafter is a new module added here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from cactus_cli.core import defaults
 from cactus_cli.core.events import NGRAM, SUFFIX
 from cactus_cli.infer.draft.base import Drafter, Proposal
+from cactus_cli.infer.draft.cross import CrossVocabDrafter
 from cactus_cli.infer.draft.model import ModelDrafter
 from cactus_cli.infer.draft.ngram import NgramDrafter
 from cactus_cli.infer.draft.suffix import SuffixDrafter
 from cactus_cli.infer.draft.suffix_tree import History
 from cactus_cli.infer.runners import Runner
+from cactus_cli.infer.vocab import CrossVocab
 
 __all__ = ["Drafter", "History", "Lookup", "Proposal", "make_drafter"]
 
@@ -33,10 +36,14 @@ class Lookup:
 
 
 def make_drafter(model_runner: Runner | None, lookup: Lookup | None, vocab_size: int,
-                 device: torch.device) -> Drafter | None:
+                 device: torch.device, cross: CrossVocab | None = None, tokenizer: Any = None) -> Drafter | None:
     """The drafter for a run: ``lookup`` backed by the draft model's runner if there is one;
-    the draft model alone; or None (the verifier alone)."""
-    model = ModelDrafter(model_runner) if model_runner is not None else None
+    the draft model alone (``cross``: with its own tokenizer, the verifier's being
+    ``tokenizer``); or None (the verifier alone)."""
+    model: Drafter | None = None
+    if model_runner is not None:
+        model = (CrossVocabDrafter(model_runner, cross.method, cross.tokenizer, tokenizer, cross.vmap, vocab_size)
+                 if cross is not None else ModelDrafter(model_runner))
     if lookup is None:
         return model
     if lookup.kind == SUFFIX:
