@@ -200,3 +200,40 @@ def test_cli_across_vocabularies(tiny, cross):
         doc = json.loads(r.stdout)
         assert doc["settings"]["cross_vocab_resolved"]["method"] == ("string" if method == "auto" else method)
         assert doc["stats"]["draft_sources"]["model"]["drafted"] > 0  # counted in verifier tokens
+
+
+def test_bench_compares_a_same_family_and_a_cross_family_draft_in_one_run(tiny, cross):
+    r = CliRunner().invoke(app, ["bench", "--verifier", tiny["verifier"], "--draft",
+                                 f"{tiny['draft_close']},{cross['folder']},suffix+{cross['folder']}", "--device", "cpu",
+                                 "--dtype", "float32", "--category", "grounded", "--limit", 1, "-n", 8, "--rules", "sps",
+                                 "-k", "2", "-t", 0, "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["results"]
+    assert [row["draft"] for row in rows] == [None, tiny["draft_close"], cross["folder"], f"suffix+{cross['folder']}"]
+    assert all(row["draft_sources"] for row in rows[1:])  # each drafted, in verifier tokens
+
+
+def byte_level_tokenizer(vocab_size=262):
+    """A byte-level BPE with almost no merges: "é" and emoji stay several byte tokens."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["the cat sat on the mat"] * 50, vocab_size=vocab_size, min_frequency=2,
+                            special_tokens=["<eos>"], show_progress=False)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>")
+
+
+def test_a_character_split_across_byte_level_tokens_is_never_half_read():
+    from cactus_cli.infer.vocab import visible_text
+
+    tok = byte_level_tokenizer()
+    assert spelling_scheme(tok) == "bytelevel"
+    text = "caf\u00e9 \U0001f600 the cat"
+    ids = tok(text)["input_ids"]
+    assert any(tok.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids)))  # the split really happens
+    cut = [visible_text(tok, ids[:i]) for i in range(1, len(ids) + 1)]
+    assert all("\ufffd" not in t for t in cut) and cut[-1] == text
+    assert all(text.startswith(t) for t in cut)  # each is the text so far, never a half character
+    spelled = token_bytes(tok)
+    assert b"".join(spelled[i] for i in ids) == text.encode()  # spelled by bytes, exactly

@@ -73,16 +73,28 @@ def _quantize_tiny(tiny, **kwargs):
 
 
 def test_03_a_full_disk_does_not_stop_the_run(tiny, monkeypatch):
-    from safetensors import SafetensorError
+    from cactus_cli.infer import qcache
 
-    def full(*args, **kwargs):
-        raise SafetensorError("Error while serializing: No space left on device")
+    real = os.fdopen
 
-    monkeypatch.setattr("safetensors.torch.save_file", full)
+    class Full:  # the cache file's writes fail the way a full disk fails them
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(qcache.os, "fdopen", lambda *a, **k: Full(real(*a, **k)))
     _, text = _quantize_tiny(tiny)  # raised SafetensorError before
+    monkeypatch.undo()
     assert text.startswith("int8 weights")
-    folder = quantize.cache_file(quantize.weights_key(tiny["verifier"]), "int8").parent
-    assert not list(folder.glob(".*.tmp"))
+    path = quantize.cache_file(quantize.weights_key(tiny["verifier"]), "int8")
+    assert not list(path.parent.glob(".*.tmp")) and not path.exists()
+    _quantize_tiny(tiny)  # (the next start quantizes again and caches)
+    assert path.exists()
 
 
 def _write_costs(path: Path, costs: dict, acceptance: dict) -> None:
@@ -373,3 +385,43 @@ def test_18_20_tp_listens_on_loopback_only_and_leaves_nothing_behind(tiny, tmp_p
         assert _wait_for(lambda: not list(tmp_path.glob("cactus-tp-*")), 20), list(tmp_path.iterdir())
         if sig == signal.SIGTERM:
             assert proc.returncode == 130
+
+
+def test_the_quantized_cache_streams_tensor_by_tensor_in_the_safetensors_format(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from cactus_cli.infer.qcache import CacheReader, CacheWriter, checksum
+
+    tensors = {"a.q": torch.randint(-127, 127, (5, 8), dtype=torch.int8), "a.scales": torch.rand(5),
+               "b.q": torch.randint(0, 255, (3, 4), dtype=torch.uint8), "s": torch.rand(8)}
+    specs = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
+    path = tmp_path / "int8-x-y.safetensors"
+    w = CacheWriter(path, specs)
+    for k in ("s", "b.q", "a.q", "a.scales"):  # in the order they are computed, not the file's
+        w.add(k, tensors[k])
+    assert w.finish()
+    loaded = load_file(str(path))  # what safetensors itself reads
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    r = CacheReader(path, {k: s for k, (_, s) in specs.items()})
+    assert all(torch.equal(r[k], v) for k, v in tensors.items()) and "a.q" in r and "zz" not in r
+    old = tmp_path / "old.safetensors"  # a cache written by earlier versions (safetensors' save_file)
+    save_file(tensors, str(old), metadata={"sha256": checksum(tensors)})
+    assert torch.equal(CacheReader(old, {"a.q": (5, 8)})["a.q"], tensors["a.q"])
+    with pytest.raises(ValueError, match="wrong shape"):
+        CacheReader(path, {"a.q": (8, 5)})
+    with pytest.raises(ValueError, match="missing"):
+        CacheReader(path, {"c.q": (1,)})
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum"):
+        CacheReader(path, {})
+    path.write_bytes(bytes(data[:20]))
+    with pytest.raises(ValueError):
+        CacheReader(path, {})
+    bad = tmp_path / "int8-x-z.safetensors"
+    w = CacheWriter(bad, specs)
+    w.add("a.q", tensors["a.q"].float())  # not what was announced: nothing is cached
+    for k in ("s", "b.q", "a.scales"):
+        w.add(k, tensors[k])
+    assert not w.finish() and not bad.exists() and not list(tmp_path.glob(".*.tmp"))

@@ -39,8 +39,12 @@ def test_the_tree_counts_continuations_and_drafts_the_most_frequent_path():
     node = t.best([9, 1, 2], 4, 0.1)
     # after "1 2": 3 three times, 4 once (the tail "1 2 3" itself counts; the context's own 1 2 is not in the tree)
     assert node.tokens[:1] == [3]
-    tokens, dists, score = follow(node.node, 1, 0.0)
-    assert tokens == [3] and dists[0] == pytest.approx({3: 0.75, 4: 0.25}) and score == pytest.approx(0.75)
+    tokens, dists, score = follow(node.node, 1, 0.0, matched=node.length)
+    assert tokens == [3] and dists[0] == pytest.approx({3: 0.75, 4: 0.25})  # the counts are the distribution
+    assert score == pytest.approx(3 / (4 + 1 / node.length))  # the estimate keeps room for the unseen
+    lone = tree([1, 2, 3, 4, 5, 6, 7, 8, 9])  # one occurrence: trusted more the longer the match
+    assert follow(lone.best([1], 1, 0.0).node, 1, 0.0, matched=1)[2] == pytest.approx(1 / 2)
+    assert follow(lone.best([1, 2, 3, 4], 1, 0.0).node, 1, 0.0, matched=4)[2] == pytest.approx(4 / 5)
     # a longer match wins when it predicts better: after "1 2", 5 x3 and 6 x2; after "7 1 2", 5 x3
     t2 = tree([7, 1, 2, 5, 8, 1, 2, 6, 7, 1, 2, 5, 8, 1, 2, 6, 7, 1, 2, 5])
     assert t2.best([0, 1, 2], 1, 0.1).length == 2 and t2.best([7, 1, 2], 1, 0.1).length == 3
@@ -51,8 +55,9 @@ def test_the_tree_counts_continuations_and_drafts_the_most_frequent_path():
 
 def test_the_draft_stops_where_the_path_becomes_unlikely():
     t = tree([5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 1, 2])  # after 5 6: 7 (2 of 3) then 8 or 9 (1 of 2 each)
-    assert t.best([5, 6], 8, 0.5).tokens == [7]  # 2/3 passes 0.5; 2/3 * 1/2 does not
-    assert t.best([5, 6], 8, 0.3).tokens[:2] == [7, 9]  # (ties: the most recent occurrence's)
+    # estimates 2 / (3 + 1/2) = 0.57, then x 1 / (2 + 1/3) = 0.245
+    assert t.best([5, 6], 8, 0.5).tokens == [7]
+    assert t.best([5, 6], 8, 0.2).tokens[:2] == [7, 9]  # (ties: the most recent occurrence's)
     assert len(t.best([5, 6], 1, 0.0).tokens) == 1  # k caps it
 
 
@@ -266,5 +271,5 @@ def test_bench_takes_drafts_as_grid_values(tiny):
                                                f"sps k=2 · {tiny['draft_close']}"]
     assert [row["draft"] for row in rows] == [None, "ngram", "suffix", tiny["draft_close"]]
     assert set(rows[2]["draft_sources"]) == {"suffix"} and set(rows[3]["draft_sources"]) == {"model"}
-    assert_one_line_error(runner.invoke(app, ["bench", *pair_args(tiny), "--draft", f"{tiny['draft']},{tiny['draft_close']}"]),
-                          "one draft model per run")
+    assert_one_line_error(runner.invoke(app, ["bench", *pair_args(tiny), "--draft", "ngram,suffix+"]),
+                          "suffix+MODEL needs a model")

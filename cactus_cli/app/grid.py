@@ -26,6 +26,7 @@ from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.stats import SpecStats, summarize
 from cactus_cli.infer.devices import device_name
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.models import with_draft
 from cactus_cli.infer.runners import sync
 
 SCHEMA_VERSION = 1
@@ -347,20 +348,26 @@ def csv_text(doc: dict[str, Any]) -> str:
 def load_engines(settings: Settings, quantizes: list[str], compiles: list[str], drafts: list[str],
                  prompts: list[Prompt], ks: list[int | str], reporter
                  ) -> tuple[dict[tuple[str, bool, str], SpeculativeEngine], list]:
-    """An engine per variant (quantize, compiled, draft), one pair in memory per quantization
-    (``drafts`` share at most one draft model: parse_drafts checks), each prepared (compiled,
-    costs probed) for the longest prompt; and the prompts encoded. A compiled engine that fell
-    back to eager (the warning says why) is not a second variant."""
-    model = next((m for m in (parse_draft(d)[1] for d in drafts) if m), None)
+    """An engine per variant (quantize, compiled, draft), the verifier in memory once per
+    quantization and each draft model once beside it (a same-family and a cross-family draft
+    compare on one verifier), each engine prepared (compiled, costs probed) for the longest
+    prompt; and the prompts encoded. A compiled engine that fell back to eager (the warning
+    says why) is not a second variant."""
+    models = list(dict.fromkeys(m for m in (parse_draft(d)[1] for d in drafts) if m))
     engines: list[tuple[str, SpeculativeEngine]] = []
     for quantize in quantizes:
-        pair = None
+        pairs: dict[str | None, Any] = {}
         for mode in compiles:
-            if pair is None:  # the verifier and the shared draft model, loaded once per quantization
-                pair = runtime.load_engine(dataclasses.replace(settings, draft=model or drafts[0]), reporter, mode,
-                                           None, quantize).pair
+            if not pairs:  # the verifier (and the first draft model), then each other draft model beside it
+                first = runtime.load_engine(dataclasses.replace(settings, draft=models[0] if models else drafts[0]),
+                                            reporter, mode, None, quantize).pair
+                pairs = {None: dataclasses.replace(first, draft=None, cross=None)}
+                if models:
+                    pairs[models[0]] = first
+                for m in models[1:]:
+                    pairs[m] = with_draft(pairs[None], m, reporter, settings.cross_vocab, settings.tokenizer is None)
             for draft in drafts:
-                own = pair if parse_draft(draft)[1] else dataclasses.replace(pair, draft=None)
+                own = pairs[parse_draft(draft)[1]]
                 engines.append((draft, runtime.load_engine(dataclasses.replace(settings, draft=draft), reporter, mode,
                                                            own, quantize)))
     encoded = runtime.encode_prompts(engines[0][1], prompts, settings.chat_template)
@@ -374,12 +381,9 @@ def load_engines(settings: Settings, quantizes: list[str], compiles: list[str], 
 
 
 def parse_drafts(text: str) -> list[str]:
-    """bench and eval's --draft list: each value checked, one draft model at most among them
-    (each model would hold its own copy of the pair in memory)."""
+    """bench and eval's --draft list, each value checked (ngram, suffix, models, KIND+MODEL)."""
     drafts = list(dict.fromkeys(parse_list(text, str, "--draft")))
     check_each("draft", drafts, "--draft")
-    models = {m for m in (parse_draft(d)[1] for d in drafts) if m}
-    if len(models) > 1:
-        raise ConfigError(f"--draft: one draft model per run ({', '.join(sorted(models))} were given); "
-                          "ngram and suffix may come with it, e.g. --draft ngram,suffix,MODEL")
+    for d in drafts:
+        parse_draft(d)  # (a KIND+ without a model is an error now)
     return drafts

@@ -349,13 +349,8 @@ def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, de
         reporter.task(f"loading verifier {verifier}")
     vsrc = materialize(vsrc, reporter)
     tok = load_tokenizer(materialize(tsrc, reporter) if tsrc else vsrc)
-    if dsrc is not None:
-        if reporter is not None:
-            reporter.task(f"loading draft {draft}")
-        dsrc = materialize(dsrc, reporter)
-        dtok = _draft_tokenizer(tok, dsrc if tsrc is None else None, cross_vocab, draft)
     if tsrc is not None:  # the shared-vocabulary check holds whatever the tokenizer's source
-        for src, name in ((vsrc, verifier), (dsrc, draft)):
+        for src, name in ((vsrc, verifier), (materialize(dsrc, reporter) if dsrc else None, draft)):
             own = _own_tokenizer(src)
             if own is not None:
                 check_same_vocab(own, tok, name, tokenizer, what=f"--tokenizer {tokenizer!r} and model {name!r}")
@@ -375,20 +370,38 @@ def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, de
     calibration = list(tok(CALIBRATION_TEXT)["input_ids"]) if quantize == "w8a8" else None  # (smooth.py)
     vm = load_model(verifier, vsrc, dev, dt, "verifier", quantize, reporter, tp, calibration,
                     gate if quantize == "w8a8" else None)
-    quantize = vm.quantize  # (int8 if w8a8 failed its quality gate: the draft follows)
-    # the draft sits with rank 0's shard under --tp (acceptance is decided there)
-    dm = (load_model(draft, dsrc, vm.device if tp > 1 else dev, dt, "draft", quantize, reporter, 1, calibration)
-          if dsrc is not None else None)
-    vocab = len(tok)
+    _check_rows(vm, "verifier", len(tok))
+    pair = ModelPair(vm, None, tok, len(tok), why)
+    if draft is None:
+        return pair
+    if reporter is not None:
+        reporter.task(f"loading draft {draft}")
+    return with_draft(pair, draft, reporter, cross_vocab, own_tokenizer=tsrc is None)
+
+
+def with_draft(pair: ModelPair, draft: str, reporter=None, cross_vocab: str = "auto",
+               own_tokenizer: bool = True) -> ModelPair:
+    """``pair`` with a draft model (bench compares several on one verifier in memory): on the
+    verifier's device (rank 0's under --tp, where acceptance is decided), in its dtype and
+    quantization (int8 if the verifier's w8a8 failed its quality gate). With ``own_tokenizer``
+    a draft whose vocabulary differs drafts across vocabularies by ``cross_vocab``."""
+    vm, tok = pair.verifier, pair.tokenizer
+    dsrc = materialize(resolve_source(draft), reporter)
+    dtok = _draft_tokenizer(tok, dsrc if own_tokenizer else None, cross_vocab, draft)
+    quantize = vm.quantize if vm.tp == 1 else "none"
+    calibration = list((dtok or tok)(CALIBRATION_TEXT)["input_ids"]) if quantize == "w8a8" else None
+    dm = load_model(draft, dsrc, vm.device, vm.dtype, "draft", quantize, reporter, 1, calibration)
     cross = None
-    if dm is not None and dtok is not None:
-        cross = CrossVocab.build(dtok, tok, dm.logits_width, vm.logits_width, cross_vocab, draft, verifier)
-    for lm, role in ((vm, "verifier"), (dm if cross is None else None, "draft")):
-        # padded output rows are a few hundred at most (Qwen2.5: 271); far fewer tokens than rows
-        # means the tokenizer belongs to another model
-        if lm is not None and not (lm.logits_width - max(1024, lm.logits_width // 100) <= vocab <= lm.logits_width):
-            raise ModelError(
-                f"{role} {lm.source!r} has {lm.logits_width} output rows but the tokenizer has {vocab} tokens; "
-                "the tokenizer does not belong to this model"
-            )
-    return ModelPair(vm, dm, tok, vocab, why, cross)
+    if dtok is not None:
+        cross = CrossVocab.build(dtok, tok, dm.logits_width, vm.logits_width, cross_vocab, draft, vm.source)
+    else:
+        _check_rows(dm, "draft", pair.vocab_size)
+    return ModelPair(vm, dm, tok, pair.vocab_size, pair.dtype_reason, cross)
+
+
+def _check_rows(lm: LoadedModel, role: str, vocab: int) -> None:
+    """Padded output rows are a few hundred at most (Qwen2.5: 271); far fewer tokens than rows
+    means the tokenizer belongs to another model."""
+    if not lm.logits_width - max(1024, lm.logits_width // 100) <= vocab <= lm.logits_width:
+        raise ModelError(f"{role} {lm.source!r} has {lm.logits_width} output rows but the tokenizer has {vocab} "
+                         "tokens; the tokenizer does not belong to this model")

@@ -31,7 +31,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +41,7 @@ from torch import nn
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.paths import cache_dir, cache_path
 from cactus_cli.infer import smooth
+from cactus_cli.infer.qcache import CacheReader, CacheWriter, checksum  # noqa: F401 (checksum: tests)
 from cactus_cli.infer.qlayers import (  # noqa: F401  (the layers and arithmetic, re-exported)
     INT4_GROUP,
     INT4_TILES,
@@ -169,8 +169,6 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
     ``calibration`` token ids. With ``gate`` (``--quantize auto`` trying w8a8 on a model never
     measured), the mean NLL of that text before and after is compared, kept (``quality_verdict``)
     and QualityGateFailed raised past ``gate`` nats/token. Returns a description of what ran."""
-    from safetensors.torch import save_file
-
     param = next(model.parameters())
     dtype, device = param.dtype, device or param.device
     plan = plan_layers(model, method, device.type)
@@ -179,23 +177,32 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
     remove_stale_temp_files(path.parent)
     found = smooth.groups(model) if method == "w8a8" else []
     extra = {g.key: (model.get_submodule(g.readers[0]).in_features,) for g in found}
-    cached = _load_cache(path, model, plan, report, extra)
-    fresh: dict[str, torch.Tensor] = {}
-    if report is not None and not cached:
-        report(f"quantizing {len(plan)} layers to {method} (once; cached for the next start)")
-    if found and cached:
+    specs = {k: (torch.float32, shape) for k, shape in extra.items()}
+    for name, kind in plan.items():
+        specs.update({k: (torch.uint8 if kind == "int4" and k.endswith(".q") else
+                          torch.int8 if k.endswith(".q") else torch.float32, shape)
+                      for k, shape in expected_shapes(model.get_submodule(name), name, kind).items()})
+    cached = _open_cache(path, {k: shape for k, (_, shape) in specs.items()}, report)
+    fresh = CacheWriter(path, specs) if cached is None else None  # written tensor by tensor, never all held
+    if cached is None:
+        cached = {}
+        if report is not None:
+            report(f"quantizing {len(plan)} layers to {method} (once; cached for the next start)")
+    if found and fresh is None:
         smooth.apply(model, found, {g.key: cached[g.key] for g in found}, readers_too=False)
     elif found:
         vocab = model.get_input_embeddings().num_embeddings  # (no text given: any ids calibrate a little)
         factors = smooth.factors(model, found, calibration or [i % vocab for i in range(1, 257)])
         smooth.apply(model, found, factors)
-        fresh.update(factors)
+        for k, v in factors.items():
+            fresh.add(k, v)
     for name, kind in plan.items():
         new = _quantized_layer(model.get_submodule(name), name, kind, cached, fresh, dtype, device)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, new)  # the original is freed here
-    if fresh:
-        _save(path, {**cached, **fresh}, save_file)
+    if fresh is not None:
+        fresh.finish()
+        _remove_stale(path)
     text = describe_plan(plan, method, device.type)
     if before is not None:
         delta = mean_nll(model, calibration) - before
@@ -212,10 +219,10 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
     return text
 
 
-def _quantized_layer(lin: nn.Linear, name: str, kind: str, cached: dict[str, torch.Tensor],
-                     fresh: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _quantized_layer(lin: nn.Linear, name: str, kind: str, cached: CacheReader | dict,
+                     fresh: CacheWriter | None, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """One layer's quantized replacement on ``device``, from ``cached`` tensors or computed (and
-    added to ``fresh``). Which layers fall back to int8 depends on the device, so int4 caches
+    written to ``fresh``). Which layers fall back to int8 depends on the device, so int4 caches
     are kept per device type (``cache_file``)."""
     bias = lin.bias.detach() if lin.bias is not None else None
     if kind in ("int8", "w8a8"):
@@ -223,7 +230,8 @@ def _quantized_layer(lin: nn.Linear, name: str, kind: str, cached: dict[str, tor
             q, scales = cached[f"{name}.q"], cached[f"{name}.scales"]
         else:
             q, scales = quantize_int8(lin.weight.detach())
-            fresh.update({f"{name}.q": q.cpu(), f"{name}.scales": scales.cpu()})
+            fresh.add(f"{name}.q", q)
+            fresh.add(f"{name}.scales", scales)
         if kind == "w8a8":
             return Int8DynamicLinear(q, scales, bias, dtype)
         return Int8Linear(q.to(device), scales.to(device), None if bias is None else bias.to(device), dtype)
@@ -232,19 +240,10 @@ def _quantized_layer(lin: nn.Linear, name: str, kind: str, cached: dict[str, tor
         q = torch.stack([packed >> 4, packed & 15], -1).reshape(packed.shape[0], -1)
     else:
         q, scales, mins = quantize_int4(lin.weight.detach())
-        fresh.update({f"{name}.q": (q[:, ::2] << 4 | q[:, 1::2]).cpu(), f"{name}.scales": scales.cpu(),
-                      f"{name}.mins": mins.cpu()})
+        fresh.add(f"{name}.q", q[:, ::2] << 4 | q[:, 1::2])
+        fresh.add(f"{name}.scales", scales)
+        fresh.add(f"{name}.mins", mins)
     return Int4Linear(q, scales, mins, bias, dtype, device)
-
-
-def checksum(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over every tensor's name, shape, dtype and bytes, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()
 
 
 def expected_shapes(lin: nn.Linear, name: str, kind: str) -> dict[str, tuple[int, ...]]:
@@ -256,36 +255,19 @@ def expected_shapes(lin: nn.Linear, name: str, kind: str) -> dict[str, tuple[int
     return {f"{name}.q": (n, k // 2), f"{name}.scales": (n, g), f"{name}.mins": (n, g)}
 
 
-def _load_cache(path: Path, model: nn.Module, plan: dict[str, str], report: Callable[[str], None] | None,
-                extra: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
-    """The cached tensors, if the file is whole: its checksum matches and every layer of the
-    plan has its tensors in their shapes. Otherwise nothing (the model is quantized again and
-    the file replaced), said in one line."""
-    from safetensors import safe_open
-
+def _open_cache(path: Path, want: dict[str, tuple[int, ...]], report: Callable[[str], None] | None
+                ) -> CacheReader | None:
+    """The cache, if the file is whole: every wanted tensor in its shape and the checksum right.
+    Otherwise None (the model is quantized again and the file replaced), said in one line."""
     if not path.is_file():
-        return {}
+        return None
     try:
-        with safe_open(str(path), framework="pt") as f:
-            stored = (f.metadata() or {}).get("sha256")
-            # copies, not views of a memory map: a cache file replaced or truncated while this
-            # process runs must not pull the weights from under it
-            cached = {k: f.get_tensor(k).clone() for k in f.keys()}
-        want = dict(extra or {})
-        for name, kind in plan.items():
-            want.update(expected_shapes(model.get_submodule(name), name, kind))
-        wrong = next((k for k, shape in want.items() if k not in cached or tuple(cached[k].shape) != shape), None)
-        if wrong is not None:
-            problem = f"{wrong} is {'missing' if wrong not in cached else 'the wrong shape'}"
-        elif stored != checksum(cached):
-            problem = "its checksum does not match"
-        else:
-            return cached
+        return CacheReader(path, want)
     except Exception as err:  # noqa: BLE001 - any damage (truncated, not safetensors) means quantize again
-        problem = f"it cannot be read ({type(err).__name__})"
+        problem = str(err) if isinstance(err, ValueError) and str(err) else f"it cannot be read ({type(err).__name__})"
     if report is not None:
         report(f"the quantized cache {path.name} is damaged ({problem}); quantizing again")
-    return {}
+    return None
 
 
 def remove_stale_temp_files(folder: Path) -> None:
@@ -309,26 +291,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _save(path: Path, tensors: dict[str, torch.Tensor], save_file) -> None:
-    """Atomically (a crash leaves no half-written cache), with a checksum; any failure (a full
-    disk raises safetensors' own error, not an OSError) only costs the next start."""
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        tensors = {k: v.contiguous() for k, v in tensors.items()}
-        save_file(tensors, tmp, metadata={"sha256": checksum(tensors)})
-        os.replace(tmp, path)
-        method, model, _ = path.name.split("-", 2)
-        for stale in path.parent.glob(f"{method}-{model}-*.safetensors"):
-            if stale != path:
-                stale.unlink(missing_ok=True)
-    except Exception:  # noqa: BLE001 - not cached: the next start quantizes again
-        pass
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+def _remove_stale(path: Path) -> None:
+    """Caches of the same model and method under other keys (older weights or format)."""
+    method, model, _ = path.name.split("-", 2)
+    for stale in path.parent.glob(f"{method}-{model}-*.safetensors"):
+        if stale != path:
+            stale.unlink(missing_ok=True)
 
 
 def weight_bytes(model: nn.Module) -> int:

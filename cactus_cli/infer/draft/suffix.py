@@ -1,9 +1,10 @@
 """Drafts from memory (SuffixDecoding, Oliaro et al., NeurIPS 2025): a suffix tree over the
 request (prompt and output so far) and a history tree over earlier requests' prompts and outputs
 in this process (chat turns, bench and eval prompts, lm-eval requests), optionally remembered
-across runs (``--remember``). Each step drafts the most frequent continuation of the longest
-useful match, as long as the path's estimated probability stays above MIN_PROB, so the draft's
-length follows how predictable the text is (the k policy still caps it by cost).
+across runs (``--remember``). Each step drafts the most frequent continuation of the most useful
+match, as long as the path's estimated probability stays above MIN_PROB (estimates that trust a
+lone occurrence more the longer the matched context: suffix_tree.follow), so the draft's length
+follows how predictable the text is (the k policy still caps it by cost).
 
 Sampling (T > 0), each drafted token is drawn from the tree's counts at its node (restricted to
 the tokens that keep the path above MIN_PROB), and those counts are the draft distribution the
@@ -103,7 +104,7 @@ class SuffixDrafter:
         if match is not None and self.sampled and not sp.greedy:
             if self.rng is None:  # seeded by the run's seed: a sampled run replays exactly
                 self.rng = random.Random(generator.initial_seed() if generator is not None else 0)
-            tokens, dists, _ = follow(match.node, k, MIN_PROB, self.rng)
+            tokens, dists, _ = follow(match.node, k, MIN_PROB, self.rng, match.length)
         if history is not None and tokens:
             history.touch(match.doc)
         ids = to_device(tokens, self.device)  # [k']
