@@ -27,6 +27,7 @@ and versions), so a second start does not quantize again.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
@@ -196,13 +197,20 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
         smooth.apply(model, found, factors)
         for k, v in factors.items():
             fresh.add(k, v)
-    for name, kind in plan.items():
-        new = _quantized_layer(model.get_submodule(name), name, kind, cached, fresh, dtype, device)
+    mapped = file_mappings()
+    for i, (name, kind) in enumerate(plan.items()):
+        old = model.get_submodule(name)
+        new = _quantized_layer(old, name, kind, cached, fresh, dtype, device)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, new)  # the original is freed here
+        release_pages(old.weight, mapped)
+        del old
+        if i % 16 == 15:
+            trim_heap()
     if fresh is not None:
         fresh.finish()
         _remove_stale(path)
+    trim_heap()
     text = describe_plan(plan, method, device.type)
     if before is not None:
         delta = mean_nll(model, calibration) - before
@@ -289,6 +297,54 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # someone else's process: alive
         return True
     return True
+
+
+def file_mappings() -> list[tuple[int, int]]:
+    """The address ranges of this process's safetensors file mappings (Linux), where a model
+    loaded zero-copy keeps its weights."""
+    out = []
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and parts[-1].endswith(".safetensors"):
+                    lo, hi = parts[0].split("-")
+                    out.append((int(lo, 16), int(hi, 16)))
+    except OSError:
+        pass
+    return out
+
+
+def release_pages(weight: torch.Tensor, mapped: list[tuple[int, int]]) -> None:
+    """Drop the resident pages of a replaced layer's weight when they lie in a safetensors file
+    mapping: read once to quantize, they would stay counted in the process's memory until the
+    whole file is unmapped (measured: 2.9 GB of the verifier's file still resident after a first
+    start). Only pages wholly inside the weight's bytes are dropped, and a clean file page
+    dropped by mistake is only read again, never lost; anything else is left alone."""
+    if weight.device.type != "cpu" or not mapped:
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    lo = weight.data_ptr()
+    hi = lo + weight.numel() * weight.element_size()
+    if not any(a <= lo and hi <= b for a, b in mapped):
+        return
+    start, end = -(-lo // page) * page, hi // page * page
+    if end > start:
+        try:
+            ctypes.CDLL("libc.so.6").madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
+        except (OSError, AttributeError):
+            pass
+
+
+def trim_heap() -> None:
+    """Hand freed heap memory back to the OS. glibc keeps freed blocks below its (self-raising,
+    up to 32 MB) mmap threshold for reuse, so the full-precision layers freed while quantizing
+    stayed resident: measured on the embedded pair, a first start ended at 6.68 GB against 3.41 GB
+    for a cached one. Linux/glibc only; elsewhere nothing to do."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _remove_stale(path: Path) -> None:
