@@ -178,11 +178,7 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
     remove_stale_temp_files(path.parent)
     found = smooth.groups(model) if method == "w8a8" else []
     extra = {g.key: (model.get_submodule(g.readers[0]).in_features,) for g in found}
-    specs = {k: (torch.float32, shape) for k, shape in extra.items()}
-    for name, kind in plan.items():
-        specs.update({k: (torch.uint8 if kind == "int4" and k.endswith(".q") else
-                          torch.int8 if k.endswith(".q") else torch.float32, shape)
-                      for k, shape in expected_shapes(model.get_submodule(name), name, kind).items()})
+    specs = _cache_specs(model, plan, extra)
     cached = _open_cache(path, {k: shape for k, (_, shape) in specs.items()}, report)
     fresh = CacheWriter(path, specs) if cached is None else None  # written tensor by tensor, never all held
     if cached is None:
@@ -197,16 +193,7 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
         smooth.apply(model, found, factors)
         for k, v in factors.items():
             fresh.add(k, v)
-    mapped = file_mappings()
-    for i, (name, kind) in enumerate(plan.items()):
-        old = model.get_submodule(name)
-        new = _quantized_layer(old, name, kind, cached, fresh, dtype, device)
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, new)  # the original is freed here
-        release_pages(old.weight, mapped)
-        del old
-        if i % 16 == 15:
-            trim_heap()
+    _replace_layers(model, plan, cached, fresh, dtype, device)
     if fresh is not None:
         fresh.finish()
         _remove_stale(path)
@@ -261,6 +248,32 @@ def expected_shapes(lin: nn.Linear, name: str, kind: str) -> dict[str, tuple[int
         return {f"{name}.q": (n, k), f"{name}.scales": (n,)}
     g = k // INT4_GROUP
     return {f"{name}.q": (n, k // 2), f"{name}.scales": (n, g), f"{name}.mins": (n, g)}
+
+
+def _replace_layers(model: nn.Module, plan: dict[str, str], cached: CacheReader | dict, fresh: CacheWriter | None,
+                    dtype: torch.dtype, device: torch.device) -> None:
+    """Each planned layer replaced by its quantized version, its old weight's memory released."""
+    mapped = file_mappings()
+    for i, (name, kind) in enumerate(plan.items()):
+        old = model.get_submodule(name)
+        new = _quantized_layer(old, name, kind, cached, fresh, dtype, device)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, new)  # the original is freed here
+        release_pages(old.weight, mapped)
+        del old
+        if i % 16 == 15:
+            trim_heap()
+
+
+def _cache_specs(model: nn.Module, plan: dict[str, str], extra: dict[str, tuple[int, ...]]
+                 ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Every cached tensor's dtype and shape, known before quantizing (the cache's header)."""
+    specs = {k: (torch.float32, shape) for k, shape in extra.items()}
+    for name, kind in plan.items():
+        specs.update({k: (torch.uint8 if kind == "int4" and k.endswith(".q") else
+                          torch.int8 if k.endswith(".q") else torch.float32, shape)
+                      for k, shape in expected_shapes(model.get_submodule(name), name, kind).items()})
+    return specs
 
 
 def _open_cache(path: Path, want: dict[str, tuple[int, ...]], report: Callable[[str], None] | None
