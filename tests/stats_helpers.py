@@ -27,3 +27,19 @@ def assert_matches(samples: torch.Tensor, exact: torch.Tensor, false_failure_odd
     l1 = (empirical(samples, V) - exact).abs().sum().item()
     bound = l1_bound(samples.numel(), V, false_failure_odds)
     assert l1 < bound, f"L1 distance {l1:.4f} >= {bound:.4f} (false-failure odds {false_failure_odds:g})"
+
+
+def exact_two_tokens(pair, ids: list[int], sp) -> dict[tuple[int, int], float]:
+    """The verifier's exact joint distribution of the first two tokens after ``ids`` under the
+    sampling ``sp``: (t1, t2) -> probability (every SpS exactness test compares against it)."""
+    from cactus_cli.core.sampling import probs_from_logits
+
+    model = pair.verifier.model
+    with torch.no_grad():
+        q1 = probs_from_logits(model(torch.tensor([ids])).logits[0, -1, : pair.vocab_size], sp).double()
+        exact = {}
+        for t1 in q1.nonzero().flatten().tolist():
+            q2 = probs_from_logits(model(torch.tensor([ids + [t1]])).logits[0, -1, : pair.vocab_size], sp).double()
+            for t2 in q2.nonzero().flatten().tolist():
+                exact[(t1, t2)] = (q1[t1] * q2[t2]).item()
+    return exact

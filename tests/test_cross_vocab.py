@@ -14,12 +14,12 @@ from typer.testing import CliRunner
 
 from cactus_cli.cli.main import app
 from cactus_cli.core.errors import ModelError
-from cactus_cli.core.sampling import SamplingParams, probs_from_logits
+from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
 from cactus_cli.infer.vocab import _byte_decoder, spelling_scheme, token_bytes
 from tests.conftest import SPECIALS, WORDS, make_model
-from tests.stats_helpers import assert_matches
+from tests.stats_helpers import assert_matches, exact_two_tokens
 from tests.test_engine import hf_greedy, run
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
@@ -116,14 +116,7 @@ def test_sps_across_vocabularies_reproduces_the_verifier_distribution(cross, met
     pair = cross[method]
     sp = SamplingParams(temperature=1.5, top_k=3, top_p=1.0)
     ids = pair.tokenizer("the dog sat on the")["input_ids"]
-    model = pair.verifier.model
-    with torch.no_grad():
-        q1 = probs_from_logits(model(torch.tensor([ids])).logits[0, -1, : pair.vocab_size], sp).double()
-        exact = {}
-        for t1 in q1.nonzero().flatten().tolist():
-            q2 = probs_from_logits(model(torch.tensor([ids + [t1]])).logits[0, -1, : pair.vocab_size], sp).double()
-            for t2 in q2.nonzero().flatten().tolist():
-                exact[(t1, t2)] = (q1[t1] * q2[t2]).item()
+    exact = exact_two_tokens(pair, ids, sp)
     cells = sorted(exact)
     index = {c: i for i, c in enumerate(cells)}
     engine = SpeculativeEngine(pair)

@@ -14,7 +14,7 @@ from cactus_cli.core.stats import SpecStats
 from cactus_cli.infer.compiled import compile_problem
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
-from tests.stats_helpers import assert_matches
+from tests.stats_helpers import assert_matches, exact_two_tokens
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 
@@ -93,15 +93,7 @@ def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs
     pair = pairs["disagree"]
     sp = SamplingParams(temperature=1.5, top_k=3, top_p=1.0)
     ids = prompt_ids(pair, "the dog")
-    model = pair.verifier.model
-    with torch.no_grad():
-        q1 = probs_from_logits(model(torch.tensor([ids])).logits[0, -1, : pair.vocab_size], sp).double()
-        first = q1.nonzero().flatten().tolist()
-        exact = {}
-        for t1 in first:
-            q2 = probs_from_logits(model(torch.tensor([ids + [t1]])).logits[0, -1, : pair.vocab_size], sp).double()
-            for t2 in q2.nonzero().flatten().tolist():
-                exact[(t1, t2)] = (q1[t1] * q2[t2]).item()
+    exact = exact_two_tokens(pair, ids, sp)
     cells = sorted(exact)
     index = {c: i for i, c in enumerate(cells)}
     engine = SpeculativeEngine(pair)

@@ -14,13 +14,13 @@ from typer.testing import CliRunner
 
 from cactus_cli.cli.main import app
 from cactus_cli.core.events import SUFFIX
-from cactus_cli.core.sampling import SamplingParams, probs_from_logits
+from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer.draft import Lookup
 from cactus_cli.infer.draft.suffix import SuffixDrafter
 from cactus_cli.infer.draft.suffix_tree import History, SuffixTree, follow
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
-from tests.stats_helpers import assert_matches
+from tests.stats_helpers import assert_matches, exact_two_tokens
 from tests.test_cli import assert_one_line_error, pair_args
 from tests.test_engine import hf_greedy, run
 
@@ -192,14 +192,7 @@ def test_sps_with_suffix_drafts_reproduces_the_verifier_distribution(pairs, samp
     pair = pairs["alone"]
     sp = SamplingParams(temperature=1.5, top_k=3, top_p=1.0)
     ids = pair.tokenizer("the dog sat the dog sat the dog ran the dog")["input_ids"]
-    model = pair.verifier.model
-    with torch.no_grad():
-        q1 = probs_from_logits(model(torch.tensor([ids])).logits[0, -1, : pair.vocab_size], sp).double()
-        exact = {}
-        for t1 in q1.nonzero().flatten().tolist():
-            q2 = probs_from_logits(model(torch.tensor([ids + [t1]])).logits[0, -1, : pair.vocab_size], sp).double()
-            for t2 in q2.nonzero().flatten().tolist():
-                exact[(t1, t2)] = (q1[t1] * q2[t2]).item()
+    exact = exact_two_tokens(pair, ids, sp)
     cells = sorted(exact)
     index = {c: i for i, c in enumerate(cells)}
     engine = SpeculativeEngine(pair, Lookup(SUFFIX, sampled=sampled))
