@@ -22,6 +22,32 @@ class Proposal:
     fed: int = 0  # tokens the first draft forward caught up on (1, 2 after a full acceptance, more after k = 0 steps)
 
 
+class WithFallback:
+    """What a model-free drafter (prompt lookup, the suffix trees) shares when a draft model may
+    stand behind it (``fallback``): the model's runner, forward count, device and cost source,
+    or its own (``own_source``: drafts cost nothing) when there is none."""
+
+    own_source = MODEL
+    fallback: Drafter | None = None
+    _device: torch.device
+
+    @property
+    def forward_passes(self) -> int:
+        return self.fallback.forward_passes if self.fallback else 0
+
+    @property
+    def runner(self) -> Runner | None:
+        return self.fallback.runner if self.fallback else None
+
+    @property
+    def cost_source(self) -> str:
+        return self.fallback.cost_source if self.fallback else self.own_source
+
+    @property
+    def device(self) -> torch.device:
+        return self.fallback.device if self.fallback else self._device
+
+
 class Drafter(Protocol):
     device: torch.device
     forward_passes: int  # draft model calls so far (0 for lookup alone)

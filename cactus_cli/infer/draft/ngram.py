@@ -7,11 +7,11 @@ import torch
 
 from cactus_cli.core.events import NGRAM
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.draft.base import Drafter, Proposal
-from cactus_cli.infer.runners import Runner, to_device
+from cactus_cli.infer.draft.base import Drafter, Proposal, WithFallback
+from cactus_cli.infer.runners import to_device
 
 
-class NgramDrafter:
+class NgramDrafter(WithFallback):
     """The draft distribution is one-hot, so every acceptance rule works unchanged (SpS accepts
     with q_n and stays exactly lossless; Cactus accepts with its boosted h_n). With ``fallback``,
     a draft model drafts when nothing matches; its cache stays in step either way (steps it sat
@@ -19,6 +19,8 @@ class NgramDrafter:
 
     Lookups are O(n_max) per token: for each n, a map from every n-gram that has a continuation
     to the start of its latest occurrence, updated as the sequence grows."""
+
+    own_source = NGRAM
 
     def __init__(self, vocab_size: int, device: torch.device, n_max: int = 4, n_min: int = 1,
                  fallback: Drafter | None = None):
@@ -28,22 +30,6 @@ class NgramDrafter:
         self.fallback = fallback
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> start of its latest occurrence with a continuation
         self.indexed = 0  # how much of the sequence the index covers
-
-    @property
-    def forward_passes(self) -> int:
-        return self.fallback.forward_passes if self.fallback else 0
-
-    @property
-    def runner(self) -> Runner | None:
-        return self.fallback.runner if self.fallback else None
-
-    @property
-    def cost_source(self) -> str:
-        return self.fallback.cost_source if self.fallback else NGRAM
-
-    @property
-    def device(self) -> torch.device:
-        return self.fallback.device if self.fallback else self._device
 
     def reset(self) -> None:
         self.index, self.indexed = {}, 0

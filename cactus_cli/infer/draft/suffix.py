@@ -23,15 +23,17 @@ import torch
 
 from cactus_cli.core.events import SUFFIX
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.draft.base import Drafter, Proposal
+from cactus_cli.infer.draft.base import Drafter, Proposal, WithFallback
 from cactus_cli.infer.draft.suffix_tree import History, Match, SuffixTree, follow
-from cactus_cli.infer.runners import Runner, to_device
+from cactus_cli.infer.runners import to_device
 
 MIN_PROB = 0.1  # a draft ends where its path's estimated probability would fall below this
 MAX_DRAFT = 16  # tokens looked ahead when asked whether there is a draft (the k policy caps it)
 
 
-class SuffixDrafter:
+class SuffixDrafter(WithFallback):
+    own_source = SUFFIX
+
     def __init__(self, vocab_size: int, device: torch.device, history: History | None = None,
                  fallback: Drafter | None = None, sampled: bool = True):
         self.vocab_size = vocab_size
@@ -43,22 +45,6 @@ class SuffixDrafter:
         self.request = SuffixTree()
         self.rng: random.Random | None = None
         self._found: tuple[int, Match | None, History | None] | None = None  # (len(seq), match, its history)
-
-    @property
-    def forward_passes(self) -> int:
-        return self.fallback.forward_passes if self.fallback else 0
-
-    @property
-    def runner(self) -> Runner | None:
-        return self.fallback.runner if self.fallback else None
-
-    @property
-    def cost_source(self) -> str:
-        return self.fallback.cost_source if self.fallback else SUFFIX
-
-    @property
-    def device(self) -> torch.device:
-        return self.fallback.device if self.fallback else self._device
 
     def reset(self) -> None:
         """Forget the request tree (and the draft model's cache); the history stays."""
