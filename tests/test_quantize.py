@@ -31,6 +31,22 @@ def test_int8_round_trip_is_within_half_a_step_per_channel(shape):
     assert (q.abs().amax(1) == 127).all()  # each channel's largest weight uses the full range
 
 
+def test_int8_quantizes_in_chunks_as_it_would_whole_and_leaves_the_weight_alone(monkeypatch):
+    """Rows are quantized a chunk at a time (a first start's peak memory): the same bytes as the
+    whole-tensor formula, chunk boundaries falling mid-way included, and a float32 weight (whose
+    ``.float()`` is itself) is not changed in place."""
+    import cactus_cli.infer.qlayers as ql
+
+    monkeypatch.setattr(ql, "CHUNK", 3 * 40 + 7)  # 3 rows of 40 per chunk: 100 rows -> 34 chunks, the last short
+    w = torch.randn(100, 40, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.1, 5, 100)[:, None]
+    kept = w.clone()
+    want_scales = (w.abs().amax(1) / 127).clamp(min=1e-10)
+    want_q = torch.round(w / want_scales[:, None]).clamp(-127, 127).to(torch.int8)
+    q, scales = qz.quantize_int8(w)
+    assert torch.equal(q, want_q) and torch.equal(scales, want_scales)
+    assert torch.equal(w, kept)
+
+
 @pytest.mark.parametrize("shape", [(64, 32), (256, 128), (96, 1536)])
 def test_int4_round_trip_is_within_half_a_step_per_group(shape):
     torch.manual_seed(shape[1])
