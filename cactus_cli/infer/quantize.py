@@ -41,7 +41,7 @@ from torch import nn
 
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.paths import cache_dir, cache_path
-from cactus_cli.infer import smooth
+from cactus_cli.infer import layerwise, smooth
 from cactus_cli.infer.qcache import CacheReader, CacheWriter, checksum  # noqa: F401 (checksum: tests)
 from cactus_cli.infer.qlayers import (  # noqa: F401  (the layers and arithmetic, re-exported)
     INT4_GROUP,
@@ -166,14 +166,13 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
     cache when this model was quantized before. The new layers are built on ``device`` (default:
     where the model is): a model loaded on the CPU is quantized there and only the quantized
     weights reach the GPU. Each original layer is released as it is replaced, so the peak is one
-    full-precision model, not both. w8a8 first smooths the model (smooth.py) over the
-    ``calibration`` token ids. With ``gate`` (``--quantize auto`` trying w8a8 on a model never
+    full-precision model, not both; w8a8, which first smooths the model (smooth.py) over the
+    ``calibration`` token ids, goes one decoder layer at a time (layerwise.py). With ``gate`` (``--quantize auto`` trying w8a8 on a model never
     measured), the mean NLL of that text before and after is compared, kept (``quality_verdict``)
     and QualityGateFailed raised past ``gate`` nats/token. Returns a description of what ran."""
     param = next(model.parameters())
     dtype, device = param.dtype, device or param.device
     plan = plan_layers(model, method, device.type)
-    before = mean_nll(model, calibration) if gate is not None and calibration else None  # the model as loaded
     path = cache_file(weights_key(location), method, device.type)
     remove_stale_temp_files(path.parent)
     found = smooth.groups(model) if method == "w8a8" else []
@@ -185,22 +184,22 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
         cached = {}
         if report is not None:
             report(f"quantizing {len(plan)} layers to {method} (once; cached for the next start)")
-    if found and fresh is None:
-        smooth.apply(model, found, {g.key: cached[g.key] for g in found}, readers_too=False)
-    elif found:
-        vocab = model.get_input_embeddings().num_embeddings  # (no text given: any ids calibrate a little)
-        factors = smooth.factors(model, found, calibration or [i % vocab for i in range(1, 257)])
-        smooth.apply(model, found, factors)
-        for k, v in factors.items():
-            fresh.add(k, v)
-    _replace_layers(model, plan, cached, fresh, dtype, device)
+    gate = gate if calibration else None
+    known = {g.key: cached[g.key] for g in found} if fresh is None else None
+    ids = calibration or [i % model.get_input_embeddings().num_embeddings for i in range(1, 257)]
+    def replace(names: list[str]) -> None:
+        _replace_layers(model, {n: plan[n] for n in names}, cached, fresh, dtype, device)
+
+    factors, before, after = _smooth_and_replace(model, plan, found, ids, known, gate is not None, replace)
     if fresh is not None:
+        for k in extra:
+            fresh.add(k, factors[k])
         fresh.finish()
         _remove_stale(path)
     trim_heap()
     text = describe_plan(plan, method, device.type)
     if before is not None:
-        delta = mean_nll(model, calibration) - before
+        delta = after - before
         try:
             verdict_path(location).parent.mkdir(parents=True, exist_ok=True)
             atomic_write(verdict_path(location), json.dumps({"nll_delta": delta, "tokens": len(calibration)}))
@@ -212,6 +211,25 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
     if report is not None and any(kind != method for kind in plan.values()):
         report(text)  # said once: what ran is not all the method asked
     return text
+
+
+def _smooth_and_replace(model: nn.Module, plan: dict[str, str], found: list[smooth.Group], ids: list[int],
+                        known: dict[str, torch.Tensor] | None, gate: bool, replace: Callable[[list[str]], None]
+                        ) -> tuple[dict[str, torch.Tensor], float | None, float | None]:
+    """Smooth the ``found`` groups (by ``known`` factors, or measured on ``ids`` and cached) and
+    quantize every planned layer: one decoder layer at a time where the model's layers allow
+    (layerwise.py), else over whole-model forwards. Returns (factors, the gate's NLL before and
+    after)."""
+    layers = layerwise.decoder_layers(model, found) if found or gate else None
+    if layers is not None:
+        factors, before, after = layerwise.quantize(model, layers, found, ids, list(plan), replace, known, gate)
+    else:
+        before = mean_nll(model, ids) if gate else None
+        factors = known if known is not None else smooth.factors(model, found, ids) if found else {}
+        smooth.apply(model, found, factors, readers_too=known is None)
+        replace(list(plan))
+        after = mean_nll(model, ids) if gate else None
+    return factors, before, after
 
 
 def _quantized_layer(lin: nn.Linear, name: str, kind: str, cached: CacheReader | dict,
@@ -261,7 +279,7 @@ def _replace_layers(model: nn.Module, plan: dict[str, str], cached: CacheReader 
         setattr(model.get_submodule(parent) if parent else model, attr, new)  # the original is freed here
         release_pages(old.weight, mapped)
         del old
-        if i % 16 == 15:
+        if i % 16 == 15 or i == len(plan) - 1:
             trim_heap()
 
 

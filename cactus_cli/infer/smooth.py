@@ -13,7 +13,9 @@ code; a few hundred tokens, seconds). The factors are cached with the quantized 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -90,10 +92,10 @@ def _scales_by_weight(norm: nn.Module | None) -> bool:
     return bool(torch.allclose(y2, 2 * y1, rtol=1e-2, atol=1e-3))
 
 
-@torch.inference_mode()
-def factors(model: nn.Module, found: list[Group], ids: list[int], alpha: float = ALPHA) -> dict[str, torch.Tensor]:
-    """s per group, from the largest activation per channel over one forward of ``ids`` and the
-    largest weight per column of the layers that read it."""
+@contextmanager
+def recording(model: nn.Module, found: list[Group]) -> Iterator[dict[str, torch.Tensor]]:
+    """While open, every forward through the groups' layers raises the recorded largest
+    activation per channel (group key -> [channels] float32)."""
     maxima: dict[str, torch.Tensor] = {}
     hooks = []
     for g in found:
@@ -102,17 +104,32 @@ def factors(model: nn.Module, found: list[Group], ids: list[int], alpha: float =
             maxima[key] = torch.maximum(maxima[key], x) if key in maxima else x
         hooks.append(model.get_submodule(g.readers[0]).register_forward_pre_hook(hook))
     try:
-        device = next(model.parameters()).device
-        model(input_ids=torch.tensor([ids], device=device))
+        yield maxima
     finally:
         for h in hooks:
             h.remove()
+
+
+@torch.inference_mode()
+def scales(model: nn.Module, found: list[Group], maxima: dict[str, torch.Tensor], alpha: float = ALPHA
+           ) -> dict[str, torch.Tensor]:
+    """s per group, from its largest activations and the largest weight per column of the
+    layers that read it."""
     out = {}
     for g in found:
         w = torch.stack([model.get_submodule(r).weight.detach().abs().amax(0).float() for r in g.readers]).amax(0)
         s = maxima[g.key].clamp(min=1e-5) ** alpha / w.clamp(min=1e-5) ** (1 - alpha)
         out[g.key] = s.clamp(min=1e-5).cpu()
     return out
+
+
+@torch.inference_mode()
+def factors(model: nn.Module, found: list[Group], ids: list[int], alpha: float = ALPHA) -> dict[str, torch.Tensor]:
+    """s per group over one forward of the whole model on ``ids`` (layerwise.py gets the same
+    one decoder layer at a time, holding less of the model in memory)."""
+    with recording(model, found) as maxima:
+        model(input_ids=torch.tensor([ids], device=next(model.parameters()).device))
+    return scales(model, found, maxima, alpha)
 
 
 @torch.inference_mode()
