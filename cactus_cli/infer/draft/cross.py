@@ -92,7 +92,7 @@ class CrossVocabDrafter:
         keep = min(common_prefix(self.cached, self.target), max(len(self.target) - 1, 0))
         if keep < len(self.cached):
             self.runner.crop(keep)
-            self.cached = self.cached[:keep]
+            self.cached = self.cached[: self.runner.cache_len]  # (less if a sliding window forgot)
 
     @torch.inference_mode()
     def propose(self, seq: list[int], k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
