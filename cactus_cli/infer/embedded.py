@@ -225,8 +225,7 @@ def _convert(gguf: Path, out: Path, rep: Reporter, label: str) -> dict:
     hf_logging.set_verbosity_error()
     rep.task(label)
     t0 = time.perf_counter()
-    quiet = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF reader has a tqdm bar of its own
+    bar = _silence_gguf_bar()
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
@@ -237,10 +236,7 @@ def _convert(gguf: Path, out: Path, rep: Reporter, label: str) -> dict:
         detail = " ".join(str(err).split())[:300] or type(err).__name__
         raise ModelError(f"could not convert {gguf}: not a readable GGUF file, truncated or corrupt? ({detail})") from None
     finally:
-        if quiet is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = quiet
+        bar()
     # transformers refuses to save a GGUF-loaded model while its quantizer is attached; the
     # weights are already dequantized, so dropping the hook and its config is safe
     model.hf_quantizer = None
@@ -251,6 +247,25 @@ def _convert(gguf: Path, out: Path, rep: Reporter, label: str) -> dict:
     seconds = time.perf_counter() - t0
     rep.done(f"{label}: {seconds:.0f}s")
     return {"convert_seconds": round(seconds, 1), "dtype": "bfloat16", "bytes": folder_size(out)}
+
+
+def _silence_gguf_bar() -> Callable[[], None]:
+    """transformers' GGUF reader draws its own tqdm bar over our progress display; TQDM_DISABLE
+    does not stop it (tqdm reads it when imported). Its ``tqdm`` becomes a pass-through until the
+    returned call puts it back."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as reader
+    except ImportError:
+        return lambda: None
+    saved = getattr(reader, "tqdm", None)
+    if saved is None:
+        return lambda: None
+    reader.tqdm = lambda iterable, *args, **kwargs: iterable
+
+    def restore() -> None:
+        reader.tqdm = saved
+
+    return restore
 
 
 def folder_size(path: Path) -> int:
