@@ -204,6 +204,17 @@ def test_bench_compares_a_same_family_and_a_cross_family_draft_in_one_run(tiny, 
     rows = json.loads(r.stdout)["results"]
     assert [row["draft"] for row in rows] == [None, tiny["draft_close"], cross["folder"], f"suffix+{cross['folder']}"]
     assert all(row["draft_sources"] for row in rows[1:])  # each drafted, in verifier tokens
+    # --cross-vocab applies to the drafts of another vocabulary; the same-family one drafts as before
+    r = CliRunner().invoke(app, ["bench", "--verifier", tiny["verifier"], "--draft",
+                                 f"{tiny['draft_close']},{cross['folder']}", "--cross-vocab", "intersection",
+                                 "--device", "cpu", "--dtype", "float32", "--category", "grounded", "--limit", 1,
+                                 "-n", 8, "--rules", "sps", "-k", "2", "-t", 0, "--json"])
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.stdout)["results"]) == 3  # (refused before: the same-family draft shares the vocabulary)
+    r = CliRunner().invoke(app, ["bench", "--verifier", tiny["verifier"], "--draft",
+                                 f"{tiny['draft_close']},{tiny['draft']}", "--cross-vocab", "string", "--device", "cpu",
+                                 "--dtype", "float32", "--limit", 1, "-n", 4, "--rules", "sps", "-k", "2"])
+    assert r.exit_code != 0 and "every --draft model shares the verifier's vocabulary" in r.output
 
 
 def byte_level_tokenizer(vocab_size=262):

@@ -22,12 +22,13 @@ from cactus_cli.app.prompts import Prompt
 from cactus_cli.app.settings import Settings, check_each, parse_draft, parse_list
 from cactus_cli.app.tasks import wilson
 from cactus_cli.core.acceptance import RULES, resolve_params
-from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.errors import ConfigError, ModelError
 from cactus_cli.core.stats import SpecStats, summarize
 from cactus_cli.infer.devices import device_name
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import with_draft
 from cactus_cli.infer.runners import sync
+from cactus_cli.infer.vocab import CrossVocab
 
 SCHEMA_VERSION = 1
 
@@ -354,18 +355,22 @@ def load_engines(settings: Settings, quantizes: list[str], compiles: list[str], 
     prompt; and the prompts encoded. A compiled engine that fell back to eager (the warning
     says why) is not a second variant."""
     models = list(dict.fromkeys(m for m in (parse_draft(d)[1] for d in drafts) if m))
+    several = len(models) > 1 and settings.cross_vocab != "auto"  # it applies to the drafts of another vocabulary
+    loading = dataclasses.replace(settings, cross_vocab="auto") if several else settings
     engines: list[tuple[str, SpeculativeEngine]] = []
     for quantize in quantizes:
         pairs: dict[str | None, Any] = {}
         for mode in compiles:
             if not pairs:  # the verifier (and the first draft model), then each other draft model beside it
-                first = runtime.load_engine(dataclasses.replace(settings, draft=models[0] if models else drafts[0]),
+                first = runtime.load_engine(dataclasses.replace(loading, draft=models[0] if models else drafts[0]),
                                             reporter, mode, None, quantize).pair
                 pairs = {None: dataclasses.replace(first, draft=None, cross=None)}
                 if models:
                     pairs[models[0]] = first
                 for m in models[1:]:
-                    pairs[m] = with_draft(pairs[None], m, reporter, settings.cross_vocab, settings.tokenizer is None)
+                    pairs[m] = with_draft(pairs[None], m, reporter, loading.cross_vocab, settings.tokenizer is None)
+                if several:
+                    _cross_as_asked(pairs, settings.cross_vocab)
             for draft in drafts:
                 own = pairs[parse_draft(draft)[1]]
                 engines.append((draft, runtime.load_engine(dataclasses.replace(settings, draft=draft), reporter, mode,
@@ -378,6 +383,19 @@ def load_engines(settings: Settings, quantizes: list[str], compiles: list[str], 
     for draft, e in engines:
         ready.setdefault((e.pair.verifier.quantize, e.compiled, draft), e)
     return ready, encoded
+
+
+def _cross_as_asked(pairs: dict[str | None, Any], method: str) -> None:
+    """Several draft models, --cross-vocab METHOD: those whose vocabulary differs draft by it
+    (they were loaded as auto); an error when none does, as with one draft."""
+    crossing = {m: p for m, p in pairs.items() if m is not None and p.cross is not None}
+    if not crossing:
+        raise ModelError(f"--cross-vocab {method}: every --draft model shares the verifier's vocabulary; "
+                         "drop --cross-vocab (it applies to a draft with another tokenizer)")
+    for m, p in crossing.items():
+        cross = CrossVocab.build(p.cross.tokenizer, p.tokenizer, p.draft.logits_width, p.verifier.logits_width,
+                                 method, m, p.verifier.source)
+        pairs[m] = dataclasses.replace(p, cross=cross)
 
 
 def parse_drafts(text: str) -> list[str]:
