@@ -96,9 +96,11 @@ class CrossVocabDrafter:
 
     @torch.inference_mode()
     def propose(self, seq: list[int], k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
-        self._sync(seq)
         empty = Proposal(torch.zeros(0, dtype=torch.int64, device=self.device), None)
-        if not k or not self.target:
+        if not k:  # a plain step (the k policy's choice when drafts do not pay): no re-encoding either
+            return empty
+        self._sync(seq)
+        if not self.target:
             return empty
         feed: list[int] | torch.Tensor = self.target[len(self.cached):]
         fed = len(feed)
