@@ -121,3 +121,24 @@ def costs(verify: dict[int, float], draft: float):
 ])
 def test_bad_inputs(tiny, args, needle):
     assert_one_line_error(calibrate(tiny, *args), needle)
+
+
+def test_a_fixed_k_replaces_the_profiles_k_auto_bound(tiny, tmp_path):
+    """A profile with ``num_draft_tokens: auto`` and ``max_draft_tokens`` calibrated to a fixed k:
+    the bound goes (beside a fixed k it is an error that made the saved profile unloadable; the
+    full suite met it when the sweep happened to pick k = 2)."""
+    from cactus_cli.app.calibrate import save_profile
+    from cactus_cli.app.profiles import load_profile, resolve_settings
+
+    target = tmp_path / "auto.yaml"
+    target.write_text(f"verifier: {tiny['verifier']}\ndraft: {tiny['draft_close']}\nnum_draft_tokens: auto\n"
+                      "max_draft_tokens: 6\n")
+    row = {"delta": 1.0, "acceptance_rate": 0.5, "per_token_acceptance": 0.5, "realized_kl_mean": 0.1,
+           "loglik_vs_sps": 0.0}
+    doc = {"rule": "cactus", "chosen": {"delta": 1.0, "num_draft_tokens": 2, "reason": "fastest"},
+           "delta_sweep": {"rows": [row]}, "prompts": [1], "constraints": {},
+           "k_sweep": {"rows": [{"k": 2, "tokens_per_second": 9.0}], "cost_ratio": 0.3,
+                       "verifier_alone_tokens_per_second": 7.0}}
+    save_profile(target, None, resolve_settings(str(target), {}), doc)
+    data, _ = load_profile(str(target))  # loads: no error
+    assert data["num_draft_tokens"] == 2 and "max_draft_tokens" not in data

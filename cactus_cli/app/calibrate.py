@@ -253,6 +253,8 @@ def save_profile(target: Path, base_profile: str | None, settings: Settings, doc
     data["num_draft_tokens"] = k if k == "auto" else int(k)
     if k == "auto":
         data["max_draft_tokens"] = int(settings.max_draft_tokens)
+    else:  # (the source profile's, for its -k auto: invalid beside a fixed k)
+        data.pop("max_draft_tokens", None)
     chosen_row = next(r for r in doc["delta_sweep"]["rows"] if r["delta"] == doc["chosen"]["delta"])
     k_row = next(r for r in doc["k_sweep"]["rows"] if r["k"] == doc["chosen"]["num_draft_tokens"])
     data["calibration"] = {
