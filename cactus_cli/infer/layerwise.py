@@ -46,9 +46,10 @@ class _Relay(nn.Module):
 
 def decoder_layers(model: nn.Module, found: list[smooth.Group]) -> tuple[str, nn.ModuleList] | None:
     """The decoder layers' list (the longest ModuleList) when every smoothing group lies inside
-    one of its layers; None otherwise (then the whole-model path runs)."""
+    one of its layers; None otherwise, or when there is no group to place them by (then the
+    whole-model path runs: the longest list might be a mixture's experts)."""
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) and n]
-    if not lists:
+    if not lists or not found:
         return None
     name, layers = max(lists, key=lambda nm: len(nm[1]))
     inside = all(any(g.owner.startswith(f"{name}.{i}.") for i in range(len(layers))) for g in found)

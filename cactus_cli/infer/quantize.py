@@ -220,7 +220,7 @@ def _smooth_and_replace(model: nn.Module, plan: dict[str, str], found: list[smoo
     quantize every planned layer: one decoder layer at a time where the model's layers allow
     (layerwise.py), else over whole-model forwards. Returns (factors, the gate's NLL before and
     after)."""
-    layers = layerwise.decoder_layers(model, found) if found or gate else None
+    layers = layerwise.decoder_layers(model, found)
     if layers is not None:
         factors, before, after = layerwise.quantize(model, layers, found, ids, list(plan), replace, known, gate)
     else:
