@@ -79,7 +79,8 @@ def _hidden(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def _nll(logits: torch.Tensor, ids: list[int]) -> float:
+def nll(logits: torch.Tensor, ids: list[int]) -> float:
+    """Teacher-forced mean negative log-likelihood of ``ids`` from their logits [1, L, V] (nats/token)."""
     target = torch.tensor(ids[1:], device=logits.device)
     return float(F.cross_entropy(logits[0, :-1].float(), target))
 
@@ -110,7 +111,7 @@ def quantize(model: nn.Module, layers: tuple[str, nn.ModuleList], found: list[sm
         if gate:
             hq = _hidden(layer(hq, *args, **kwargs))  # the model as quantized
         h = out
-    before = _nll(_relayed(model, stack, ids, final=h), ids) if gate else None
+    before = nll(_relayed(model, stack, ids, final=h), ids) if gate else None
     replace([n for n in plan if n not in done])  # the output head and anything outside the layers
-    after = _nll(_relayed(model, stack, ids, final=hq), ids) if gate else None
+    after = nll(_relayed(model, stack, ids, final=hq), ids) if gate else None
     return factors, before, after

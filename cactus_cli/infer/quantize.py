@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cactus_cli.core.fileio import atomic_write
@@ -155,8 +154,7 @@ def quality_verdict(location: str) -> float | None:
 @torch.inference_mode()
 def mean_nll(model: nn.Module, ids: list[int]) -> float:
     """Teacher-forced mean negative log-likelihood of ``ids`` (nats/token)."""
-    x = torch.tensor([ids], device=next(model.parameters()).device)
-    return float(F.cross_entropy(model(input_ids=x).logits[0, :-1].float(), x[0, 1:]))
+    return layerwise.nll(model(input_ids=torch.tensor([ids], device=next(model.parameters()).device)).logits, ids)
 
 
 def quantize_model(model: nn.Module, method: str, location: str, report: Callable[[str], None] | None = None,
@@ -167,9 +165,10 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
     where the model is): a model loaded on the CPU is quantized there and only the quantized
     weights reach the GPU. Each original layer is released as it is replaced, so the peak is one
     full-precision model, not both; w8a8, which first smooths the model (smooth.py) over the
-    ``calibration`` token ids, goes one decoder layer at a time (layerwise.py). With ``gate`` (``--quantize auto`` trying w8a8 on a model never
-    measured), the mean NLL of that text before and after is compared, kept (``quality_verdict``)
-    and QualityGateFailed raised past ``gate`` nats/token. Returns a description of what ran."""
+    ``calibration`` token ids, goes one decoder layer at a time (layerwise.py). With ``gate``
+    (``--quantize auto`` trying w8a8 on a model never measured), the mean NLL of that text
+    before and after is compared, kept (``quality_verdict``) and QualityGateFailed raised past
+    ``gate`` nats/token. Returns a description of what ran."""
     param = next(model.parameters())
     dtype, device = param.dtype, device or param.device
     plan = plan_layers(model, method, device.type)
