@@ -100,6 +100,28 @@ def test_w8a8_matches_the_dequantized_matmul_and_rows_never_see_each_other():
     assert "runs on a CPU" in qz.w8a8_problem(torch.device("cuda"))
 
 
+def test_stacked_layers_give_each_layer_its_own_output_bit_for_bit():
+    """q/k/v (and gate/up) stacked into one w8a8 matmul: each slice equals its own layer exactly,
+    in any call order; another input, or the same tensor changed in place, is computed afresh;
+    nothing is held once every slice has taken its output."""
+    torch.manual_seed(1)
+    lins = [torch.nn.Linear(64, n, bias=b) for n, b in ((64, True), (32, False), (32, True))]
+    layers = [qz.Int8DynamicLinear(*qz.quantize_int8(lin.weight.detach()),
+                                   None if lin.bias is None else lin.bias.detach(), torch.bfloat16) for lin in lins]
+    shared = qz.SharedInput(layers)
+    slices = [qz.SharedInputSlice(shared, i) for i in range(3)]
+    x = (torch.randn(5, 64) * torch.linspace(0.1, 30, 64)).to(torch.bfloat16)
+    for order in ((0, 1, 2), (2, 0, 1)):
+        for i in order:
+            assert torch.equal(slices[i](x), layers[i](x))
+        assert shared._outputs == [] and shared._input is None
+    y = torch.randn(5, 64).to(torch.bfloat16)
+    assert torch.equal(slices[0](x), layers[0](x)) and torch.equal(slices[1](y), layers[1](y))  # another input
+    x.mul_(2)  # the same tensor, new values: not the stale outputs
+    assert torch.equal(slices[2](x), layers[2](x))
+    assert sum(1 for m in torch.nn.ModuleList(slices).modules() if isinstance(m, qz.Int8DynamicLinear)) == 1
+
+
 @pytest.fixture(scope="module")
 def quantized_pairs(tiny):
     return {m: load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "auto", quantize=m)
@@ -113,10 +135,13 @@ def test_quantized_pair_greedy_speculative_equals_its_verifier_alone(quantized_p
     assert pair.verifier.dtype == torch.bfloat16 and pair.verifier.quantize == method
     head = pair.verifier.model.lm_head  # int8 weight-only under int8 and int4; int8 x int8 under w8a8
     assert isinstance(head, qz.Int8DynamicLinear if method == "w8a8" else qz.Int8Linear)
-    if method == "w8a8":  # int8 x int8 everywhere
+    if method == "w8a8":  # int8 x int8 everywhere; q/k/v and gate/up as one matmul each
         layer = pair.verifier.model.model.layers[0]
-        assert all(isinstance(m, qz.Int8DynamicLinear) for m in (layer.self_attn.q_proj, layer.self_attn.o_proj,
-                                                                  layer.mlp.up_proj, layer.mlp.down_proj))
+        assert all(isinstance(m, qz.Int8DynamicLinear) for m in (layer.self_attn.o_proj, layer.mlp.down_proj))
+        assert all(isinstance(m, qz.SharedInputSlice) for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                                layer.self_attn.v_proj, layer.mlp.gate_proj,
+                                                                layer.mlp.up_proj))
+        assert layer.self_attn.q_proj.shared is layer.self_attn.v_proj.shared
     ids = prompt_ids(pair)
     n = 40
     alone, _, _ = run(SpeculativeEngine(pair), ids, GenerationParams(sampling=GREEDY, num_draft_tokens=0,

@@ -113,6 +113,78 @@ class Int8DynamicLinear(nn.Module):
         return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
+class SharedInput:
+    """One int8 x int8 matmul for Linear layers that read the same activation (an attention's q, k
+    and v; an MLP's gate and up): their weights stacked into one ``Int8DynamicLinear``, whose
+    output each layer takes its slice of. Fewer, wider calls: per token 113 fbgemm calls instead of
+    197 on a 28-layer Qwen (each call also quantizes its input and scales its rows), ~10% of a
+    w8a8 forward. Bit for bit what the separate layers give: the rows are quantized alike (the
+    same input, the same per-row scale) and each output channel has its own weight scale and an
+    exact int32 sum. The first slice asked for an input computes all of them; the others take
+    theirs while the input is the same tensor (identity checked, and its version outside inference
+    mode: any call order and any other input stay correct, only slower; no model modifies a
+    projection's input in place between its readers)."""
+
+    def __init__(self, layers: list[Int8DynamicLinear]):
+        qs, scales, biases = [], [], []
+        for layer in layers:
+            w, _ = torch.ops.quantized.linear_unpack(layer._packed)
+            qs.append(w.int_repr())
+            scales.append(w.q_per_channel_scales().float())
+            biases.append(layer.bias if layer.bias is not None else torch.zeros(layer.out_features))
+        has_bias = any(layer.bias is not None for layer in layers)
+        self.layer = Int8DynamicLinear(torch.cat(qs), torch.cat(scales), torch.cat(biases) if has_bias else None,
+                                       torch.float32)
+        self.sizes = [layer.out_features for layer in layers]
+        self._input: tuple[torch.Tensor, int | None] | None = None
+        self._outputs: list[torch.Tensor | None] = []
+
+    def take(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        version = None if x.is_inference() else x._version  # (inference tensors keep no version)
+        if self._input is None or self._input[0] is not x or self._input[1] != version or self._outputs[i] is None:
+            self._outputs = list(self.layer(x).split(self.sizes, -1))
+            self._input = (x, version)
+        out, self._outputs[i] = self._outputs[i], None
+        if all(o is None for o in self._outputs):
+            self._input, self._outputs = None, []  # all taken: nothing held between calls
+        return out
+
+
+class SharedInputSlice(nn.Module):
+    """One of a ``SharedInput``'s layers (replaces it in the model). The first slice holds the
+    stacked layer as its submodule, so the model's modules list its weights once."""
+
+    def __init__(self, shared: SharedInput, index: int):
+        super().__init__()
+        self.in_features, self.out_features = shared.layer.in_features, shared.sizes[index]
+        self.index = index
+        self.__dict__["shared"] = shared  # not a submodule (see the class docstring)
+        if index == 0:
+            self.stacked = shared.layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared.take(x, self.index)
+
+
+def share_inputs(model: nn.Module) -> int:
+    """Stack the w8a8 layers of every attention's q/k/v and every MLP's gate/up (``SharedInput``).
+    Returns how many stacks were made."""
+    made = 0
+    for m in list(model.modules()):
+        for parent, names in ((getattr(m, "self_attn", None), ("q_proj", "k_proj", "v_proj")),
+                              (getattr(m, "mlp", None), ("gate_proj", "up_proj"))):
+            layers = [getattr(parent, n, None) for n in names] if parent is not None else []
+            if not layers or not all(isinstance(layer, Int8DynamicLinear) for layer in layers):
+                continue
+            if len({layer.in_features for layer in layers}) != 1:
+                continue
+            shared = SharedInput(layers)
+            for i, n in enumerate(names):
+                setattr(parent, n, SharedInputSlice(shared, i))
+            made += 1
+    return made
+
+
 def w8a8_problem(device: torch.device) -> str | None:
     """Why w8a8 cannot run here (None: it can)."""
     if device.type != "cpu":

@@ -48,10 +48,13 @@ from cactus_cli.infer.qlayers import (  # noqa: F401  (the layers and arithmetic
     Int4Linear,
     Int8DynamicLinear,
     Int8Linear,
+    SharedInput,
+    SharedInputSlice,
     dequantize_int4,
     dequantize_int8,
     quantize_int4,
     quantize_int8,
+    share_inputs,
     w8a8_problem,
 )
 
@@ -190,6 +193,8 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
         _replace_layers(model, {n: plan[n] for n in names}, cached, fresh, dtype, device)
 
     factors, before, after = _smooth_and_replace(model, plan, found, ids, known, gate is not None, replace)
+    if method == "w8a8":
+        share_inputs(model)  # q/k/v and gate/up: one matmul each (qlayers.SharedInput)
     if fresh is not None:
         for k in extra:
             fresh.add(k, factors[k])
