@@ -228,7 +228,7 @@ def test_11_a_backtracking_pattern_gives_up_and_ctrl_c_still_works():
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(timeout=tasks.PATTERN_SECONDS + 5)
+        proc.wait(timeout=30)  # within one give-up (2 s) on a quiet machine; slack for a loaded one (CI, benches)
     finally:
         proc.kill()
     assert "KeyboardInterrupt" in proc.stderr.read()
