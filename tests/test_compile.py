@@ -60,6 +60,23 @@ def test_compiled_greedy_equals_eager_greedy(close_pair, compiled, k, adaptive):
 
 
 @needs_compiler
+def test_w8a8_runs_compiled_and_gives_the_eager_greedy_tokens(tiny):
+    """fbgemm's packed weights cannot be traced: compiled graphs call them as one opaque op
+    (qlayers.w8a8_linear), q/k/v and gate/up still stacked. The compiled engine gives the eager
+    engine's greedy tokens, with rejections and rewinds on the way (float32 activations: in
+    bfloat16, compiled steps of different widths may round a near-tie differently)."""
+    pair = load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32", quantize="w8a8")
+    engine = SpeculativeEngine(pair, compiled=True)
+    engine.prepare(64, {3})
+    assert engine.compiled and engine.compile_note is None
+    ids = prompt_ids(pair)
+    eager, _, _ = run(SpeculativeEngine(pair), ids, greedy(2))
+    tokens, stats, _ = run(engine, ids, greedy(2))
+    assert tokens == eager
+    assert 0 < stats.draft_acceptance_rate < 1
+
+
+@needs_compiler
 def test_rewound_cache_gives_the_logits_of_a_fresh_prefill(close_pair, compiled):
     # a 5-token verify step, then a rejection at every position j: rewind to the prompt + j
     # drafts, feed a correction token through the compiled (padded) step, and compare with a

@@ -4,7 +4,9 @@ installs them (its docstring says which kernel runs where, and why)."""
 
 from __future__ import annotations
 
+import itertools
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +80,22 @@ class Int8Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
 
+_W8A8_LAYERS: weakref.WeakValueDictionary[int, Int8DynamicLinear] = weakref.WeakValueDictionary()
+_W8A8_KEYS = itertools.count()
+
+
+@torch.library.custom_op("cactus::w8a8_linear", mutates_args=())
+def w8a8_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    """fbgemm's dynamic linear with layer ``key``'s packed weight, as one opaque op for compiled
+    graphs (torch.compile cannot trace the packed weight itself; eager calls fbgemm directly)."""
+    return torch.ops.quantized.linear_dynamic(x, _W8A8_LAYERS[key]._packed, True)
+
+
+@w8a8_linear.register_fake
+def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
 class Int8DynamicLinear(nn.Module):
     """int8 weights x int8 activations, quantized per row at each call, on fbgemm's dynamic linear
     (CPU). fbgemm picks one activation scale per call, from the whole input: a row's result would
@@ -102,12 +120,19 @@ class Int8DynamicLinear(nn.Module):
         # the packed weight (int8, float32 scale per channel) is no buffer: weight_bytes counts it from here
         self.packed_bytes = q.numel() + 4 * q.shape[0]
         self.register_buffer("bias", None if bias is None else bias.float())
+        self.key = next(_W8A8_KEYS)
+        _W8A8_LAYERS[self.key] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()
         m = x2.abs().amax(1, keepdim=True).clamp_(min=1e-30)  # [M, 1]
-        out = torch.ops.quantized.linear_dynamic(torch.cat([x2 / m, self.pin]), self._packed, True)[:-1] * m
+        rows = torch.cat([x2 / m, self.pin])
+        if torch.compiler.is_compiling():
+            out = w8a8_linear(rows, self.key, self.out_features)
+        else:
+            out = torch.ops.quantized.linear_dynamic(rows, self._packed, True)
+        out = out[:-1] * m
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
@@ -140,7 +165,8 @@ class SharedInput:
         self._outputs: list[torch.Tensor | None] = []
 
     def take(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        version = None if x.is_inference() else x._version  # (inference tensors keep no version)
+        # inference tensors keep no version, and compiled graphs are traced once (identity only)
+        version = None if torch.compiler.is_compiling() or x.is_inference() else x._version
         if self._input is None or self._input[0] is not x or self._input[1] != version or self._outputs[i] is None:
             self._outputs = list(self.layer(x).split(self.sizes, -1))
             self._input = (x, version)
