@@ -106,9 +106,9 @@ def test_stacked_layers_give_each_layer_its_own_output_bit_for_bit():
     nothing is held once every slice has taken its output."""
     torch.manual_seed(1)
     lins = [torch.nn.Linear(64, n, bias=b) for n, b in ((64, True), (32, False), (32, True))]
-    layers = [qz.Int8DynamicLinear(*qz.quantize_int8(lin.weight.detach()),
-                                   None if lin.bias is None else lin.bias.detach(), torch.bfloat16) for lin in lins]
-    shared = qz.SharedInput(layers)
+    parts = [(*qz.quantize_int8(lin.weight.detach()), lin.bias) for lin in lins]
+    layers = [qz.Int8DynamicLinear(q, s, None if b is None else b.detach(), torch.bfloat16) for q, s, b in parts]
+    shared = qz.SharedInput(parts)
     slices = [qz.SharedInputSlice(shared, i) for i in range(3)]
     x = (torch.randn(5, 64) * torch.linspace(0.1, 30, 64)).to(torch.bfloat16)
     for order in ((0, 1, 2), (2, 0, 1)):

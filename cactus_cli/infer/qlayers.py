@@ -150,17 +150,15 @@ class SharedInput:
     mode: any call order and any other input stay correct, only slower; no model modifies a
     projection's input in place between its readers)."""
 
-    def __init__(self, layers: list[Int8DynamicLinear]):
-        qs, scales, biases = [], [], []
-        for layer in layers:
-            w, _ = torch.ops.quantized.linear_unpack(layer._packed)
-            qs.append(w.int_repr())
-            scales.append(w.q_per_channel_scales().float())
-            biases.append(layer.bias if layer.bias is not None else torch.zeros(layer.out_features))
-        has_bias = any(layer.bias is not None for layer in layers)
-        self.layer = Int8DynamicLinear(torch.cat(qs), torch.cat(scales), torch.cat(biases) if has_bias else None,
-                                       torch.float32)
-        self.sizes = [layer.out_features for layer in layers]
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]):
+        """``parts``: each layer's (int8 weight [N, K], scales [N], bias [N] or None), packed once."""
+        qs, scales, biases = zip(*parts)
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([torch.zeros(q.shape[0]) if b is None else b.detach().float()
+                              for q, b in zip(qs, biases)])
+        self.layer = Int8DynamicLinear(torch.cat(qs), torch.cat(scales), bias, torch.float32)
+        self.sizes = [q.shape[0] for q in qs]
         self._input: tuple[torch.Tensor, int | None] | None = None
         self._outputs: list[torch.Tensor | None] = []
 
@@ -192,23 +190,19 @@ class SharedInputSlice(nn.Module):
         return self.shared.take(x, self.index)
 
 
-def share_inputs(model: nn.Module) -> int:
-    """Stack the w8a8 layers of every attention's q/k/v and every MLP's gate/up (``SharedInput``).
-    Returns how many stacks were made."""
-    made = 0
-    for m in list(model.modules()):
-        for parent, names in ((getattr(m, "self_attn", None), ("q_proj", "k_proj", "v_proj")),
-                              (getattr(m, "mlp", None), ("gate_proj", "up_proj"))):
-            layers = [getattr(parent, n, None) for n in names] if parent is not None else []
-            if not layers or not all(isinstance(layer, Int8DynamicLinear) for layer in layers):
+def input_stacks(model: nn.Module, names: set[str]) -> list[tuple[str, ...]]:
+    """Every attention's q/k/v and every MLP's gate/up whose layers are all in ``names`` and read
+    the same width: the layers a ``SharedInput`` stacks."""
+    stacks = []
+    for prefix, m in model.named_modules():
+        for part, members in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
+            parent = getattr(m, part, None)
+            full = tuple(f"{prefix}.{part}.{n}" if prefix else f"{part}.{n}" for n in members)
+            if parent is None or not all(n in names for n in full):
                 continue
-            if len({layer.in_features for layer in layers}) != 1:
-                continue
-            shared = SharedInput(layers)
-            for i, n in enumerate(names):
-                setattr(parent, n, SharedInputSlice(shared, i))
-            made += 1
-    return made
+            if len({getattr(parent, n).in_features for n in members}) == 1:
+                stacks.append(full)
+    return stacks
 
 
 def w8a8_problem(device: torch.device) -> str | None:

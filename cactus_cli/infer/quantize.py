@@ -52,9 +52,9 @@ from cactus_cli.infer.qlayers import (  # noqa: F401  (the layers and arithmetic
     SharedInputSlice,
     dequantize_int4,
     dequantize_int8,
+    input_stacks,
     quantize_int4,
     quantize_int8,
-    share_inputs,
     w8a8_problem,
 )
 
@@ -193,8 +193,6 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
         _replace_layers(model, {n: plan[n] for n in names}, cached, fresh, dtype, device)
 
     factors, before, after = _smooth_and_replace(model, plan, found, ids, known, gate is not None, replace)
-    if method == "w8a8":
-        share_inputs(model)  # q/k/v and gate/up: one matmul each (qlayers.SharedInput)
     if fresh is not None:
         for k in extra:
             fresh.add(k, factors[k])
@@ -243,12 +241,7 @@ def _quantized_layer(lin: nn.Linear, name: str, kind: str, cached: CacheReader |
     are kept per device type (``cache_file``)."""
     bias = lin.bias.detach() if lin.bias is not None else None
     if kind in ("int8", "w8a8"):
-        if f"{name}.q" in cached:
-            q, scales = cached[f"{name}.q"], cached[f"{name}.scales"]
-        else:
-            q, scales = quantize_int8(lin.weight.detach())
-            fresh.add(f"{name}.q", q)
-            fresh.add(f"{name}.scales", scales)
+        q, scales = _int8_weights(lin, name, cached, fresh)
         if kind == "w8a8":
             return Int8DynamicLinear(q, scales, bias, dtype)
         return Int8Linear(q.to(device), scales.to(device), None if bias is None else bias.to(device), dtype)
@@ -263,6 +256,17 @@ def _quantized_layer(lin: nn.Linear, name: str, kind: str, cached: CacheReader |
     return Int4Linear(q, scales, mins, bias, dtype, device)
 
 
+def _int8_weights(lin: nn.Linear, name: str, cached: CacheReader | dict, fresh: CacheWriter | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's int8 weight and per-channel scales, from the cache or quantized (and cached)."""
+    if f"{name}.q" in cached:
+        return cached[f"{name}.q"], cached[f"{name}.scales"]
+    q, scales = quantize_int8(lin.weight.detach())
+    fresh.add(f"{name}.q", q)
+    fresh.add(f"{name}.scales", scales)
+    return q, scales
+
+
 def expected_shapes(lin: nn.Linear, name: str, kind: str) -> dict[str, tuple[int, ...]]:
     """The cached tensors of one layer and their shapes."""
     n, k = lin.weight.shape
@@ -274,16 +278,26 @@ def expected_shapes(lin: nn.Linear, name: str, kind: str) -> dict[str, tuple[int
 
 def _replace_layers(model: nn.Module, plan: dict[str, str], cached: CacheReader | dict, fresh: CacheWriter | None,
                     dtype: torch.dtype, device: torch.device) -> None:
-    """Each planned layer replaced by its quantized version, its old weight's memory released."""
+    """Each planned layer replaced by its quantized version, its old weight's memory released.
+    Under w8a8, an attention's q/k/v and an MLP's gate/up become one stacked matmul each
+    (``SharedInput``), packed once from their int8 tensors."""
     mapped = file_mappings()
-    for i, (name, kind) in enumerate(plan.items()):
-        old = model.get_submodule(name)
-        new = _quantized_layer(old, name, kind, cached, fresh, dtype, device)
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, new)  # the original is freed here
-        release_pages(old.weight, mapped)
-        del old
-        if i % 16 == 15 or i == len(plan) - 1:
+    stacks = input_stacks(model, {n for n, kind in plan.items() if kind == "w8a8"})
+    stacked = {n for names in stacks for n in names}
+    groups = [(n,) for n in plan if n not in stacked] + stacks
+    for i, names in enumerate(groups):
+        olds = [model.get_submodule(n) for n in names]
+        if len(names) == 1:
+            new = [_quantized_layer(olds[0], names[0], plan[names[0]], cached, fresh, dtype, device)]
+        else:
+            shared = SharedInput([(*_int8_weights(old, n, cached, fresh), old.bias) for n, old in zip(names, olds)])
+            new = [SharedInputSlice(shared, j) for j in range(len(names))]
+        for name, old, layer in zip(names, olds, new):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, layer)  # the original is freed here
+            release_pages(old.weight, mapped)
+        del olds
+        if i % 16 == 15 or i == len(groups) - 1:
             trim_heap()
 
 
