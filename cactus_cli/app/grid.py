@@ -387,15 +387,15 @@ def load_engines(settings: Settings, quantizes: list[str], compiles: list[str], 
 
 def _cross_as_asked(pairs: dict[str | None, Any], method: str) -> None:
     """Several draft models, --cross-vocab METHOD: those whose vocabulary differs draft by it
-    (they were loaded as auto); an error when none does, as with one draft."""
+    (they were loaded as auto; their token maps are kept); an error when none does, as with one
+    draft."""
     crossing = {m: p for m, p in pairs.items() if m is not None and p.cross is not None}
     if not crossing:
         raise ModelError(f"--cross-vocab {method}: every --draft model shares the verifier's vocabulary; "
                          "drop --cross-vocab (it applies to a draft with another tokenizer)")
     for m, p in crossing.items():
-        cross = CrossVocab.build(p.cross.tokenizer, p.tokenizer, p.draft.logits_width, p.verifier.logits_width,
-                                 method, m, p.verifier.source)
-        pairs[m] = dataclasses.replace(p, cross=cross)
+        cross = CrossVocab.choose(p.cross.tokenizer, p.cross.vmap, p.cross.rows, method, m, p.verifier.source)
+        pairs[m] = dataclasses.replace(p, cross=cross)  # (the map built at load, decided again)
 
 
 def parse_drafts(text: str) -> list[str]:

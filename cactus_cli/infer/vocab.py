@@ -133,7 +133,11 @@ class CrossVocab:
         if not draft_rows - max(1024, draft_rows // 100) <= rows <= draft_rows:
             raise ModelError(f"draft {draft!r} has {draft_rows} output rows but its tokenizer has {rows} tokens; "
                              "the tokenizer does not belong to this model")
-        vmap = VocabMap.build(dtok, vtok, rows, verifier_rows)
+        return cls.choose(dtok, VocabMap.build(dtok, vtok, rows, verifier_rows), rows, method, draft, verifier)
+
+    @classmethod
+    def choose(cls, dtok: Any, vmap: VocabMap, rows: int, method: str, draft: str, verifier: str) -> CrossVocab:
+        """The method for a built map: ``auto`` is string; intersection needs MIN_COVERAGE."""
         share = f"{vmap.shared} of the draft's {vmap.draft_vocab} tokens ({vmap.coverage:.0%}) spelled alike in the verifier's"
         if method == "intersection" and vmap.coverage < MIN_COVERAGE:
             raise ModelError(f"--cross-vocab intersection: draft {draft!r} and verifier {verifier!r} share too little "
