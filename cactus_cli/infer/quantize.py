@@ -296,7 +296,7 @@ def _replace_layers(model: nn.Module, plan: dict[str, str], cached: CacheReader 
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, layer)  # the original is freed here
             release_pages(old.weight, mapped)
-        del olds
+        del olds, old  # nothing holds the originals now
         if i % 16 == 15 or i == len(groups) - 1:
             trim_heap()
 
