@@ -4,6 +4,7 @@ statistics and cache, the engine's catch-up after k = 0 steps, the probe, and th
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from cactus_cli.infer.costs import (
 from cactus_cli.infer.devices import fastest_cpu_dtype, resolve_dtype
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
-from cactus_cli.infer.policy import AdaptiveK
+from cactus_cli.infer.policy import EXPLORE_BUDGET, MAX_BACKOFF, AdaptiveK
 from tests.test_engine import hf_greedy, prompt_ids
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
@@ -137,6 +138,24 @@ def test_plain_decoding_still_probes_k1_now_and_then():
     assert 1 in picks  # but acceptance keeps being measured
     # the probes are spaced so they cost about EXPLORE_BUDGET of plain decoding
     assert picks.count(1) <= 400 * 0.03 * 0.1 / (0.05 + 0.2 - 0.1) + 1
+
+
+def test_probes_back_off_while_plain_decoding_keeps_winning_and_not_after_drafting_wins():
+    steep = cost_model({1: 0.1, 2: 0.2, 5: 0.5}, draft=0.05)
+    policy = AdaptiveK()
+    policy.store.costs = steep
+    every = math.ceil((0.05 + 0.2 - 0.1) / (EXPLORE_BUDGET * 0.1))  # 50 steps at first
+    picks = [policy.choose("greedy", 8) for _ in range(2000)]
+    probes = [i for i, k in enumerate(picks) if k == 1]
+    gaps = [b - a for a, b in zip([-1] + probes, probes)]
+    assert gaps[:5] == [every, 2 * every, 4 * every, 8 * every, 8 * every]  # doubling, capped at MAX_BACKOFF
+    assert MAX_BACKOFF == 8
+    # drafting wins once (the text became easy): the spacing starts over
+    policy.store.costs = cost_model({1: 0.1, 2: 0.1, 5: 0.1}, draft=0.001)
+    assert policy.choose("greedy", 8) > 0
+    policy.store.costs = steep
+    picks = [policy.choose("greedy", 8) for _ in range(every)]
+    assert picks[-1] == 1 and picks.count(1) == 1
 
 
 def test_drafting_still_takes_a_plain_step_now_and_then():

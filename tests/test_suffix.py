@@ -15,11 +15,13 @@ from typer.testing import CliRunner
 from cactus_cli.cli.main import app
 from cactus_cli.core.events import SUFFIX
 from cactus_cli.core.sampling import SamplingParams
+from cactus_cli.infer.costs import WINDOW, CostStore
 from cactus_cli.infer.draft import Lookup
 from cactus_cli.infer.draft.suffix import SuffixDrafter
 from cactus_cli.infer.draft.suffix_tree import History, SuffixTree, follow
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.policy import AdaptiveK
 from tests.stats_helpers import assert_matches, exact_two_tokens
 from tests.test_cli import assert_one_line_error, pair_args
 from tests.test_engine import hf_greedy, run
@@ -144,6 +146,15 @@ def pairs(tiny):
 def test_greedy_with_suffix_drafts_equals_the_verifier_and_caches_stay_exact(pairs, which, adaptive):
     pair = pairs[which]
     engine = SpeculativeEngine(pair, Lookup(SUFFIX))
+    if adaptive:  # its own costs, flat in width and fixed: whether drafting pays must not hang on
+        # the timings that other tests (or a loaded machine) left in the session's cost cache
+        engine.costs = CostStore()
+        for _ in range(WINDOW):
+            for width in (1, 5):
+                engine.costs.costs.add_verify(width, 0.1)
+            engine.costs.costs.add_draft(0.01)
+        engine.costs.costs.add_verify = lambda width, seconds: None
+        engine.auto_k = AdaptiveK(engine.costs)
     ids = pair.tokenizer("the cat sat on the mat and the dog sat on the mat and the cat")["input_ids"]
     n = 40
     params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=adaptive, max_tokens=n, ignore_eos=True)

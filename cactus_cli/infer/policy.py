@@ -5,7 +5,8 @@
 - ``AdaptiveK`` (``-k auto``): the ``k`` in ``0 .. k_max`` with the most expected tokens per
   second under the store's costs and acceptance. ``k = 0`` is plain decoding. While ``k = 0``
   wins, an occasional ``k = 1`` step keeps ``a`` fresh, so the engine notices when the text
-  becomes easy to draft; while drafting wins, an occasional plain step keeps ``t_v(1)``, the
+  becomes easy to draft (each probe that leaves ``k = 0`` winning doubles the spacing, up to
+  MAX_BACKOFF times, so a draft that does not pay costs less and less); while drafting wins, an occasional plain step keeps ``t_v(1)``, the
   yardstick of every choice, fresh. The choice depends only on past steps, never on the current
   step's random draws, so SpS stays exactly lossless.
 """
@@ -18,7 +19,8 @@ from typing import Any, Protocol
 from cactus_cli.core.events import MODEL
 from cactus_cli.infer.costs import CostModel, CostStore, best_k
 
-EXPLORE_BUDGET = 0.03  # while k = 0 wins, spend at most ~3% of the time re-testing k = 1
+EXPLORE_BUDGET = 0.03  # while k = 0 wins, spend at most ~3% of the time re-testing k = 1 ...
+MAX_BACKOFF = 8  # ... and, as probes keep confirming it, down to 3% / 8 (a probe every 64+ steps)
 REFRESH_EVERY = 64  # while drafting wins, one plain step in this many keeps t_v(1) fresh (~1% cost)
 
 
@@ -62,6 +64,8 @@ class AdaptiveK(FixedK):
         super().__init__(store if store is not None else CostStore())
         self.plain_steps = 0  # consecutive k = 0 steps (for the occasional k = 1 probe)
         self.draft_steps = 0  # consecutive k > 0 steps (for the occasional plain step)
+        self.backoff = 1  # the probe spacing's multiplier: doubled by each probe after which k = 0 still wins
+        self.probed = False  # the last step was a probe
 
     @property
     def costs(self) -> CostModel:
@@ -70,7 +74,8 @@ class AdaptiveK(FixedK):
     def choose(self, akey: str, k_max: int, source: str = MODEL) -> int:
         k = best_k(self.costs, self.store.rates(akey, k_max, source), k_max, source)
         if k > 0 or k_max == 0:
-            self.plain_steps = 0
+            self.plain_steps, self.probed = 0, False
+            self.backoff = 1 if k > 0 else self.backoff
             self.draft_steps += 1
             if self.draft_steps >= REFRESH_EVERY and self.costs.knows(source):
                 self.draft_steps = 0
@@ -78,13 +83,17 @@ class AdaptiveK(FixedK):
             return k
         self.draft_steps = 0
         # k = 0 wins: now and then draft one token anyway, so a stays fresh. A probe step costs
-        # about t_d + t_v(2) - t_v(1) extra; spacing probes by that over EXPLORE_BUDGET * t_v(1)
-        # keeps their overhead near EXPLORE_BUDGET of plain decoding.
+        # about t_d + t_v(2) - t_v(1) extra (more for a draft that first catches up on the text
+        # verified since it last drafted); spacing probes by that over EXPLORE_BUDGET * t_v(1)
+        # keeps their overhead near EXPLORE_BUDGET of plain decoding, and backing off while
+        # probes keep confirming plain decoding brings it toward zero (measured: README).
+        if self.probed:
+            self.probed, self.backoff = False, min(2 * self.backoff, MAX_BACKOFF)
         self.plain_steps += 1
         t1 = self.costs.t_v(1)
         extra = max(self.costs.t_d(source) + self.costs.t_v(2) - t1, 0.0)
         every = max(8, math.ceil(extra / (EXPLORE_BUDGET * t1))) if t1 > 0 else 8
-        if self.plain_steps >= every:
-            self.plain_steps = 0
+        if self.plain_steps >= every * self.backoff:
+            self.plain_steps, self.probed = 0, True
             return 1
         return 0
