@@ -101,8 +101,8 @@ def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs
         real_choose, calls = engine.auto_k.choose, itertools.count()
         script = itertools.cycle([0, 1, 2, 2, 0, 1])
 
-        def choose(akey, k_max, source="model"):
-            k = real_choose(akey, k_max, source)
+        def choose(akey, k_max, source="model", confidence=None):
+            k = real_choose(akey, k_max, source, confidence)
             return min(next(script), k_max) if next(calls) % 3 else k
 
         monkeypatch.setattr(engine.auto_k, "choose", choose)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -20,7 +21,13 @@ from cactus_cli.infer.costs import (
 from cactus_cli.infer.devices import fastest_cpu_dtype, resolve_dtype
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
-from cactus_cli.infer.policy import EXPLORE_BUDGET, MAX_BACKOFF, AdaptiveK
+from cactus_cli.infer.policy import (
+    EXPLORE_BUDGET,
+    MAX_BACKOFF,
+    AdaptiveK,
+    Calibration,
+    Overhead,
+)
 from tests.test_engine import hf_greedy, prompt_ids
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
@@ -170,6 +177,57 @@ def test_drafting_still_takes_a_plain_step_now_and_then():
     assert picks.count(8) == 400 - picks.count(0)
 
 
+def test_leaving_plain_decoding_is_charged_the_drafts_catch_up():
+    over = Overhead()
+    assert over.predict(40) == 0.0  # nothing charged before a few drafting steps were seen
+    for behind in (0, 10, 20, 0, 10, 20, 1):  # 10 ms per token behind, 5 ms on top
+        over.add(behind, 0.005 + 0.01 * behind)
+    assert over.predict(0) == pytest.approx(0.005) and over.predict(30) == pytest.approx(0.305)
+    policy = AdaptiveK()
+    policy.store.costs = cost_model({1: 0.1, 2: 0.12, 5: 0.2}, draft=0.02)
+    policy.store.acceptance["greedy model"] = Acceptance([3.0] * 4, [6.0] * 4)  # a = (3 + 2 * 0.6) / 8 = 0.525, ...
+    policy.overheads["model"] = over
+    policy.behind = 0
+    assert policy.choose("greedy", 4) > 0  # drafting on: no catch-up, and it pays
+    policy.behind = 30
+    assert policy.choose("greedy", 4) == 0  # after 30 plain steps: the catch-up eats the gain
+    # the policy learns it from the steps themselves: what a drafting step took beyond k t_d
+    fresh = AdaptiveK()
+    fresh.store.costs = cost_model({1: 0.1, 2: 0.12, 5: 0.2}, draft=0.02)
+    for _ in range(3):
+        for _ in range(5):
+            fresh.observe("greedy", 0, 0, 0.0, 0.1)  # five plain steps ...
+        fresh.observe("greedy", 1, 1, 0.02 + 0.05, 0.12, draft_catch_up=6)  # ... then a draft that caught up on them
+    assert fresh.behind == 0 and fresh.overheads["model"].predict(5) == pytest.approx(0.05)
+
+
+def test_calibration_starts_at_the_drafters_estimate_and_learns_the_rules_acceptance():
+    cal = Calibration()
+    assert cal.rates([0.95, 0.5, 0.15]) == pytest.approx([0.95, 0.5, 0.15])  # no steps yet: the estimate
+    rng = random.Random(0)
+    for _ in range(400):  # tokens the tree gives 0.9 are accepted half the time; 0.3: 10%
+        first = rng.random() < 0.5
+        second = first and rng.random() < 0.1
+        cal.add([0.9, 0.3], int(first) + int(second))
+    high, low = cal.rates([0.9, 0.3])
+    assert high == pytest.approx(0.5, abs=0.1) and low == pytest.approx(0.1, abs=0.1)
+    assert cal.rates([0.6])[0] == pytest.approx(0.6)  # an untouched tenth keeps the estimate
+
+
+def test_drafts_with_an_estimate_are_sized_by_it():
+    flat = cost_model({1: 0.1, 2: 0.12, 9: 0.2}, draft=0.0)  # a wider verify costs a little more
+    policy = AdaptiveK()
+    policy.store.costs = flat
+    likely, unlikely = [0.99] * 6, [0.15, 0.2]
+    assert policy.choose("greedy", 8, "suffix", likely) == 6  # never past the path
+    assert policy.choose("greedy", 8, "suffix", unlikely) == 0  # not worth a wider verify
+    assert policy.choose("greedy", 3, "suffix", likely) == 3  # nor past k_max
+    for _ in range(300):  # the rule accepts nothing the tree is sure of: the estimate is overruled
+        policy.observe("greedy", 6, 0, 0.0, 0.18, source="suffix", confidence=likely)
+    assert policy.choose("greedy", 8, "suffix", likely) == 0
+    assert policy.calibrations["greedy suffix"].rates([0.5]) == pytest.approx([0.5])  # other estimates untouched
+
+
 def test_cache_round_trip(tmp_path):
     path = tmp_path / "costs.json"
     policy = CostStore(path, {"pair": "x"})
@@ -199,7 +257,7 @@ def test_catch_up_after_plain_steps_keeps_caches_exact(close_pair, monkeypatch):
     pair = close_pair
     engine = SpeculativeEngine(pair)
     script = iter([2, 0, 0, 0, 3, 0, 1, 4, 0, 0, 2] * 10)
-    monkeypatch.setattr(engine.auto_k, "choose", lambda akey, k_max, source="model": min(next(script), k_max))
+    monkeypatch.setattr(engine.auto_k, "choose", lambda akey, k_max, source="model", confidence=None: min(next(script), k_max))
     ids = prompt_ids(pair)
     n = 40
     params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=True, max_tokens=n, ignore_eos=True)

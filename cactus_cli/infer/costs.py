@@ -189,16 +189,19 @@ def expected_tokens(a: float | list[float], k: int) -> float:
     return total
 
 
-def tokens_per_second(costs: CostModel, a: float | list[float], k: int, source: str = MODEL) -> float:
-    step = k * costs.t_d(source) + costs.t_v(k + 1)
+def tokens_per_second(costs: CostModel, a: float | list[float], k: int, source: str = MODEL,
+                      overhead: float = 0.0) -> float:
+    """Expected tokens per second of a step with k drafts; ``overhead``: seconds a drafting
+    step costs beyond k t_d (the draft catching up after plain steps: policy.Overhead)."""
+    step = k * costs.t_d(source) + costs.t_v(k + 1) + (overhead if k > 0 else 0.0)
     return expected_tokens(a, k) / step if step > 0 else 0.0
 
 
-def best_k(costs: CostModel, a: float | list[float], k_max: int, source: str = MODEL) -> int:
+def best_k(costs: CostModel, a: float | list[float], k_max: int, source: str = MODEL, overhead: float = 0.0) -> int:
     """The k in 0..k_max with the most expected tokens per second (ties: the smaller k)."""
     if not costs.knows(source):
         return min(k_max, 4)
-    rates = [tokens_per_second(costs, a, k, source) for k in range(k_max + 1)]
+    rates = [tokens_per_second(costs, a, k, source, overhead) for k in range(k_max + 1)]
     return max(range(k_max + 1), key=lambda k: (rates[k], -k))
 
 

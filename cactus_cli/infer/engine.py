@@ -309,7 +309,7 @@ class _Run:
 
     @torch.inference_mode()
     def step(self) -> StepEvent:
-        k, source = self.choose_k()
+        k, source, confidence = self.choose_k()
         t0 = time.perf_counter()
         proposal = self.draft(k)
         if proposal is not None:
@@ -318,19 +318,22 @@ class _Run:
         t1 = time.perf_counter()
         verified = self.verify(proposal, k)
         t2 = time.perf_counter()
-        return self.commit(verified, k, source, proposal.fed if proposal is not None else 0, t0, t1, t2)
+        return self.commit(verified, k, source, proposal.fed if proposal is not None else 0, t0, t1, t2, confidence)
 
-    def choose_k(self) -> tuple[int, str | None]:
-        """k for this step and where its drafts come from (None: a plain step)."""
+    def choose_k(self) -> tuple[int, str | None, list[float] | None]:
+        """k for this step, where its drafts come from (None: a plain step), and the drafter's
+        own estimate of each token, if it has one."""
         e, params, drafter = self.e, self.params, self.drafter
         if drafter is None:
-            return 0, None
+            return 0, None, None
         room = e.context_length - len(e.tokens)  # positions left for new tokens
         k = max(0, min(params.num_draft_tokens, room - 1, params.max_tokens - self.produced - 1))
         source = drafter.next_source(e.tokens) if k else None
         if source is None:
-            return 0, None  # a lookup with nothing to copy: a plain step, at no drafting cost
-        return self.policy.choose(self.akey, k, source), source  # from past steps only: SpS stays lossless
+            return 0, None, None  # a lookup with nothing to copy: a plain step, at no drafting cost
+        confidence = drafter.confidence(e.tokens)
+        # from past steps and the tree's counts only, never this step's draws: SpS stays lossless
+        return self.policy.choose(self.akey, k, source, confidence), source, confidence
 
     def draft(self, k: int) -> Proposal | None:
         if self.drafter is None:
@@ -365,12 +368,13 @@ class _Run:
         m = host[0]
         return _Verified(m, host[1 : m + 2], host[k + 2 : 2 * k + 2], verdict.tokens[0, m : m + 1], p, q, logits)
 
-    def commit(self, v: _Verified, k: int, source: str | None, fed: int, t0: float, t1: float, t2: float) -> StepEvent:
+    def commit(self, v: _Verified, k: int, source: str | None, fed: int, t0: float, t1: float, t2: float,
+               confidence: list[float] | None = None) -> StepEvent:
         """The policy learns the step; both caches keep exactly the verified sequence minus its
         last token; the sequence grows; the emitted tokens are cut at EOS or max_tokens."""
         e, m, new = self.e, v.accepted, v.new
         self.last = v.next_input  # stays on the device for the next step's input
-        self.policy.observe(self.akey, k, m, t1 - t0, t2 - t1, fed, source or MODEL)
+        self.policy.observe(self.akey, k, m, t1 - t0, t2 - t1, fed, source or MODEL, confidence)
         measured = (meter(self.params.rule, self.params.rule_kwargs, v.p, v.q, v.logits, new, m, k)
                     if self.params.measure else ((), (), ()))
         e.verifier.crop(len(e.tokens) + m)

@@ -6,22 +6,35 @@
   second under the store's costs and acceptance. ``k = 0`` is plain decoding. While ``k = 0``
   wins, an occasional ``k = 1`` step keeps ``a`` fresh, so the engine notices when the text
   becomes easy to draft (each probe that leaves ``k = 0`` winning doubles the spacing, up to
-  MAX_BACKOFF times, so a draft that does not pay costs less and less); while drafting wins, an occasional plain step keeps ``t_v(1)``, the
-  yardstick of every choice, fresh. The choice depends only on past steps, never on the current
+  MAX_BACKOFF times, so a draft that does not pay costs less and less); while drafting wins,
+  an occasional plain step keeps ``t_v(1)``, the yardstick of every choice, fresh. The choice depends only on past steps, never on the current
   step's random draws, so SpS stays exactly lossless.
+- A drafting step costs more than k t_d when the draft first catches up on the tokens verified
+  since it last drafted (a draft model after plain steps; a cross-vocabulary draft also
+  re-encodes the text and drafts one token more): ``Overhead`` learns that extra as a line in
+  the number of tokens behind, so leaving plain decoding is charged what it costs, and a draft
+  that does not pay is not drafted on a lucky estimate.
+- A drafter that estimates its own tokens (the suffix trees: ``Drafter.confidence``) is sized
+  draft by draft: ``Calibration`` learns how often the rule accepts a token the drafter gave
+  probability ``c``, so a likely path is drafted long and an unlikely one not at all, where
+  per-position rates would size every draft from memory alike.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any, Protocol
 
 from cactus_cli.core.events import MODEL
-from cactus_cli.infer.costs import CostModel, CostStore, best_k
+from cactus_cli.infer.costs import SHRINK, WINDOW, CostModel, CostStore, best_k
 
 EXPLORE_BUDGET = 0.03  # while k = 0 wins, spend at most ~3% of the time re-testing k = 1 ...
-MAX_BACKOFF = 8  # ... and, as probes keep confirming it, down to 3% / 8 (a probe every 64+ steps)
+MAX_BACKOFF = 8  # ... and, as probes keep confirming it, down to 3% / 8 (a probe every 64+ steps) ...
+MAX_SPACING = 64  # ... but never fewer than one probe in 8 * 64 steps (a catch-up that grows with the gap)
 REFRESH_EVERY = 64  # while drafting wins, one plain step in this many keeps t_v(1) fresh (~1% cost)
+BINS = 10  # Calibration: acceptance learned per tenth of the drafter's estimate ...
+CAL_DECAY = 0.995  # ... over the last ~200 drafting steps (ten bins need more than ~30)
 
 
 def acceptance_key(rule: str, rule_kwargs: dict[str, Any], temperature: float, top_k: int, top_p: float) -> str:
@@ -32,13 +45,64 @@ def acceptance_key(rule: str, rule_kwargs: dict[str, Any], temperature: float, t
     return f"{rule}({params}) T={temperature:g} top_k={top_k} top_p={top_p:g}"
 
 
+class Calibration:
+    """How often the rule accepts a draft token that its drafter gave probability ``c``: decayed
+    counts per tenth of ``c``, each shrunk toward ``c`` itself (the drafter's estimate is the
+    prior until steps say otherwise)."""
+
+    def __init__(self) -> None:
+        self.accepted = [0.0] * BINS
+        self.tested = [0.0] * BINS
+
+    @staticmethod
+    def _bin(c: float) -> int:
+        return min(max(int(c * BINS), 0), BINS - 1)
+
+    def rates(self, confidence: list[float]) -> list[float]:
+        """The acceptance expected for each token, given the ones before it were accepted."""
+        return [(self.accepted[b] + SHRINK * c) / (self.tested[b] + SHRINK)
+                for c, b in ((c, self._bin(c)) for c in confidence)]
+
+    def add(self, confidence: list[float], accepted: int) -> None:
+        """One step that drafted ``confidence``'s tokens, the first ``accepted`` kept."""
+        self.accepted = [x * CAL_DECAY for x in self.accepted]
+        self.tested = [x * CAL_DECAY for x in self.tested]
+        for i, c in enumerate(confidence[: accepted + 1]):
+            self.tested[self._bin(c)] += 1.0
+            self.accepted[self._bin(c)] += 1.0 if i < accepted else 0.0
+
+
+class Overhead:
+    """Seconds a drafting step costs beyond ``k t_d``, as a line ``o + c * behind`` (``behind``:
+    tokens verified since the draft last drafted) fitted to the last WINDOW drafting steps
+    (least squares, c >= 0); nothing is charged until a few steps were seen."""
+
+    def __init__(self) -> None:
+        self.points: deque[tuple[int, float]] = deque(maxlen=WINDOW)
+
+    def add(self, behind: int, seconds: float) -> None:
+        if math.isfinite(seconds):
+            self.points.append((behind, seconds))
+
+    def predict(self, behind: int) -> float:
+        if len(self.points) < 3:
+            return 0.0
+        n = len(self.points)
+        mb = sum(b for b, _ in self.points) / n
+        ms = sum(s for _, s in self.points) / n
+        var = sum((b - mb) ** 2 for b, _ in self.points)
+        c = max(sum((b - mb) * (s - ms) for b, s in self.points) / var, 0.0) if var > 0 else 0.0
+        return max(ms + c * (behind - mb), 0.0)
+
+
 class KPolicy(Protocol):
-    def choose(self, akey: str, k_max: int, source: str = MODEL) -> int:
-        """k for the next step (at most ``k_max``), whose drafts will come from ``source``."""
+    def choose(self, akey: str, k_max: int, source: str = MODEL, confidence: list[float] | None = None) -> int:
+        """k for the next step (at most ``k_max``), whose drafts will come from ``source``, with
+        the drafter's own estimate of each token if it has one (Drafter.confidence)."""
 
     def observe(self, akey: str, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
-                draft_catch_up: int = 1, source: str = MODEL) -> None:
-        """One finished step (see CostStore.observe)."""
+                draft_catch_up: int = 1, source: str = MODEL, confidence: list[float] | None = None) -> None:
+        """One finished step (see CostStore.observe); ``confidence``: what the drafter estimated."""
 
 
 class FixedK:
@@ -48,11 +112,11 @@ class FixedK:
     def __init__(self, store: CostStore | None = None):
         self.store = store
 
-    def choose(self, akey: str, k_max: int, source: str = MODEL) -> int:
+    def choose(self, akey: str, k_max: int, source: str = MODEL, confidence: list[float] | None = None) -> int:
         return k_max
 
     def observe(self, akey: str, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
-                draft_catch_up: int = 1, source: str = MODEL) -> None:
+                draft_catch_up: int = 1, source: str = MODEL, confidence: list[float] | None = None) -> None:
         if self.store is not None:
             self.store.observe(akey, k, accepted, draft_seconds, verify_seconds, draft_catch_up, source)
 
@@ -66,13 +130,33 @@ class AdaptiveK(FixedK):
         self.draft_steps = 0  # consecutive k > 0 steps (for the occasional plain step)
         self.backoff = 1  # the probe spacing's multiplier: doubled by each probe after which k = 0 still wins
         self.probed = False  # the last step was a probe
+        self.calibrations: dict[str, Calibration] = {}  # (acceptance key, source) -> acceptance by estimate
+        self.overheads: dict[str, Overhead] = {}  # source -> a drafting step's cost beyond k t_d
+        self.behind = 0  # steps since the last drafting step (each verified a token the draft has not seen)
 
     @property
     def costs(self) -> CostModel:
         return self.store.costs
 
-    def choose(self, akey: str, k_max: int, source: str = MODEL) -> int:
-        k = best_k(self.costs, self.store.rates(akey, k_max, source), k_max, source)
+    def observe(self, akey: str, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
+                draft_catch_up: int = 1, source: str = MODEL, confidence: list[float] | None = None) -> None:
+        super().observe(akey, k, accepted, draft_seconds, verify_seconds, draft_catch_up, source)
+        if k == 0:
+            self.behind += 1
+            return
+        extra = draft_seconds - k * self.costs.t_d(source)
+        self.overheads.setdefault(source, Overhead()).add(self.behind, extra)
+        self.behind = 0
+        if confidence is not None:
+            self.calibrations.setdefault(f"{akey} {source}", Calibration()).add(confidence[:k], accepted)
+
+    def choose(self, akey: str, k_max: int, source: str = MODEL, confidence: list[float] | None = None) -> int:
+        rates = self.store.rates(akey, k_max, source)
+        if confidence is not None:  # sized by the drafter's estimates, as calibrated (never past its path)
+            k_max = min(k_max, len(confidence))
+            rates = self.calibrations.get(f"{akey} {source}", Calibration()).rates(confidence[:k_max])
+        overhead = self.overheads[source].predict(self.behind) if source in self.overheads else 0.0
+        k = best_k(self.costs, rates, k_max, source, overhead)
         if k > 0 or k_max == 0:
             self.plain_steps, self.probed = 0, False
             self.backoff = 1 if k > 0 else self.backoff
@@ -91,8 +175,8 @@ class AdaptiveK(FixedK):
             self.probed, self.backoff = False, min(2 * self.backoff, MAX_BACKOFF)
         self.plain_steps += 1
         t1 = self.costs.t_v(1)
-        extra = max(self.costs.t_d(source) + self.costs.t_v(2) - t1, 0.0)
-        every = max(8, math.ceil(extra / (EXPLORE_BUDGET * t1))) if t1 > 0 else 8
+        extra = max(self.costs.t_d(source) + self.costs.t_v(2) - t1 + overhead, 0.0)
+        every = min(max(8, math.ceil(extra / (EXPLORE_BUDGET * t1))), MAX_SPACING) if t1 > 0 else 8
         if self.plain_steps >= every * self.backoff:
             self.plain_steps, self.probed = 0, True
             return 1

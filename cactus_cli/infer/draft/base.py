@@ -47,6 +47,9 @@ class WithFallback:
     def device(self) -> torch.device:
         return self.fallback.device if self.fallback else self._device
 
+    def confidence(self, seq: list[int]) -> list[float] | None:
+        return None
+
 
 class Drafter(Protocol):
     device: torch.device
@@ -57,6 +60,12 @@ class Drafter(Protocol):
     def next_source(self, seq: list[int]) -> str | None:
         """Where the next proposal's drafts would come from (MODEL, NGRAM, SUFFIX), or None when it has
         nothing to offer (a lookup with no match): then the step is a plain one."""
+
+    def confidence(self, seq: list[int]) -> list[float] | None:
+        """The drafter's own estimate of each next draft token's probability, given the ones
+        before it (the suffix trees' counts), for -k auto to size the draft by; None when it
+        has none (a draft model, prompt lookup): -k auto then uses the acceptance it measured
+        per position."""
 
     def reset(self) -> None:
         """Forget everything cached."""

@@ -67,6 +67,9 @@ class CrossVocabDrafter:
         self._sync(seq)
         return MODEL if self.target else None
 
+    def confidence(self, seq: list[int]) -> list[float] | None:
+        return None
+
     def reset(self) -> None:
         self.runner.reset()
         self.cached, self.target, self._synced = [], [], -1

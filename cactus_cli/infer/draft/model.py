@@ -33,6 +33,9 @@ class ModelDrafter:
     def next_source(self, seq: list[int]) -> str | None:
         return MODEL
 
+    def confidence(self, seq: list[int]) -> list[float] | None:
+        return None
+
     def reset(self) -> None:
         self.runner.reset()
         self._k = 0

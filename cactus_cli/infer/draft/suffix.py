@@ -81,6 +81,11 @@ class SuffixDrafter(WithFallback):
             return SUFFIX
         return self.fallback.next_source(seq) if self.fallback else None
 
+    def confidence(self, seq: list[int]) -> list[float] | None:
+        """The tree's estimate for each token of the path it would draft (None: the draft model's turn)."""
+        match = self._match(seq)[0]
+        return match.steps if match is not None else None
+
     def propose(self, seq: list[int], k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
         match, history = self._match(seq) if k else (None, None)
         if match is None and self.fallback is not None and k:

@@ -104,9 +104,10 @@ class SuffixTree:
         best: Match | None = None
         for m in sorted({x[0] for x in occ}):
             node = [(tokens, o) for length, _, tokens, o in occ if length >= m]
-            tokens, _, score = follow(node, k, min_prob, matched=m)
+            steps: list[float] = []
+            tokens, _, score = follow(node, k, min_prob, matched=m, steps=steps)
             if tokens and (best is None or score >= best.score):
-                best = Match(score, m, node, next(d for length, d, _, _ in occ if length >= m), tokens)
+                best = Match(score, m, node, next(d for length, d, _, _ in occ if length >= m), tokens, steps)
         return best
 
 
@@ -117,14 +118,16 @@ class Match:
     node: list[tuple[Sequence[int], int]]  # the occurrences: (document, offset of the following token)
     doc: int  # the document of the most recent one
     tokens: list[int]  # the most frequent path
+    steps: list[float]  # each of its tokens' estimated probability given the ones before (follow)
 
 
 def follow(node: list[tuple[Sequence[int], int]], k: int, min_prob: float, rng: random.Random | None = None,
-           matched: int = 1) -> tuple[list[int], list[dict[int, float]], float]:
+           matched: int = 1, steps: list[float] | None = None) -> tuple[list[int], list[dict[int, float]], float]:
     """Up to k tokens from ``node`` (the occurrences of the last ``matched`` tokens): the most
     frequent next token each time, or with ``rng`` one drawn by frequency, while the path's
     estimated probability stays >= ``min_prob``. Returns the tokens, the distribution each was
-    drawn from, and the score (the sum of the path probabilities).
+    drawn from, and the score (the sum of the path probabilities); ``steps``, if given, receives
+    each token's estimate given the ones before it (what -k auto sizes a draft by: policy.py).
 
     A step's estimate is count / (total + EVIDENCE / context), the context being the tokens
     matched so far: one earlier occurrence after a single matched token is a coin flip (1/2),
@@ -156,6 +159,8 @@ def follow(node: list[tuple[Sequence[int], int]], k: int, min_prob: float, rng: 
         kept_total = sum(kept.values())  # (the draft distribution: the counts themselves)
         dists.append({x: c / kept_total for x, c in kept.items()})
         prob *= counts[token] / total
+        if steps is not None:
+            steps.append(counts[token] / total)
         tokens.append(token)
         score += prob
         node = [(seq, o) for seq, o in node if o + t < len(seq) and seq[o + t] == token]
