@@ -24,7 +24,7 @@ ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--limit", type=int, default=8)
 ap.add_argument("-n", type=int, default=96)
 ap.add_argument("--rule", default="cactus")
-ap.add_argument("--rows", default="est,pos,ngram", help="est: sized by the estimates; pos: by position; ngram: lookup")
+ap.add_argument("--rows", default="est,pos,ngram", help="est: sized by the estimates; pos: by position; long: est with longer paths; ngram: lookup")
 args = ap.parse_args()
 settings = resolve_settings(None, {"draft": "suffix", "max_tokens": args.n, "num_draft_tokens": "auto"})
 pair = runtime.load_engine(settings).pair
@@ -34,6 +34,8 @@ for r in rows:
     e = SpeculativeEngine(pair, Lookup(NGRAM if r == "ngram" else SUFFIX))
     if r == "pos":  # the drafter offers no estimate: -k auto sizes it by its per-position rates
         e.drafter.confidence = lambda seq: None
+    if r == "long":  # sized by the estimates, paths followed down to 0.05 and up to 16 tokens
+        e.drafter.min_prob = 0.05
     engines[r] = e
 tasks = runtime.encode_prompts(engines[rows[0]], load_tasks(None, args.limit), settings.chat_template)
 base = runtime.generation_params(settings)
@@ -42,7 +44,8 @@ stats = {r: SpecStats() for r in rows}
 t0 = time.time()
 for i, (_, ids) in enumerate(tasks):
     for r in rows:
-        params = dataclasses.replace(base, rule=args.rule, rule_kwargs=kw, seed=i)
+        params = dataclasses.replace(base, rule=args.rule, rule_kwargs=kw, seed=i,
+                                     num_draft_tokens=16 if r == "long" else base.num_draft_tokens)
         one = SpecStats()
         for ev in engines[r].steps(ids, params):
             one.update(ev)

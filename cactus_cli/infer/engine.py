@@ -336,7 +336,7 @@ class _Run:
         return self.policy.choose(self.akey, k, source, confidence), source, confidence
 
     def draft(self, k: int) -> Proposal | None:
-        if self.drafter is None:
+        if self.drafter is None or not k:  # (a plain step: the drafter is not asked, it catches up later)
             return None
         proposal = self.drafter.propose(self.e.tokens, k, self.sp, self.dgen)
         sync(proposal.tokens.device)

@@ -64,8 +64,7 @@ class CrossVocabDrafter:
         return self.runner.lm.device
 
     def next_source(self, seq: list[int]) -> str | None:
-        self._sync(seq)
-        return MODEL if self.target else None
+        return MODEL if seq else None  # (not re-encoded here: a plain step must cost nothing)
 
     def confidence(self, seq: list[int]) -> list[float] | None:
         return None

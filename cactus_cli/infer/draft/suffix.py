@@ -40,6 +40,7 @@ class SuffixDrafter(WithFallback):
         self._device = device
         self.fallback = fallback
         self.sampled = sampled
+        self.min_prob = MIN_PROB
         self.histories: dict[str, History] = {"": history if history is not None else History()}
         self.memory: str | None = ""  # the history this sequence reads and extends (None: none)
         self.request = SuffixTree()
@@ -67,10 +68,10 @@ class SuffixDrafter(WithFallback):
         computed once per sequence length."""
         if self._found is None or self._found[0] != len(seq):
             self.request.add(0, seq)
-            best, where = self.request.best(seq, MAX_DRAFT, MIN_PROB), None
+            best, where = self.request.best(seq, MAX_DRAFT, self.min_prob), None
             if self.memory is not None:
                 history = self.histories.setdefault(self.memory, History())
-                other = history.tree.best(seq, MAX_DRAFT, MIN_PROB)
+                other = history.tree.best(seq, MAX_DRAFT, self.min_prob)
                 if other is not None and (best is None or other.score > best.score):
                     best, where = other, history
             self._found = (len(seq), best, where)
@@ -95,7 +96,7 @@ class SuffixDrafter(WithFallback):
         if match is not None and self.sampled and not sp.greedy:
             if self.rng is None:  # seeded by the run's seed: a sampled run replays exactly
                 self.rng = random.Random(generator.initial_seed() if generator is not None else 0)
-            tokens, dists, _ = follow(match.node, k, MIN_PROB, self.rng, match.length)
+            tokens, dists, _ = follow(match.node, k, self.min_prob, self.rng, match.length)
         if history is not None and tokens:
             history.touch(match.doc)
         ids = to_device(tokens, self.device)  # [k']
