@@ -7,8 +7,9 @@
   wins, an occasional ``k = 1`` step keeps ``a`` fresh, so the engine notices when the text
   becomes easy to draft (each probe that leaves ``k = 0`` winning doubles the spacing, up to
   MAX_BACKOFF times, so a draft that does not pay costs less and less); while drafting wins,
-  an occasional plain step keeps ``t_v(1)``, the yardstick of every choice, fresh. The choice depends only on past steps, never on the current
-  step's random draws, so SpS stays exactly lossless.
+  an occasional plain step keeps ``t_v(1)``, the yardstick of every choice, fresh. The choice
+  depends only on past steps, never on the current step's random draws, so SpS stays exactly
+  lossless.
 - A drafting step costs more than k t_d when the draft first catches up on the tokens verified
   since it last drafted (a draft model after plain steps; a cross-vocabulary draft also
   re-encodes the text and drafts one token more): ``Overhead`` learns that extra as a line in
