@@ -18,6 +18,7 @@ from cactus_cli.infer.costs import (
     best_k,
     expected_tokens,
 )
+from cactus_cli.infer.costs import slope as costs_slope
 from cactus_cli.infer.devices import fastest_cpu_dtype, resolve_dtype
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
@@ -78,7 +79,7 @@ def test_a_convex_cost_curve_is_read_per_width_not_through_a_line():
     assert best_k(cm, 0.8, 8) == 2
     # the straight line through every width (the model before) halves t_v(1) and picks 0
     pts = [(w, t, 1) for w, t in verify.items()]
-    slope = CostModel._slope(pts)
+    slope = costs_slope(pts)
     intercept = sum(verify.values()) / 5 - slope * sum(verify) / 5
     def line(w):
         return max(intercept + slope * w, 1e-9)

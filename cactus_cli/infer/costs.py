@@ -110,16 +110,7 @@ class CostModel:
                 t1, c1, n1 = blocks[-1]
                 blocks[-1] = [(t1 * c1 + t2 * c2) / (c1 + c2), c1 + c2, n1 + n2]
         costs = [max(t, 1e-9) for t, _, n in blocks for _ in range(int(n))]
-        return [w for w, _, _ in pts], costs, self._slope(pts)
-
-    @staticmethod
-    def _slope(pts: list[tuple[int, float, int]]) -> float:
-        """The weighted least-squares slope (>= 0) over every measured width: for widths past them."""
-        n = sum(c for _, _, c in pts)
-        mw = sum(c * w for w, _, c in pts) / n
-        mt = sum(c * t for _, t, c in pts) / n
-        var = sum(c * (w - mw) ** 2 for w, _, c in pts)
-        return max(sum(c * (w - mw) * (t - mt) for w, t, c in pts) / var, 0.0) if var > 0 else 0.0
+        return [w for w, _, _ in pts], costs, slope(pts)
 
     def describe(self, widths: int) -> dict[str, Any]:
         return {"source": self.source, "draft_seconds_per_token": self.t_d() if self.draft.get(MODEL) else None,
@@ -153,6 +144,16 @@ class CostModel:
                 else:
                     dropped += 1
         return cm, dropped
+
+
+def slope(pts: list[tuple[int, float, int]]) -> float:
+    """The weighted least-squares slope (>= 0) of (x, y, weight) points: the verify cost past the
+    widest measured width; a drafting step's extra cost per token behind (policy.Overhead)."""
+    n = sum(c for _, _, c in pts)
+    mw = sum(c * w for w, _, c in pts) / n
+    mt = sum(c * t for _, t, c in pts) / n
+    var = sum(c * (w - mw) ** 2 for w, _, c in pts)
+    return max(sum(c * (w - mw) * (t - mt) for w, t, c in pts) / var, 0.0) if var > 0 else 0.0
 
 
 MAX_WIDTH = 65  # k_max (64) + 1

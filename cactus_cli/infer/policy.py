@@ -28,7 +28,7 @@ from collections import deque
 from typing import Any, Protocol
 
 from cactus_cli.core.events import MODEL
-from cactus_cli.infer.costs import SHRINK, WINDOW, CostModel, CostStore, best_k
+from cactus_cli.infer.costs import SHRINK, WINDOW, CostModel, CostStore, best_k, slope
 
 EXPLORE_BUDGET = 0.03  # while k = 0 wins, spend at most ~3% of the time re-testing k = 1 ...
 MAX_BACKOFF = 8  # ... and, as probes keep confirming it, down to 3% / 8 (a probe every 64+ steps) ...
@@ -91,8 +91,7 @@ class Overhead:
         n = len(self.points)
         mb = sum(b for b, _ in self.points) / n
         ms = sum(s for _, s in self.points) / n
-        var = sum((b - mb) ** 2 for b, _ in self.points)
-        c = max(sum((b - mb) * (s - ms) for b, s in self.points) / var, 0.0) if var > 0 else 0.0
+        c = slope([(b, s, 1) for b, s in self.points])
         return max(ms + c * (behind - mb), 0.0)
 
 
@@ -152,10 +151,11 @@ class AdaptiveK(FixedK):
             self.calibrations.setdefault(f"{akey} {source}", Calibration()).add(confidence[:k], accepted)
 
     def choose(self, akey: str, k_max: int, source: str = MODEL, confidence: list[float] | None = None) -> int:
-        rates = self.store.rates(akey, k_max, source)
         if confidence is not None:  # sized by the drafter's estimates, as calibrated (never past its path)
             k_max = min(k_max, len(confidence))
             rates = self.calibrations.get(f"{akey} {source}", Calibration()).rates(confidence[:k_max])
+        else:
+            rates = self.store.rates(akey, k_max, source)
         overhead = self.overheads[source].predict(self.behind) if source in self.overheads else 0.0
         k = best_k(self.costs, rates, k_max, source, overhead)
         if k > 0 or k_max == 0:
