@@ -172,6 +172,27 @@ def test_string_drafts_stop_at_eos_and_skip_what_they_cannot_spell(cross):
     assert p.tokens.tolist() == [eos_v]
 
 
+def test_string_drafts_write_the_drafts_most_likely_text_at_any_temperature(cross):
+    # Any one-hot draft keeps SpS lossless, so the string method drafts the draft model's argmax
+    # text: the same proposal whatever the temperature and the generator's seed.
+    pair = cross["string"]
+    seq = pair.tokenizer("the cat sat on the")["input_ids"]
+    hot = SamplingParams(temperature=2.0, top_k=0, top_p=1.0)
+    proposals = []
+    for sp, seed in ((GREEDY, 0), (hot, 1), (hot, 2), (hot, 3)):
+        d = SpeculativeEngine(pair).drafter
+        d.start(seq, [])
+        proposals.append(d.propose(seq, 4, sp, torch.Generator().manual_seed(seed)).tokens.tolist())
+    assert proposals[0] and all(p == proposals[0] for p in proposals)
+    # intersection samples from its (restricted) distribution: p is the draft's, at the run's temperature
+    drawn = set()
+    for seed in range(8):
+        d = SpeculativeEngine(cross["intersection"]).drafter
+        d.start(seq, [])
+        drawn.add(tuple(d.propose(seq, 4, hot, torch.Generator().manual_seed(seed)).tokens.tolist()))
+    assert len(drawn) > 1
+
+
 def test_intersection_refuses_a_pair_that_shares_too_little(tiny, tmp_path):
     folder = tmp_path / "alien"
     words = [f"w{i}" for i in range(60)]
@@ -215,6 +236,24 @@ def test_bench_compares_a_same_family_and_a_cross_family_draft_in_one_run(tiny, 
                                  f"{tiny['draft_close']},{tiny['draft']}", "--cross-vocab", "string", "--device", "cpu",
                                  "--dtype", "float32", "--limit", 1, "-n", 4, "--rules", "sps", "-k", "2"])
     assert r.exit_code != 0 and "every --draft model shares the verifier's vocabulary" in r.output
+
+
+def test_bench_times_each_cross_vocabulary_method_side_by_side(tiny, cross):
+    args = ["bench", "--verifier", tiny["verifier"], "--draft", f"{tiny['draft_close']},{cross['folder']}",
+            "--device", "cpu", "--dtype", "float32", "--category", "grounded", "--limit", 1, "-n", 8, "--rules", "sps",
+            "-k", "2", "-t", 0, "--json"]
+    r = CliRunner().invoke(app, [*args, "--cross-vocab", "string,intersection"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["results"]
+    assert [(row["draft"], row["cross_vocab"]) for row in rows] == [
+        (None, None), (tiny["draft_close"], None), (cross["folder"], "string"), (cross["folder"], "intersection")]
+    assert len({row["config"] for row in rows}) == 4  # the method is in the label
+    assert all(row["draft_sources"] for row in rows[1:])
+    r = CliRunner().invoke(app, [*args, "--cross-vocab", "auto,string"])  # auto is string: one row, not two
+    assert r.exit_code == 0, r.output
+    assert [row["cross_vocab"] for row in json.loads(r.stdout)["results"]] == [None, None, "string"]
+    r = CliRunner().invoke(app, [*args, "--cross-vocab", "string,letters"])
+    assert r.exit_code != 0 and "--cross-vocab: each value must be one of auto, string, intersection" in r.output
 
 
 def byte_level_tokenizer(vocab_size=262):

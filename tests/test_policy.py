@@ -277,6 +277,23 @@ def test_catch_up_after_plain_steps_keeps_caches_exact(close_pair, monkeypatch):
     assert tokens == hf_greedy(pair, ids, n)
 
 
+def test_a_new_prompt_starts_the_catch_up_count_over(close_pair, monkeypatch):
+    # The prefill brings the draft level with the prompt, so the steps a previous prompt spent
+    # plain are no catch-up for this one (the policy itself spans runs).
+    engine = SpeculativeEngine(close_pair)
+    seen = []
+
+    def plain(akey, k_max, source="model", confidence=None):
+        seen.append(engine.auto_k.behind)
+        return 0
+    monkeypatch.setattr(engine.auto_k, "choose", plain)
+    params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=True, max_tokens=5, ignore_eos=True)
+    for _ in range(2):
+        list(engine.generate(prompt_ids(close_pair), params))
+    n = len(seen) // 2
+    assert n >= 3 and seen == list(range(n)) * 2  # (without the reset the second run counts on from n)
+
+
 def test_adaptive_k_learns_and_reports(close_pair):
     engine = SpeculativeEngine(close_pair)
     assert engine.probe_costs(4)

@@ -43,11 +43,12 @@ class BenchConfig:
     compiled: bool = False  # which engine runs it: bench --compile off,on times both side by side
     quantize: str = "none"  # ... and --quantize none,int8
     draft: str = ""  # ... and --draft ngram,suffix,MODEL (bench and eval take a list)
+    cross: str = ""  # ... and --cross-vocab string,intersection (a draft with another vocabulary; "" otherwise)
     tag: str = ""  # names the engine in the label when a grid has more than one
 
     @property
-    def variant(self) -> tuple[str, bool, str]:
-        return self.quantize, self.compiled, self.draft
+    def variant(self) -> tuple[str, bool, str, str]:
+        return self.quantize, self.compiled, self.draft, self.cross
 
     @property
     def k_label(self) -> str:
@@ -72,31 +73,32 @@ class BenchConfig:
 
 
 def build_grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_params: dict[str, Any],
-               compare_hf: bool, k_max: int = 8, variants: list[tuple[str, bool, str]] = (("none", False, ""),)
+               compare_hf: bool, k_max: int = 8, variants: list[tuple[str, bool, str, str]] = (("none", False, "", ""),)
                ) -> list[BenchConfig]:
-    """Per engine variant (quantize, compiled, draft): the baseline (once per quantize and
-    compiled: it drafts nothing), then each rule (x delta where it takes one) x k; then HF rows
-    (the first variant with a draft model, eager). ``auto`` in ``ks`` is the adaptive k (0..k_max)."""
+    """Per engine variant (quantize, compiled, draft, cross-vocabulary method): the baseline (once
+    per quantize and compiled: it drafts nothing), then each rule (x delta where it takes one) x
+    k; then HF rows (the first variant with a draft model, eager). ``auto`` in ``ks`` is the
+    adaptive k (0..k_max)."""
     grid: list[BenchConfig] = []
-    several = [len({v[i] for v in variants}) > 1 for i in range(3)]
+    several = [len({v[i] for v in variants}) > 1 for i in range(4)]
 
-    def tag(quantize: str, compiled: bool, draft: str) -> str:
+    def tag(quantize: str, compiled: bool, draft: str, cross: str) -> str:
         parts = (quantize if several[0] else "", ("compiled" if compiled else "eager") if several[1] else "",
-                 draft if several[2] else "")
+                 draft if several[2] else "", cross if several[3] else "")
         return ", ".join(p for p in parts if p)
 
     baselines = set()
-    for quantize, compiled, draft in variants:
+    for quantize, compiled, draft, cross in variants:
         rows = _grid(rules, deltas, ks, rule_params, k_max)
         if (quantize, compiled) in baselines:
             rows = rows[1:]
         baselines.add((quantize, compiled))
-        grid += [dataclasses.replace(c, quantize=quantize, compiled=compiled, draft=draft,
-                                     tag=tag(quantize, compiled, "" if c.kind == "autoregressive" else draft))
+        grid += [dataclasses.replace(c, quantize=quantize, compiled=compiled, draft=draft, cross=cross,
+                                     tag=tag(quantize, compiled, *(("", "") if c.kind == "autoregressive" else (draft, cross))))
                  for c in rows]
     if compare_hf:
-        q, c, d = variants[0]
-        grid += [BenchConfig("hf-assisted", None, k, quantize=q, compiled=c, draft=d) for k in ks if k != "auto"]
+        q, c, d, x = variants[0]
+        grid += [BenchConfig("hf-assisted", None, k, quantize=q, compiled=c, draft=d, cross=x) for k in ks if k != "auto"]
     return grid
 
 
@@ -296,6 +298,7 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
         tps = m["tokens_per_second"]
         row = {"config": r.config.label, "kind": r.config.kind, "rule": r.config.rule, "compiled": r.config.compiled,
                "quantize": r.config.quantize, "draft": r.config.draft if r.config.kind != "autoregressive" else None,
+               "cross_vocab": r.config.cross or None,
                "k": "auto" if r.config.adaptive else r.config.k, "max_draft_tokens": r.config.k if r.config.adaptive else None,
                "rule_params": r.config.rule_kwargs, "prompts": r.prompts_done, **m,
                "speedup": tps / base_tps if tps and base_tps else None,
@@ -324,7 +327,7 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
             "settings": settings, "prompts": [p.id for p in prompts], "results": rows, "cost_model": cost_model}
 
 
-CSV_COLUMNS = ["config", "kind", "rule", "k", "quantize", "compiled", "draft", "prompts", "problems", "correct", "accuracy",
+CSV_COLUMNS = ["config", "kind", "rule", "k", "quantize", "compiled", "draft", "cross_vocab", "prompts", "problems", "correct", "accuracy",
                "accuracy_ci95_low", "accuracy_ci95_high", "num_output_tokens", "total_seconds", "tokens_per_second",
                "ms_per_output_token", "speedup", "tokens_per_second_vs_hf", "mean_accepted_tokens_per_step",
                "mean_acceptance_length", "draft_acceptance_rate", "per_token_acceptance",
@@ -347,55 +350,62 @@ def csv_text(doc: dict[str, Any]) -> str:
 
 
 def load_engines(settings: Settings, quantizes: list[str], compiles: list[str], drafts: list[str],
-                 prompts: list[Prompt], ks: list[int | str], reporter
-                 ) -> tuple[dict[tuple[str, bool, str], SpeculativeEngine], list]:
-    """An engine per variant (quantize, compiled, draft), the verifier in memory once per
-    quantization and each draft model once beside it (a same-family and a cross-family draft
+                 prompts: list[Prompt], ks: list[int | str], reporter, crosses: list[str] = ("auto",)
+                 ) -> tuple[dict[tuple[str, bool, str, str], SpeculativeEngine], list]:
+    """An engine per variant (quantize, compiled, draft, and for a draft with another vocabulary
+    each method in ``crosses``), the verifier in memory once per quantization and each draft
+    model once beside it (a same-family and a cross-family draft, by string and by intersection,
     compare on one verifier), each engine prepared (compiled, costs probed) for the longest
-    prompt; and the prompts encoded. A compiled engine that fell back to eager (the warning
-    says why) is not a second variant."""
+    prompt; and the prompts encoded. A compiled engine that fell back to eager (the warning says
+    why) is not a second variant."""
     models = list(dict.fromkeys(m for m in (parse_draft(d)[1] for d in drafts) if m))
-    several = len(models) > 1 and settings.cross_vocab != "auto"  # it applies to the drafts of another vocabulary
-    loading = dataclasses.replace(settings, cross_vocab="auto") if several else settings
-    engines: list[tuple[str, SpeculativeEngine]] = []
+    loading = dataclasses.replace(settings, cross_vocab="auto")  # (decided per method below, on the map built once)
+    engines: list[tuple[tuple[str, str], SpeculativeEngine]] = []
     for quantize in quantizes:
-        pairs: dict[str | None, Any] = {}
+        pairs: dict[tuple[str | None, str], Any] = {}
         for mode in compiles:
             if not pairs:  # the verifier (and the first draft model), then each other draft model beside it
                 first = runtime.load_engine(dataclasses.replace(loading, draft=models[0] if models else drafts[0]),
                                             reporter, mode, None, quantize).pair
-                pairs = {None: dataclasses.replace(first, draft=None, cross=None)}
+                loaded = {None: dataclasses.replace(first, draft=None, cross=None)}
                 if models:
-                    pairs[models[0]] = first
+                    loaded[models[0]] = first
                 for m in models[1:]:
-                    pairs[m] = with_draft(pairs[None], m, reporter, loading.cross_vocab, settings.tokenizer is None)
-                if several:
-                    _cross_as_asked(pairs, settings.cross_vocab)
+                    loaded[m] = with_draft(loaded[None], m, reporter, "auto", settings.tokenizer is None)
+                pairs = _cross_as_asked(loaded, list(crosses))
             for draft in drafts:
-                own = pairs[parse_draft(draft)[1]]
-                engines.append((draft, runtime.load_engine(dataclasses.replace(settings, draft=draft), reporter, mode,
-                                                           own, quantize)))
+                model = parse_draft(draft)[1]
+                for (m, cross), own in pairs.items():
+                    if m == model:
+                        engines.append(((draft, cross), runtime.load_engine(dataclasses.replace(settings, draft=draft),
+                                                                            reporter, mode, own, quantize)))
     encoded = runtime.encode_prompts(engines[0][1], prompts, settings.chat_template)
     longest = max(len(ids) for _, ids in encoded)
     for _, e in engines:
         runtime.prepare(e, settings, reporter, longest, ks)
-    ready: dict[tuple[str, bool, str], SpeculativeEngine] = {}
-    for draft, e in engines:
-        ready.setdefault((e.pair.verifier.quantize, e.compiled, draft), e)
+    ready: dict[tuple[str, bool, str, str], SpeculativeEngine] = {}
+    for (draft, cross), e in engines:
+        ready.setdefault((e.pair.verifier.quantize, e.compiled, draft, cross), e)
     return ready, encoded
 
 
-def _cross_as_asked(pairs: dict[str | None, Any], method: str) -> None:
-    """Several draft models, --cross-vocab METHOD: those whose vocabulary differs draft by it
-    (they were loaded as auto; their token maps are kept); an error when none does, as with one
-    draft."""
-    crossing = {m: p for m, p in pairs.items() if m is not None and p.cross is not None}
-    if not crossing:
-        raise ModelError(f"--cross-vocab {method}: every --draft model shares the verifier's vocabulary; "
+def _cross_as_asked(loaded: dict[str | None, Any], methods: list[str]) -> dict[tuple[str | None, str], Any]:
+    """Each loaded pair under (draft model, method): a draft whose vocabulary differs once per
+    --cross-vocab method (its token map built once at load, the method decided again; ``auto``
+    resolves to one of the others and is not run twice), any other with method "". A method
+    asked for when no draft model has another vocabulary is an error, as with one draft."""
+    pairs: dict[tuple[str | None, str], Any] = {}
+    for m, p in loaded.items():
+        if m is None or p.cross is None:
+            pairs[(m, "")] = p
+            continue
+        for method in methods:
+            cross = CrossVocab.choose(p.cross.tokenizer, p.cross.vmap, p.cross.rows, method, m, p.verifier.source)
+            pairs.setdefault((m, cross.method), dataclasses.replace(p, cross=cross))
+    if methods != ["auto"] and all(cross == "" for _, cross in pairs):
+        raise ModelError(f"--cross-vocab {','.join(methods)}: every --draft model shares the verifier's vocabulary; "
                          "drop --cross-vocab (it applies to a draft with another tokenizer)")
-    for m, p in crossing.items():
-        cross = CrossVocab.choose(p.cross.tokenizer, p.cross.vmap, p.cross.rows, method, m, p.verifier.source)
-        pairs[m] = dataclasses.replace(p, cross=cross)  # (the map built at load, decided again)
+    return pairs
 
 
 def parse_drafts(text: str) -> list[str]:

@@ -65,7 +65,7 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
             settings = replace(settings, remember=None)
         with ui.LoadProgress(err) as progress:
             engines, encoded = g.load_engines(settings, lists["quantize"], lists["compile"], lists["draft"], prompts,
-                                              lists["k"], progress)
+                                              lists["k"], progress, lists["cross"])
         grid = g.build_grid(lists["rules"], lists["delta"], lists["k"], settings.rule_params, flags.compare_hf,
                             settings.max_draft_tokens, list(engines))
         base = replace(generation_params(settings), measure=flags.meter)
@@ -94,6 +94,11 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
     from cactus_cli.app.profiles import resolve_settings
     from cactus_cli.app.settings import check_each, parse_ks, parse_list, uses_lookup
 
+    crosses = None  # bench and eval take a comma list: each method a variant of the drafts of another vocabulary
+    if isinstance(shared.flags.get("cross_vocab"), str):
+        crosses = list(dict.fromkeys(parse_list(shared.flags["cross_vocab"], str, "--cross-vocab")))
+        check_each("cross_vocab", crosses, "--cross-vocab")
+        shared = replace(shared, flags={**shared.flags, "cross_vocab": crosses[0]})
     settings = resolve_settings(shared.profile, shared.flags)
     if settings.draft is None:
         raise ConfigError(f"{kind} compares speculative decoding with the verifier alone: it needs a --draft")
@@ -102,7 +107,8 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
     drafts = g.parse_drafts(settings.draft)
     if flags.compare_hf and (len(drafts) > 1 or uses_lookup(drafts[0])):
         raise ConfigError("--compare-hf compares draft-model drafting; use one --draft MODEL (no ngram or suffix)")
-    lists = {"draft": drafts,"delta": parse_list(flags.deltas, float, "--delta") if flags.deltas else [settings.delta],
+    lists = {"draft": drafts, "cross": crosses or [settings.cross_vocab],
+             "delta": parse_list(flags.deltas, float, "--delta") if flags.deltas else [settings.delta],
              "k": parse_ks(flags.ks) if flags.ks else [settings.num_draft_tokens],
              "rules": parse_list(flags.rules, str, "--rules"),
              "compile": parse_list(flags.compiles, str, "--compile") if flags.compiles else [settings.compile],

@@ -304,6 +304,7 @@ class _Run:
         self.last = to_device(prompt[-1:], self.vdev)  # [1]: the next step's first input
         if self.drafter is not None:
             self.drafter.start(prompt, previous, reuse, self.params.memory if self.params.learn else None)
+            self.policy.started()
         sync(self.vdev)
         self.prefill_seconds = time.perf_counter() - self.t_start
 

@@ -104,6 +104,9 @@ class KPolicy(Protocol):
                 draft_catch_up: int = 1, source: str = MODEL, confidence: list[float] | None = None) -> None:
         """One finished step (see CostStore.observe); ``confidence``: what the drafter estimated."""
 
+    def started(self) -> None:
+        """A new prompt was prefilled, the draft's cache included: it has nothing to catch up on."""
+
 
 class FixedK:
     """``-k N``: N drafts every step (fewer near max_tokens or the context limit). With no store
@@ -119,6 +122,9 @@ class FixedK:
                 draft_catch_up: int = 1, source: str = MODEL, confidence: list[float] | None = None) -> None:
         if self.store is not None:
             self.store.observe(akey, k, accepted, draft_seconds, verify_seconds, draft_catch_up, source)
+
+    def started(self) -> None:
+        pass
 
 
 class AdaptiveK(FixedK):
@@ -137,6 +143,9 @@ class AdaptiveK(FixedK):
     @property
     def costs(self) -> CostModel:
         return self.store.costs
+
+    def started(self) -> None:
+        self.behind = 0  # (the policy spans runs; the last prompt's plain steps are not this one's catch-up)
 
     def observe(self, akey: str, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
                 draft_catch_up: int = 1, source: str = MODEL, confidence: list[float] | None = None) -> None:

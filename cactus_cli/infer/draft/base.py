@@ -22,6 +22,28 @@ class Proposal:
     fed: int = 0  # tokens the first draft forward caught up on (1, 2 after a full acceptance, more after k = 0 steps)
 
 
+class OnRunner:
+    """What the drafters that run a draft model (same vocabulary or another) share: the forward
+    count and device of their runner, the MODEL cost source, no estimates, nothing to learn."""
+
+    cost_source = MODEL
+    runner: Runner
+
+    @property
+    def forward_passes(self) -> int:
+        return self.runner.forward_passes
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.lm.device
+
+    def confidence(self, seq: list[int]) -> list[float] | None:
+        return None
+
+    def finish(self, seq: list[int]) -> None:
+        pass
+
+
 class WithFallback:
     """What a model-free drafter (prompt lookup, the suffix trees) shares when a draft model may
     stand behind it (``fallback``): the model's runner, forward count, device and cost source,

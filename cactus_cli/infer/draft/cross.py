@@ -13,7 +13,10 @@ Two methods (``--cross-vocab``):
   last few verified tokens, is encoded by the verifier's tokenizer, and the verifier tokens
   after those are proposed, the last one left out (the draft's text may end inside it). Drafts
   are one-hot: any rule applies, SpS stays exactly lossless (a one-hot draft is accepted with
-  q(x), whatever produced x), Cactus accepts with its boosted h.
+  q(x), whatever produced x), Cactus accepts with its boosted h. Since any x is lossless, the
+  draft writes its most likely text (argmax), the x most likely to have a large q(x): sampling
+  it at the run's temperature only adds tokens the verifier's top-k / top-p has cut (q = 0,
+  which no rule can accept).
 - ``intersection`` (TLI): the draft's distribution restricted to the tokens both vocabularies
   spell the same (vocab.py), renormalized and mapped to verifier ids: a real distribution over
   the verifier's vocabulary, so every rule applies unchanged, exactness included.
@@ -27,7 +30,7 @@ import torch
 
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample
-from cactus_cli.infer.draft.base import Proposal
+from cactus_cli.infer.draft.base import OnRunner, Proposal
 from cactus_cli.infer.runners import Runner, common_prefix, to_device
 from cactus_cli.infer.vocab import VocabMap, encode, eos_id, visible_text
 
@@ -35,9 +38,7 @@ STRING, INTERSECTION = "string", "intersection"
 ANCHOR = 4  # verified tokens decoded before the draft's text, so the verifier encodes it in context
 
 
-class CrossVocabDrafter:
-    cost_source = MODEL
-
+class CrossVocabDrafter(OnRunner):
     def __init__(self, runner: Runner, method: str, draft_tok: Any, verifier_tok: Any, vmap: VocabMap,
                  verifier_vocab: int):
         self.runner = runner
@@ -55,19 +56,8 @@ class CrossVocabDrafter:
         self.to_verifier = torch.zeros(runner.vocab_size, dtype=torch.int64, device=dev)
         self.to_verifier[vmap.draft_ids.to(dev)] = vmap.verifier_ids.to(dev)
 
-    @property
-    def forward_passes(self) -> int:
-        return self.runner.forward_passes
-
-    @property
-    def device(self) -> torch.device:
-        return self.runner.lm.device
-
     def next_source(self, seq: list[int]) -> str | None:
         return MODEL if seq else None  # (not re-encoded here: a plain step must cost nothing)
-
-    def confidence(self, seq: list[int]) -> list[float] | None:
-        return None
 
     def reset(self) -> None:
         self.runner.reset()
@@ -80,9 +70,6 @@ class CrossVocabDrafter:
             self.runner.reset()
         self.cached = self.target[:-1] if self.target else []
         return kept
-
-    def finish(self, seq: list[int]) -> None:
-        pass
 
     def _sync(self, seq: list[int]) -> None:
         """``target`` = the verified text in draft ids; the cache keeps what it shares with it."""
@@ -113,7 +100,7 @@ class CrossVocabDrafter:
             logits = self.runner.forward(feed, keep=1)[-1]  # [V_draft]
             if self.method == INTERSECTION:
                 logits = logits.masked_fill(~self.shared, float("-inf"))  # only tokens the verifier spells alike
-            if sp.greedy:
+            if sp.greedy or self.method == STRING:  # (string: its most likely text, below)
                 tok = logits.argmax(-1, keepdim=True)  # [1]
             else:
                 p = probs_from_logits(logits, sp)  # [V_draft]

@@ -6,42 +6,26 @@ import torch
 
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample
-from cactus_cli.infer.draft.base import Proposal
+from cactus_cli.infer.draft.base import OnRunner, Proposal
 from cactus_cli.infer.runners import Runner
 
 
-class ModelDrafter:
+class ModelDrafter(OnRunner):
     """Its cache holds ``seq[: cache_len]``; a proposal's first forward feeds the rest (1 token,
     or 2 after a full acceptance: the last draft and the bonus; more after k = 0 steps), so no
     forward pass is spent only on catching up."""
-
-    cost_source = MODEL
 
     def __init__(self, runner: Runner):
         self.runner = runner  # eager or compiled: the same forward / crop calls
         self._k = 0  # size of the last proposal
         self._base = 0  # the sequence's length when it was made
 
-    @property
-    def forward_passes(self) -> int:
-        return self.runner.forward_passes
-
-    @property
-    def device(self) -> torch.device:
-        return self.runner.lm.device
-
     def next_source(self, seq: list[int]) -> str | None:
         return MODEL
-
-    def confidence(self, seq: list[int]) -> list[float] | None:
-        return None
 
     def reset(self) -> None:
         self.runner.reset()
         self._k = 0
-
-    def finish(self, seq: list[int]) -> None:
-        pass
 
     def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> int:
         self._k = 0
