@@ -14,9 +14,9 @@ Two methods (``--cross-vocab``):
   after those are proposed, the last one left out (the draft's text may end inside it). Drafts
   are one-hot: any rule applies, SpS stays exactly lossless (a one-hot draft is accepted with
   q(x), whatever produced x), Cactus accepts with its boosted h. Since any x is lossless, the
-  draft writes its most likely text (argmax), the x most likely to have a large q(x): sampling
-  it at the run's temperature only adds tokens the verifier's top-k / top-p has cut (q = 0,
-  which no rule can accept).
+  draft writes its most likely text (argmax), its best guess at a large q(x): sampling it at
+  the run's temperature adds less likely tokens, often ones the verifier's top-k / top-p cut
+  (q = 0, which no rule accepts). Measured: more accepted under SpS and Cactus (README).
 - ``intersection`` (TLI): the draft's distribution restricted to the tokens both vocabularies
   spell the same (vocab.py), renormalized and mapped to verifier ids: a real distribution over
   the verifier's vocabulary, so every rule applies unchanged, exactness included.
