@@ -141,6 +141,10 @@ def test_cross_vocab_flag_errors(tiny):
                           "shares the verifier's vocabulary")
     assert_one_line_error(invoke("generate", "hi", *pair_args(tiny, "odd_vocab"), "--cross-vocab", "letters"),
                           "must be one of auto, string, intersection")
+    assert_one_line_error(invoke("generate", "hi", *pair_args(tiny, "odd_vocab"), "--cross-vocab", "string,intersection"),
+                          "got 'string,intersection' (a comma list is for bench and eval")
+    assert_one_line_error(invoke("generate", "hi", *pair_args(tiny), "--quantize", "w8a8,int4"),
+                          "got 'w8a8,int4' (a comma list is for bench and eval")
     assert_one_line_error(invoke("generate", "hi", "--verifier", tiny["verifier"], "--draft", "none",
                                  "--cross-vocab", "string"), "--cross-vocab applies to a draft model")
 

@@ -248,6 +248,9 @@ def test_bench_times_each_cross_vocabulary_method_side_by_side(tiny, cross):
     assert [(row["draft"], row["cross_vocab"]) for row in rows] == [
         (None, None), (tiny["draft_close"], None), (cross["folder"], "string"), (cross["folder"], "intersection")]
     assert len({row["config"] for row in rows}) == 4  # the method is in the label
+    doc = json.loads(r.stdout)  # the settings name every method asked for, the environment every one that ran
+    assert (doc["settings"]["cross_vocab"], doc["environment"]["cross_vocab"]) == ("string,intersection",
+                                                                                  "intersection,string")
     assert all(row["draft_sources"] for row in rows[1:])
     r = CliRunner().invoke(app, [*args, "--cross-vocab", "auto,string"])  # auto is string: one row, not two
     assert r.exit_code == 0, r.output

@@ -23,6 +23,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 COMPILE = ("auto", "on", "off")
 QUANTIZE = ("auto", "none", "int8", "int4", "w8a8")
 CROSS_VOCAB = ("auto", "string", "intersection")
+_LISTS = " (a comma list is for bench and eval, to compare several in one run)"
 RULE_PARAM_KEYS = ("divergence", "epsilon", "alpha", "topk")  # rule parameters other than delta
 
 
@@ -152,13 +153,13 @@ def check_value(key: str, value: Any) -> str | None:
     if key == "dtype" and value not in DTYPES:
         return f"must be one of {', '.join(DTYPES)}, got {value!r}"
     if key == "compile" and value not in COMPILE:
-        return f"must be one of {', '.join(COMPILE)}, got {value!r}"
+        return f"must be one of {', '.join(COMPILE)}, got {value!r}{_LISTS if ',' in value else ''}"
     if key == "tp" and not 1 <= value <= 64:
         return f"must be an integer in 1..64, got {value!r}"
     if key == "cross_vocab" and value not in CROSS_VOCAB:
-        return f"must be one of {', '.join(CROSS_VOCAB)}, got {value!r}"
+        return f"must be one of {', '.join(CROSS_VOCAB)}, got {value!r}{_LISTS if ',' in value else ''}"
     if key == "quantize" and value not in QUANTIZE:
-        return f"must be one of {', '.join(QUANTIZE)}, got {value!r}"
+        return f"must be one of {', '.join(QUANTIZE)}, got {value!r}{_LISTS if ',' in value else ''}"
     if key == "rule":
         if value not in RULES:
             return f"must be one of {', '.join(RULES)}, got {value!r}"
