@@ -252,6 +252,10 @@ def test_bench_times_each_cross_vocabulary_method_side_by_side(tiny, cross):
     assert (doc["settings"]["cross_vocab"], doc["environment"]["cross_vocab"]) == ("string,intersection",
                                                                                   "intersection,string")
     assert all(row["draft_sources"] for row in rows[1:])
+    alone_first = [a if a != f"{tiny['draft_close']},{cross['folder']}" else cross["folder"] for a in args]
+    r = CliRunner().invoke(app, [*alone_first, "--cross-vocab", "intersection"])  # the baseline drafts nothing
+    assert r.exit_code == 0, r.output
+    assert [row["cross_vocab"] for row in json.loads(r.stdout)["results"]] == [None, "intersection"]
     r = CliRunner().invoke(app, [*args, "--cross-vocab", "auto,string"])  # auto is string: one row, not two
     assert r.exit_code == 0, r.output
     assert [row["cross_vocab"] for row in json.loads(r.stdout)["results"]] == [None, None, "string"]

@@ -296,9 +296,10 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
     for r in results:
         m = r.metrics()
         tps = m["tokens_per_second"]
+        alone = r.config.kind == "autoregressive"  # (the baseline runs on the first variant's engine, with no draft)
         row = {"config": r.config.label, "kind": r.config.kind, "rule": r.config.rule, "compiled": r.config.compiled,
-               "quantize": r.config.quantize, "draft": r.config.draft if r.config.kind != "autoregressive" else None,
-               "cross_vocab": r.config.cross or None,
+               "quantize": r.config.quantize, "draft": None if alone else r.config.draft,
+               "cross_vocab": None if alone else r.config.cross or None,
                "k": "auto" if r.config.adaptive else r.config.k, "max_draft_tokens": r.config.k if r.config.adaptive else None,
                "rule_params": r.config.rule_kwargs, "prompts": r.prompts_done, **m,
                "speedup": tps / base_tps if tps and base_tps else None,
