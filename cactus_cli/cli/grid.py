@@ -80,7 +80,7 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
                 interrupted = True
         engine = next(iter(engines.values()))
         asked = {**settings.to_dict(), "cross_vocab": ",".join(lists["cross"])}  # (every method asked for)
-        env = {**g.environment(engine, asked), "cross_vocab": ",".join(sorted({v[3] for v in engines if v[3]})) or None}
+        env = {**g.environment(engine, asked), "cross_vocab": ",".join(dict.fromkeys(v[3] for v in engines if v[3])) or None}
         doc = g.document(results, env, asked, prompts, interrupted,
                          engine.costs.describe(None, settings.max_draft_tokens))
         _report(kind, doc, env, output, shared.no_color, err)
