@@ -244,11 +244,12 @@ def test_bench_times_each_cross_vocabulary_method_side_by_side(tiny, cross):
             "-k", "2", "-t", 0, "--json"]
     r = CliRunner().invoke(app, [*args, "--cross-vocab", "string,intersection"])
     assert r.exit_code == 0, r.output
-    rows = json.loads(r.stdout)["results"]
+    doc = json.loads(r.stdout)
+    rows = doc["results"]
     assert [(row["draft"], row["cross_vocab"]) for row in rows] == [
         (None, None), (tiny["draft_close"], None), (cross["folder"], "string"), (cross["folder"], "intersection")]
     assert len({row["config"] for row in rows}) == 4  # the method is in the label
-    doc = json.loads(r.stdout)  # the settings name every method asked for, the environment every one that ran
+    # the settings name every method asked for, the environment every one that ran
     assert doc["settings"]["cross_vocab"] == doc["environment"]["cross_vocab"] == "string,intersection"
     assert all(row["draft_sources"] for row in rows[1:])
     cross_only = [cross["folder"] if a == f"{tiny['draft_close']},{cross['folder']}" else a for a in args]

@@ -115,6 +115,9 @@ def _type_name(types: tuple[type, ...]) -> str:
     return " or ".join(dict.fromkeys(names[t] for t in types if not (t is int and float in types)))
 
 
+_CHOICES = {"dtype": DTYPES, "compile": COMPILE, "cross_vocab": CROSS_VOCAB, "quantize": QUANTIZE, "rule": RULES}
+
+
 def check_value(key: str, value: Any) -> str | None:
     """Why ``value`` is not valid for ``key``, or None. Types first, then ranges."""
     types = _TYPES[key]
@@ -150,19 +153,11 @@ def check_value(key: str, value: Any) -> str | None:
         return f"must be an integer >= 1, got {value!r}"
     if key == "device" and value not in DEVICES and not (value.startswith("cuda:") and value[5:].isdigit()):
         return f"must be one of {', '.join(DEVICES)} or cuda:N (N a GPU index), got {value!r}"
-    if key == "dtype" and value not in DTYPES:
-        return f"must be one of {', '.join(DTYPES)}, got {value!r}"
-    if key == "compile" and value not in COMPILE:
-        return f"must be one of {', '.join(COMPILE)}, got {value!r}{_LISTS if ',' in value else ''}"
+    if key in _CHOICES and value not in _CHOICES[key]:
+        listed = key in ("compile", "cross_vocab", "quantize") and "," in value  # (bench and eval take these as lists)
+        return f"must be one of {', '.join(_CHOICES[key])}, got {value!r}{_LISTS if listed else ''}"
     if key == "tp" and not 1 <= value <= 64:
         return f"must be an integer in 1..64, got {value!r}"
-    if key == "cross_vocab" and value not in CROSS_VOCAB:
-        return f"must be one of {', '.join(CROSS_VOCAB)}, got {value!r}{_LISTS if ',' in value else ''}"
-    if key == "quantize" and value not in QUANTIZE:
-        return f"must be one of {', '.join(QUANTIZE)}, got {value!r}{_LISTS if ',' in value else ''}"
-    if key == "rule":
-        if value not in RULES:
-            return f"must be one of {', '.join(RULES)}, got {value!r}"
     if key == "rule_params":
         unknown = sorted(set(value) - set(RULE_PARAM_KEYS))
         if unknown:
