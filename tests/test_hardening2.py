@@ -386,7 +386,7 @@ def test_18_20_tp_listens_on_loopback_only_and_leaves_nothing_behind(tiny, tmp_p
         finally:
             proc.kill()
         # rank 0 cleans up after SIGTERM; after SIGKILL the follower removes its own log
-        assert _wait_for(lambda: not list(tmp_path.glob("cactus-tp-*")), 20), list(tmp_path.iterdir())
+        assert _wait_for(lambda: not list(tmp_path.glob("cactus-tp-*")), 5), list(tmp_path.iterdir())
         if sig == signal.SIGTERM:
             assert proc.returncode == 130
 

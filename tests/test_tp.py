@@ -146,3 +146,35 @@ def test_under_torchrun(tiny):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == text(tiny, 1, "-t", "0", "-k", "4").strip()
+
+
+def test_a_follower_whose_rank0_pipe_ends_cleans_up_at_once_whatever_its_main_thread_does(tmp_path):
+    """The follower learns that rank 0 is gone from the end of the pipe rank 0 holds on its stdin,
+    not from its parent's pid: a killed rank 0's sockets close before the kernel reparents its
+    children, so a check of the parent right after the failed collective still saw rank 0 and the
+    follower exited leaving its log and the rendezvous folder behind (3 of 11 runs under load)."""
+    from cactus_cli.infer.tp import group
+
+    store = tmp_path / "cactus-tp-x" / "store"
+    store.parent.mkdir()
+    store.write_text("")
+    log = tmp_path / "cactus-tp-rank1-x.log"
+    log.write_text("")
+    busy = ("import threading, time\n"
+            "from cactus_cli.app import follower\n"
+            "threading.Thread(target=follower._watch_rank0, daemon=True).start()\n"
+            "print('ready', flush=True)\n"
+            "sum(i * i for i in range(10**10))\n")  # the main thread busy in Python, holding the GIL often
+    env = dict(os.environ, **{group.LOG_ENV: str(log), group.STORE_ENV: str(store)})
+    proc = subprocess.Popen([sys.executable, "-c", busy], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(0.5)
+        assert log.exists() and store.exists()  # nothing happens while rank 0 lives
+        proc.stdin.close()  # what the kernel does when rank 0 dies, however it dies
+        t0 = time.monotonic()
+        assert proc.wait(timeout=10) == 3
+        assert time.monotonic() - t0 < 2
+    finally:
+        proc.kill()
+    assert not log.exists() and not store.parent.exists()

@@ -1,8 +1,9 @@
 """A tensor-parallel follower (ranks > 0 under --tp): join the group, load this rank's shard of
 the verifier the way rank 0 loads its own, then run every runner call rank 0 announces until it
 says stop. Nothing imports this module: rank 0 starts it as ``python -m cactus_cli.app.follower``
-(infer/tp/group.py), and under torchrun app/runtime.py hands a rank > 0 to ``serve`` before any
-model is loaded for generation. Rank 0 that dies takes its followers with it."""
+(infer/tp/group.py), with a pipe on its stdin whose end tells it rank 0 is gone, and under
+torchrun app/runtime.py hands a rank > 0 to ``serve`` before any model is loaded for
+generation. Rank 0 that dies takes its followers with it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import shutil
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +48,29 @@ def follow(runner: Runner) -> None:
             runner.reset()
 
 
-def _watch_parent() -> None:
+PEER_GRACE_SECONDS = 2.0  # after a failed collective, how long to wait for the sign that rank 0 is gone
+_rank0_gone = threading.Event()
+
+
+class PeerLost(RuntimeError):
+    """A collective failed while following rank 0: rank 0 (or another rank) went away."""
+
+
+def _watch_rank0() -> None:
     """A follower whose rank 0 died (killed, crashed) exits instead of waiting forever, and
-    removes what rank 0 can no longer clean: its own log and the rendezvous folder."""
-    parent = os.getppid()
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent:
-            _remove_leftovers()
-            os._exit(3)
+    removes what rank 0 can no longer clean: its own log and the rendezvous folder.
+
+    Rank 0 holds the write end of this process's stdin and never writes to it, so the end of
+    that pipe means rank 0 is exiting, however it died: the read returns at once, whatever the
+    load. (Polling ``os.getppid()`` was not enough: a killed rank 0's sockets close before the
+    kernel reparents its children, so the collective failed first, the follower checked its
+    parent, still saw rank 0, and exited leaving both behind.)"""
+    with contextlib.suppress(OSError):
+        while os.read(0, 1):
+            pass
+    _rank0_gone.set()
+    _remove_leftovers()
+    os._exit(3)
 
 
 def _remove_leftovers() -> None:
@@ -68,21 +82,18 @@ def _remove_leftovers() -> None:
 
 def serve(load: dict[str, Any]) -> None:
     """Join the group, load the verifier's shard, follow rank 0 until it says stop."""
-    if os.environ.get(group.FOLLOWER_ENV):
-        threading.Thread(target=_watch_parent, daemon=True).start()
     device = torch.device(load["device"])
     group.init(device)
     lm, vocab = load_shard(load)
     try:
         with torch.inference_mode():
             follow(CachedLM(lm, vocab))
-    except RuntimeError as err:  # rank 0 went away without saying stop (killed, crashed)
-        if "Connection closed" in str(err) or "NCCL" in str(err):
-            print("rank 0 is gone; this rank stops too", file=sys.stderr)
-            if os.environ.get(group.FOLLOWER_ENV):
-                _remove_leftovers()
-            os._exit(3)
-        raise
+    except RuntimeError as err:  # a collective failed: rank 0 went away without saying stop (killed, crashed)
+        first = " ".join(str(err).split())[:300]
+        if os.environ.get(group.FOLLOWER_ENV):
+            raise PeerLost(first) from None  # main() knows whether rank 0 is gone
+        print(f"a collective with rank 0 failed ({first}); this rank stops too", file=sys.stderr)
+        os._exit(3)  # (under torchrun: nothing of ours to clean, and no interpreter teardown with a broken group)
     import torch.distributed as dist
 
     with contextlib.suppress(Exception):
@@ -90,17 +101,16 @@ def serve(load: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    """A rank started by rank 0: the load spec comes in the environment."""
+    """A rank started by rank 0: the load spec comes in the environment, rank 0's pipe on stdin."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 owns Ctrl-C
-    parent = os.getppid()
+    threading.Thread(target=_watch_rank0, daemon=True).start()
     try:
         serve(json.loads(os.environ[group.FOLLOWER_ENV]))
     except Exception as err:  # noqa: BLE001 - one line for rank 0 to show
         print(f"{type(err).__name__}: {' '.join(str(err).split())[:300]}", file=sys.stderr)
-        sys.exit(1)
-    finally:
-        if os.getppid() != parent:  # rank 0 died (whatever error that surfaced as): nobody else cleans up
-            _remove_leftovers()
+        if isinstance(err, PeerLost):  # rank 0 is most likely dying: let the watcher see its pipe end and clean up
+            _rank0_gone.wait(PEER_GRACE_SECONDS)
+        sys.exit(1)  # rank 0 is alive: it reads this log's last line, then removes it
 
 
 if __name__ == "__main__":

@@ -133,8 +133,9 @@ def start(tp: int, device: torch.device, load: dict[str, Any]) -> None:
             log = Path(name)
             env = dict(base, RANK=str(r), LOCAL_RANK=str(r), **{FOLLOWER_ENV: json.dumps(load), LOG_ENV: name})
             with open(log, "w") as err:
+                # stdin: a pipe only this process writes to, and never does: its end tells the follower we are gone
                 proc = subprocess.Popen([sys.executable, "-m", FOLLOWER_MODULE], env=env,
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
                                         start_new_session=True)  # Ctrl-C reaches rank 0 only
             _followers.append((proc, log))
         os.environ.update(WORLD_SIZE=str(tp), RANK="0", LOCAL_RANK="0", **{STORE_ENV: store}, **local)
