@@ -32,7 +32,7 @@ SMOKE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_k
 def build(spec: dict, device: torch.device, dtype: torch.dtype, name: str):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from cactus_cli.infer.models import LoadedModel
+    from cactus_cli.infer.sources import LoadedModel
 
     config = Qwen3Config(**spec)
     t0 = time.perf_counter()
@@ -84,8 +84,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="2- and 1-layer tiny models: checks the script anywhere")
     args = ap.parse_args()
 
-    from cactus_cli.infer.compiled import CompiledLM, compile_problem
-    from cactus_cli.infer.runners import CachedLM
+    from cactus_cli.infer.runners.compiled import CompiledLM, compile_problem
+    from cactus_cli.infer.runners.eager import CachedLM
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -72,7 +72,7 @@ def tiny_pair(device: torch.device, dtype: torch.dtype, layers: int = 2):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from cactus_cli.infer.models import ModelPair
+    from cactus_cli.infer.sources import ModelPair
 
     spec = dict(SMOKE, num_hidden_layers=layers, tie_word_embeddings=False, vocab_size=512)
     v = build(spec, device, dtype, "tiny verifier")
@@ -95,11 +95,11 @@ def main() -> None:
     print(f"gpu_check on {name} · torch {torch.__version__}", flush=True)
 
     from cactus_cli.core.sampling import SamplingParams
-    from cactus_cli.infer import compiled as runners
     from cactus_cli.infer import devices as models
     from cactus_cli.infer import quantize
     from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-    from cactus_cli.infer.tp import sharded as distributed
+    from cactus_cli.infer.runners import compiled as runners
+    from cactus_cli.infer.runners import sharded as distributed
 
     compile_ok = runners.compile_problem(device) is None
 

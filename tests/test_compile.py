@@ -15,11 +15,11 @@ from cactus_cli.app.runtime import resolve_compile
 from cactus_cli.cli.main import app
 from cactus_cli.core.paths import cache_path
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.compiled import CompiledLM, compile_problem
 from cactus_cli.infer.costs import CostStore, cost_key
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
-from cactus_cli.infer.runners import CachedLM
+from cactus_cli.infer.runners.compiled import CompiledLM, compile_problem
+from cactus_cli.infer.runners.eager import CachedLM
 from tests.test_engine import GREEDY, hf_greedy, prompt_ids, run
 
 needs_compiler = pytest.mark.skipif(compile_problem(torch.device("cpu")) is not None,

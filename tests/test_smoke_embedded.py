@@ -47,22 +47,27 @@ def test_main_command_on_the_embedded_pair():
         proc = subprocess.run(
             [sys.executable, "-m", "cactus_cli", "generate",
              "Write a Python function that checks whether a number is prime.", "--max-tokens", "32", "--seed", "0",
-             "--json", *extra],
+             "--json", *extra],  # (a later --max-tokens wins)
             capture_output=True, text=True, env=env, timeout=1800,
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads(proc.stdout)
 
-    doc = generate()  # the README's main command, as is
+    doc = generate()  # the README's main command, as is: on llama.cpp (the demo extra installs it)
     stats = doc["stats"]
     assert doc["text"].strip()
     assert stats["num_output_tokens"] == 32 or stats["finish_reason"] == "eos"
     assert doc["settings"]["verifier"] == "embedded:qwen2.5-coder-1.5b"
-    assert doc["settings"]["dtype_resolved"] == "bfloat16"  # quantize: auto = int8 or w8a8, bfloat16 activations
-    reason = doc["settings"]["dtype_reason"]  # measured on this machine, and said
-    assert reason.startswith(("quantize auto: int8, measured", "quantize auto: w8a8, measured")), reason
-    assert doc["settings"]["quantized"]["verifier"].startswith(reason.split(",")[0].removeprefix("quantize auto: "))
+    assert doc["settings"]["backend_resolved"] == "llama.cpp", doc["settings"]["backend_reason"]
+    assert doc["settings"]["quantized"]["verifier"] == "qwen2 1.5B Q4_K - Medium"
     # -k auto may decode plainly where drafting does not pay on this machine; a fixed k shows the
     # pair itself works: the draft gets tokens accepted
     fixed = generate("-k", "4")
     assert fixed["stats"]["num_accepted_tokens"] > 0
+    # the torch backend on the same pair (converted to safetensors, quantized as quantize: auto measures)
+    doc = generate("--backend", "torch", "-k", "4", "--max-tokens", "16")
+    assert doc["settings"]["backend_resolved"] == "torch" and doc["stats"]["num_accepted_tokens"] > 0
+    assert doc["settings"]["dtype_resolved"] == "bfloat16"  # quantize: auto = int8 or w8a8, bfloat16 activations
+    reason = doc["settings"]["dtype_reason"]  # measured on this machine, and said
+    assert reason.startswith(("quantize auto: int8, measured", "quantize auto: w8a8, measured")), reason
+    assert doc["settings"]["quantized"]["verifier"].startswith(reason.split(",")[0].removeprefix("quantize auto: "))

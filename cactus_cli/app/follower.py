@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from cactus_cli.infer.models import load_shard
-from cactus_cli.infer.runners import CachedLM, Runner
+from cactus_cli.infer.runners.base import Runner
+from cactus_cli.infer.runners.eager import CachedLM
+from cactus_cli.infer.runners.sharded import CMD_SLOTS, parse_command
 from cactus_cli.infer.tp import group
-from cactus_cli.infer.tp.sharded import CMD_SLOTS, parse_command
 
 
 def follow(runner: Runner) -> None:

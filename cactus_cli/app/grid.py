@@ -17,18 +17,15 @@ from typing import Any, Callable
 import torch
 
 from cactus_cli import __version__
-from cactus_cli.app import runtime
 from cactus_cli.app.prompts import Prompt
-from cactus_cli.app.settings import Settings, check_each, parse_draft, parse_list
+from cactus_cli.app.settings import check_each, parse_list
 from cactus_cli.app.tasks import wilson
 from cactus_cli.core.acceptance import RULES, resolve_params
-from cactus_cli.core.errors import ConfigError, ModelError
+from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.stats import SpecStats, summarize
 from cactus_cli.infer.devices import device_name
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import with_draft
-from cactus_cli.infer.runners import sync
-from cactus_cli.infer.vocab import CrossVocab
+from cactus_cli.infer.runners.base import sync
 
 SCHEMA_VERSION = 1
 
@@ -41,14 +38,15 @@ class BenchConfig:
     rule_kwargs: dict[str, Any] = field(default_factory=dict)
     adaptive: bool = False  # -k auto
     compiled: bool = False  # which engine runs it: bench --compile off,on times both side by side
-    quantize: str = "none"  # ... and --quantize none,int8
+    quantize: str = "none"  # ... and --quantize none,int8 (a GGUF on llama.cpp: "gguf")
     draft: str = ""  # ... and --draft ngram,suffix,MODEL (bench and eval take a list)
     cross: str = ""  # ... and --cross-vocab string,intersection (a draft with another vocabulary; "" otherwise)
     tag: str = ""  # names the engine in the label when a grid has more than one
+    backend: str = "torch"  # ... and --backend torch,llama.cpp
 
     @property
-    def variant(self) -> tuple[str, bool, str, str]:
-        return self.quantize, self.compiled, self.draft, self.cross
+    def variant(self) -> tuple[str, str, bool, str, str]:
+        return self.backend, self.quantize, self.compiled, self.draft, self.cross
 
     @property
     def k_label(self) -> str:
@@ -73,31 +71,35 @@ class BenchConfig:
 
 
 def build_grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_params: dict[str, Any],
-               compare_hf: bool, k_max: int = 8, variants: list[tuple[str, bool, str, str]] = (("none", False, "", ""),)
-               ) -> list[BenchConfig]:
-    """Per engine variant (quantize, compiled, draft, cross-vocabulary method): the baseline (once
-    per quantize and compiled: it drafts nothing), then each rule (x delta where it takes one) x
-    k; then HF rows (the first variant with a draft model, eager). ``auto`` in ``ks`` is the
-    adaptive k (0..k_max)."""
+               compare_hf: bool, k_max: int = 8,
+               variants: list[tuple[str, str, bool, str, str]] = (("torch", "none", False, "", ""),)) -> list[BenchConfig]:
+    """Per engine variant (backend, quantize, compiled, draft, cross-vocabulary method): the
+    baseline (once per backend, quantize and compiled: it drafts nothing), then each rule (x
+    delta where it takes one) x k; then HF rows (the first variant with a draft model, eager).
+    ``auto`` in ``ks`` is the adaptive k (0..k_max)."""
     grid: list[BenchConfig] = []
-    several = [len({v[i] for v in variants}) > 1 for i in range(4)]
+    several = [len({v[i] for v in variants}) > 1 for i in range(5)]
 
-    def tag(quantize: str, compiled: bool, draft: str, cross: str) -> str:
-        parts = (quantize if several[0] else "", ("compiled" if compiled else "eager") if several[1] else "",
-                 draft if several[2] else "", cross if several[3] else "")
+    def tag(backend: str, quantize: str, compiled: bool, draft: str, cross: str) -> str:
+        parts = (backend if several[0] else "", quantize if several[1] and backend != "llama.cpp" else "",
+                 ("compiled" if compiled else "eager") if several[2] and backend != "llama.cpp" else "",
+                 draft if several[3] else "", cross if several[4] else "")
         return ", ".join(p for p in parts if p)
 
     baselines = set()
-    for quantize, compiled, draft, cross in variants:
+    for backend, quantize, compiled, draft, cross in variants:
         rows = _grid(rules, deltas, ks, rule_params, k_max)
-        if (quantize, compiled) in baselines:
+        if (backend, quantize, compiled) in baselines:
             rows = rows[1:]
-        baselines.add((quantize, compiled))
-        grid += [dataclasses.replace(c, quantize=quantize, compiled=compiled, draft=draft, cross=cross,
-                                     tag=tag(quantize, compiled, *(("", "") if c.kind == "autoregressive" else (draft, cross))))
+        baselines.add((backend, quantize, compiled))
+        grid += [dataclasses.replace(c, backend=backend, quantize=quantize, compiled=compiled, draft=draft, cross=cross,
+                                     tag=tag(backend, quantize, compiled,
+                                             *(("", "") if c.kind == "autoregressive" else (draft, cross))))
                  for c in rows]
     if compare_hf:
-        q, c, d, x = variants[0]
+        b, q, c, d, x = next((v for v in variants if v[0] == "torch"), variants[0])
+        if b != "torch":
+            raise ConfigError("--compare-hf runs transformers' own generate: add torch to --backend")
         grid += [BenchConfig("hf-assisted", None, k, quantize=q, compiled=c, draft=d, cross=x) for k in ks if k != "auto"]
     return grid
 
@@ -267,11 +269,15 @@ def environment(engine: SpeculativeEngine, settings: dict[str, Any]) -> dict[str
     import transformers
 
     dev = engine.pair.verifier.device
+    on_llama = engine.pair.verifier.backend == "llama.cpp"
     return {
         "cactus": __version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "llama_cpp_python": _version("llama-cpp-python"),
+        "backend": engine.pair.verifier.backend,
+        "llama_cpp_threads": engine.pair.verifier.model.threads if on_llama else None,
         "platform": platform.platform(),
         "device": str(dev),
         "device_name": device_name(dev),  # the GPU, or the CPU model and the flags that decide matmul speed
@@ -283,6 +289,16 @@ def environment(engine: SpeculativeEngine, settings: dict[str, Any]) -> dict[str
         "cross_vocab": engine.pair.cross.method if engine.pair.cross else None,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def _version(distribution: str) -> str | None:
+    """An installed distribution's version (without importing it), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
 
 
 def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[str, Any],
@@ -297,7 +313,8 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
         m = r.metrics()
         tps = m["tokens_per_second"]
         alone = r.config.kind == "autoregressive"  # (the baseline runs on the first variant's engine, with no draft)
-        row = {"config": r.config.label, "kind": r.config.kind, "rule": r.config.rule, "compiled": r.config.compiled,
+        row = {"config": r.config.label, "kind": r.config.kind, "rule": r.config.rule, "backend": r.config.backend,
+               "compiled": r.config.compiled,
                "quantize": r.config.quantize, "draft": None if alone else r.config.draft,
                "cross_vocab": None if alone else r.config.cross or None,
                "k": "auto" if r.config.adaptive else r.config.k, "max_draft_tokens": r.config.k if r.config.adaptive else None,
@@ -328,7 +345,7 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
             "settings": settings, "prompts": [p.id for p in prompts], "results": rows, "cost_model": cost_model}
 
 
-CSV_COLUMNS = ["config", "kind", "rule", "k", "quantize", "compiled", "draft", "cross_vocab", "prompts", "problems", "correct", "accuracy",
+CSV_COLUMNS = ["config", "kind", "rule", "k", "backend", "quantize", "compiled", "draft", "cross_vocab", "prompts", "problems", "correct", "accuracy",
                "accuracy_ci95_low", "accuracy_ci95_high", "num_output_tokens", "total_seconds", "tokens_per_second",
                "ms_per_output_token", "speedup", "tokens_per_second_vs_hf", "mean_accepted_tokens_per_step",
                "mean_acceptance_length", "draft_acceptance_rate", "per_token_acceptance",
@@ -348,65 +365,6 @@ def csv_text(doc: dict[str, Any]) -> str:
     for row in doc["results"]:
         w.writerow([cell(row.get(c)) for c in CSV_COLUMNS])
     return buf.getvalue()
-
-
-def load_engines(settings: Settings, quantizes: list[str], compiles: list[str], drafts: list[str],
-                 prompts: list[Prompt], ks: list[int | str], reporter, crosses: list[str] = ("auto",)
-                 ) -> tuple[dict[tuple[str, bool, str, str], SpeculativeEngine], list]:
-    """An engine per variant (quantize, compiled, draft, and for a draft with another vocabulary
-    each method in ``crosses``), the verifier in memory once per quantization and each draft
-    model once beside it (a same-family and a cross-family draft, by string and by intersection,
-    compare on one verifier), each engine prepared (compiled, costs probed) for the longest
-    prompt; and the prompts encoded. A compiled engine that fell back to eager (the warning says
-    why) is not a second variant."""
-    models = list(dict.fromkeys(m for m in (parse_draft(d)[1] for d in drafts) if m))
-    loading = dataclasses.replace(settings, cross_vocab="auto")  # (decided per method below, on the map built once)
-    engines: list[tuple[tuple[str, str], SpeculativeEngine]] = []
-    for quantize in quantizes:
-        pairs: dict[tuple[str | None, str], Any] = {}
-        for mode in compiles:
-            if not pairs:  # the verifier (and the first draft model), then each other draft model beside it
-                first = runtime.load_engine(dataclasses.replace(loading, draft=models[0] if models else drafts[0]),
-                                            reporter, mode, None, quantize).pair
-                loaded = {None: dataclasses.replace(first, draft=None, cross=None)}
-                if models:
-                    loaded[models[0]] = first
-                for m in models[1:]:
-                    loaded[m] = with_draft(loaded[None], m, reporter, "auto", settings.tokenizer is None)
-                pairs = _cross_as_asked(loaded, list(crosses))
-            for draft in drafts:
-                model = parse_draft(draft)[1]
-                for (m, cross), own in pairs.items():
-                    if m == model:
-                        engines.append(((draft, cross), runtime.load_engine(dataclasses.replace(settings, draft=draft),
-                                                                            reporter, mode, own, quantize)))
-    encoded = runtime.encode_prompts(engines[0][1], prompts, settings.chat_template)
-    longest = max(len(ids) for _, ids in encoded)
-    for _, e in engines:
-        runtime.prepare(e, settings, reporter, longest, ks)
-    ready: dict[tuple[str, bool, str, str], SpeculativeEngine] = {}
-    for (draft, cross), e in engines:
-        ready.setdefault((e.pair.verifier.quantize, e.compiled, draft, cross), e)
-    return ready, encoded
-
-
-def _cross_as_asked(loaded: dict[str | None, Any], methods: list[str]) -> dict[tuple[str | None, str], Any]:
-    """Each loaded pair under (draft model, method): a draft whose vocabulary differs once per
-    --cross-vocab method (its token map built once at load, the method decided again; ``auto``
-    resolves to one of the others and is not run twice), any other with method "". A method
-    asked for when no draft model has another vocabulary is an error, as with one draft."""
-    pairs: dict[tuple[str | None, str], Any] = {}
-    for m, p in loaded.items():
-        if m is None or p.cross is None:
-            pairs[(m, "")] = p
-            continue
-        for method in methods:
-            cross = CrossVocab.choose(p.cross.tokenizer, p.cross.vmap, p.cross.rows, method, m, p.verifier.source)
-            pairs.setdefault((m, cross.method), dataclasses.replace(p, cross=cross))
-    if methods != ["auto"] and all(cross == "" for _, cross in pairs):
-        raise ModelError(f"--cross-vocab {','.join(methods)}: every --draft model shares the verifier's vocabulary; "
-                         "drop --cross-vocab (it applies to a draft with another tokenizer)")
-    return pairs
 
 
 def parse_drafts(text: str) -> list[str]:

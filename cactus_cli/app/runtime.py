@@ -14,28 +14,35 @@ from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.events import NGRAM, SUFFIX
 from cactus_cli.core.fileio import check_output_file
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.compiled import compile_problem
 from cactus_cli.infer.costs import CostStore, cost_key
 from cactus_cli.infer.draft import History, Lookup
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import ModelPair, load_pair, tp_load_spec
+from cactus_cli.infer.models import load_pair, tp_load_spec
+from cactus_cli.infer.runners.compiled import compile_problem
+from cactus_cli.infer.sources import ModelPair
 from cactus_cli.infer.tp import group
 
 
 def load_engine(settings: Settings, reporter=None, compile_mode: str | None = None,
-                pair: ModelPair | None = None, quantize: str | None = None) -> SpeculativeEngine:
+                pair: ModelPair | None = None, quantize: str | None = None, backend: str | None = None) -> SpeculativeEngine:
     """Load the pair (or take ``pair``, already loaded) and build the engine, compiled or not
-    (``compile_mode`` and ``quantize`` override the settings': bench times several). A rank > 0
-    of a torchrun tensor-parallel group never returns: it serves rank 0, then exits."""
+    (``compile_mode``, ``quantize`` and ``backend`` override the settings': bench times several).
+    A rank > 0 of a torchrun tensor-parallel group never returns: it serves rank 0, then exits."""
     kind, model = parse_draft(settings.draft)
+    if settings.threads:
+        import torch
+
+        torch.set_num_threads(settings.threads)  # (llama.cpp takes them at load)
     if pair is None and settings.tp > 1 and group.is_follower():
         follower.serve(tp_load_spec(settings.verifier, settings.tokenizer, settings.device, settings.dtype,
                                     quantize or settings.quantize, settings.tp))
         raise SystemExit(0)
+    mode = compile_mode or settings.compile
     if pair is None:
         pair = load_pair(settings.verifier, model, settings.tokenizer, settings.device, settings.dtype, reporter,
-                         quantize or settings.quantize, settings.tp, settings.cross_vocab)
-    compiled, note = resolve_compile(compile_mode or settings.compile, pair)
+                         quantize or settings.quantize, settings.tp, settings.cross_vocab, backend or settings.backend,
+                         settings.threads, mode)
+    compiled, note = resolve_compile(mode, pair)
     if note and reporter is not None:
         reporter.warn(note)
     engine = SpeculativeEngine(pair, lookup(kind, settings, pair, reporter), compiled)
@@ -99,7 +106,7 @@ def resolve_compile(mode: str, pair: ModelPair) -> tuple[bool, str | None]:
     """``--compile`` to on/off, and a warning line when "on" cannot be honoured. auto: on for
     CUDA; on a CPU only where earlier runs of this pair measured the compiled verifier faster
     (compiling there costs a minute and pays only when a forward is overhead-bound)."""
-    if mode == "off":
+    if mode == "off" or pair.verifier.backend == "llama.cpp":  # (--compile on chose torch)
         return False, None
     if pair.verifier.tp > 1:
         return False, ("--compile on does not combine with --tp yet; running eagerly" if mode == "on" else None)

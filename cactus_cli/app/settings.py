@@ -23,6 +23,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 COMPILE = ("auto", "on", "off")
 QUANTIZE = ("auto", "none", "int8", "int4", "w8a8")
 CROSS_VOCAB = ("auto", "string", "intersection")
+BACKENDS = ("auto", "torch", "llama.cpp")
 _LISTS = " (a comma list is for bench and eval, to compare several in one run)"
 RULE_PARAM_KEYS = ("divergence", "epsilon", "alpha", "topk")  # rule parameters other than delta
 
@@ -53,7 +54,9 @@ class Settings:
     dtype: str = "auto"
     compile: str = "auto"  # static caches + compiled steps: on for CUDA; on a CPU only where measured faster
     quantize: str = "none"  # int8 / int4 weight-only, w8a8 (int8 x int8, CPU); auto: measured (models.choose_quantize)
-    tp: int = 1  # tensor-parallel ranks for the verifier (distributed.py)
+    tp: int = 1  # tensor-parallel ranks for the verifier (infer/tp/)
+    backend: str = "auto"  # torch, llama.cpp (GGUF files on a CPU), auto: llama.cpp where it can run (models.choose_backend)
+    threads: int | None = None  # CPU threads for either backend (None: the CPUs this process may use)
     chat_template: bool | None = None  # None: use the tokenizer's chat template when it has one
     system: str | None = None
     stop: list[str] = field(default_factory=list)
@@ -101,6 +104,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "compile": (str,),
     "quantize": (str,),
     "tp": (int,),
+    "backend": (str,),
+    "threads": (int, type(None)),
     "chat_template": (bool, type(None)),
     "system": (str, type(None)),
     "stop": (list,),
@@ -115,7 +120,8 @@ def _type_name(types: tuple[type, ...]) -> str:
     return " or ".join(dict.fromkeys(names[t] for t in types if not (t is int and float in types)))
 
 
-_CHOICES = {"dtype": DTYPES, "compile": COMPILE, "cross_vocab": CROSS_VOCAB, "quantize": QUANTIZE, "rule": RULES}
+_CHOICES = {"dtype": DTYPES, "compile": COMPILE, "cross_vocab": CROSS_VOCAB, "quantize": QUANTIZE, "rule": RULES,
+            "backend": BACKENDS}
 
 
 def check_value(key: str, value: Any) -> str | None:
@@ -154,10 +160,12 @@ def check_value(key: str, value: Any) -> str | None:
     if key == "device" and value not in DEVICES and not (value.startswith("cuda:") and value[5:].isdigit()):
         return f"must be one of {', '.join(DEVICES)} or cuda:N (N a GPU index), got {value!r}"
     if key in _CHOICES and value not in _CHOICES[key]:
-        listed = key in ("compile", "cross_vocab", "quantize") and "," in value  # (bench and eval take these as lists)
+        listed = key in ("compile", "cross_vocab", "quantize", "backend") and "," in value  # (bench and eval take lists)
         return f"must be one of {', '.join(_CHOICES[key])}, got {value!r}{_LISTS if listed else ''}"
     if key == "tp" and not 1 <= value <= 64:
         return f"must be an integer in 1..64, got {value!r}"
+    if key == "threads" and not 1 <= value <= 1024:
+        return f"must be an integer in 1..1024, got {value!r}"
     if key == "rule_params":
         unknown = sorted(set(value) - set(RULE_PARAM_KEYS))
         if unknown:

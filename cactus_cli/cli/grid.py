@@ -24,6 +24,7 @@ Deltas = Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list
 Ks = Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of draft lengths, `auto` included (default: the profile's).", rich_help_panel=o.DECODING)]
 Compiles = Annotated[Optional[str], typer.Option("--compile", help="Comma list of auto, on, off: time eager and compiled engines side by side, e.g. --compile off,on (default: the profile's).", rich_help_panel=o.RUNTIME)]
 Quantizes = Annotated[Optional[str], typer.Option("--quantize", help="Comma list of none, int8, int4, w8a8, auto: time quantized models side by side, e.g. --quantize none,int8,w8a8 (default: the profile's).", rich_help_panel=o.RUNTIME)]
+Backends = Annotated[Optional[str], typer.Option("--backend", help="Comma list of auto, torch, llama.cpp: time both backends side by side on the same GGUF files, each with its own verifier-alone row, e.g. --backend torch,llama.cpp (default: the profile's). --quantize and --compile lists apply to the torch rows.", rich_help_panel=o.RUNTIME)]
 Meter = Annotated[bool, typer.Option("--meter", help="Also measure the realized divergence KL(h_alg || q) and TV per position (costs time).")]
 Csv = Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per configuration to this file.")]
 DEFAULT_RULES = defaults.BENCH_RULES
@@ -42,6 +43,7 @@ class GridFlags:
     category: str | None
     meter: bool = False
     compare_hf: bool = False
+    backends: str | None = None
 
 @dataclass
 class GridOutput:
@@ -56,6 +58,7 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
         settings, lists, prompts, grade = _parse(kind, shared, flags)
         output = _check_outputs(output)
         from cactus_cli.app import grid as g
+        from cactus_cli.app import variants
         from cactus_cli.app.runtime import generation_params
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
@@ -64,8 +67,8 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
                       "empty, or rows would draft from earlier runs' answers to the same prompts)", style="yellow")
             settings = replace(settings, remember=None)
         with ui.LoadProgress(err) as progress:
-            engines, encoded = g.load_engines(settings, lists["quantize"], lists["compile"], lists["draft"], prompts,
-                                              lists["k"], progress, lists["cross"])
+            engines, encoded = variants.load_engines(settings, lists["quantize"], lists["compile"], lists["draft"], prompts,
+                                              lists["k"], progress, lists["cross"], lists["backend"])
         grid = g.build_grid(lists["rules"], lists["delta"], lists["k"], settings.rule_params, flags.compare_hf,
                             settings.max_draft_tokens, list(engines))
         base = replace(generation_params(settings), measure=flags.meter)
@@ -80,7 +83,8 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
                 interrupted = True
         engine = next(iter(engines.values()))
         asked = {**settings.to_dict(), "cross_vocab": ",".join(lists["cross"])}  # (every method asked for)
-        env = {**g.environment(engine, asked), "cross_vocab": ",".join(dict.fromkeys(v[3] for v in engines if v[3])) or None}
+        env = {**g.environment(engine, asked), "cross_vocab": ",".join(dict.fromkeys(v[4] for v in engines if v[4])) or None,
+               "backend": ",".join(dict.fromkeys(v[0] for v in engines))}
         doc = g.document(results, env, asked, prompts, interrupted,
                          engine.costs.describe(None, settings.max_draft_tokens))
         _report(kind, doc, env, output, shared.no_color, err)
@@ -113,9 +117,12 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
              "k": parse_ks(flags.ks) if flags.ks else [settings.num_draft_tokens],
              "rules": parse_list(flags.rules, str, "--rules"),
              "compile": parse_list(flags.compiles, str, "--compile") if flags.compiles else [settings.compile],
-             "quantize": parse_list(flags.quantizes, str, "--quantize") if flags.quantizes else [settings.quantize]}
+             "quantize": parse_list(flags.quantizes, str, "--quantize") if flags.quantizes else [settings.quantize],
+             "backend": list(dict.fromkeys(parse_list(flags.backends, str, "--backend"))) if flags.backends
+             else [settings.backend]}
     check_each("compile", lists["compile"], "--compile")
     check_each("quantize", lists["quantize"], "--quantize")
+    check_each("backend", lists["backend"], "--backend")
     g.build_grid(lists["rules"], lists["delta"], lists["k"], settings.rule_params, flags.compare_hf,
                  settings.max_draft_tokens)  # checks every rule, delta and k now
     _check_sweep_flags(lists["rules"], flags.deltas, lists["k"], shared.flags)

@@ -40,6 +40,8 @@ Dtype = Annotated[Optional[str], typer.Option("--dtype", help="auto, float32, fl
 Compile = Annotated[Optional[str], typer.Option("--compile", help="auto, on, off: static KV caches and compiled fixed-shape steps (CUDA graphs on CUDA). auto = on for CUDA; on a CPU only where an earlier run measured it faster. Compiling takes a while once per run and is not counted in tokens/s.", rich_help_panel=RUNTIME)]
 Quantize = Annotated[Optional[str], typer.Option("--quantize", help="none, int8, int4, w8a8, auto: int8 / int4 weight-only quantization of every Linear layer (lm_head included), activations in bfloat16; w8a8 (CPU): int8 weights times int8 activations quantized per row at each call (fbgemm's int8 GEMM; SmoothQuant first; lm_head included). Cached after the first start. auto: on a CPU int8 or w8a8, whichever is faster here (measured once), w8a8 only where its measured quality on this model is within 0.03 nats/token; none on a GPU. `cactus models quality` measures what each costs.", rich_help_panel=RUNTIME)]
 Tp = Annotated[Optional[int], typer.Option("--tp", help="Shard the verifier over N processes with tensor parallelism (transformers' TP plans; NCCL on CUDA, gloo in float32 on a CPU). Starts the other ranks itself, or runs under torchrun.", rich_help_panel=RUNTIME)]
+Backend = Annotated[Optional[str], typer.Option("--backend", help="auto, torch, llama.cpp: what runs the models. llama.cpp runs GGUF files (the embedded pair, a .gguf) on the CPU with llama.cpp's kernels and the GGUF's own quantization (no conversion); torch runs every source, on CUDA too. auto (default): llama.cpp for GGUF files on a CPU when llama-cpp-python is installed, torch everywhere else or when a torch setting (--quantize, --dtype, --compile on, --tp, a GPU) is given.", rich_help_panel=RUNTIME)]
+Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for either backend (default: the CPUs this process may use).", rich_help_panel=RUNTIME)]
 ChatTemplate = Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Wrap the prompt in the model's chat template (default: when the tokenizer has one).", rich_help_panel=RUNTIME)]
 NoColor = Annotated[bool, typer.Option("--no-color", help="No colours in the live view (NO_COLOR is honoured too).", rich_help_panel=RUNTIME)]
 System = Annotated[Optional[str], typer.Option("--system", help="System prompt (with a chat template).", rich_help_panel=RUNTIME)]
@@ -52,13 +54,14 @@ SHARED: dict[str, tuple[Any, str | None]] = {
     "max_draft_tokens": (MaxDraft, "max_draft_tokens"),
     "temperature": (Temperature, "temperature"), "top_k": (TopK, "top_k"), "top_p": (TopP, "top_p"),
     "max_tokens": (MaxTokens, "max_tokens"), "seed": (Seed, "seed"), "stop": (Stop, "stop"),
-    "device": (Device, "device"), "dtype": (Dtype, "dtype"), "compile": (Compile, "compile"), "quantize": (Quantize, "quantize"), "tp": (Tp, "tp"), "chat_template": (ChatTemplate, "chat_template"),
+    "device": (Device, "device"), "dtype": (Dtype, "dtype"), "compile": (Compile, "compile"), "quantize": (Quantize, "quantize"), "tp": (Tp, "tp"), "backend": (Backend, "backend"), "threads": (Threads, "threads"), "chat_template": (ChatTemplate, "chat_template"),
     "system": (System, "system"), "no_color": (NoColor, None), "remember": (Remember, "remember"),
 }
 MODEL_AND_SAMPLING = ("profile", "verifier", "draft", "tokenizer", "cross_vocab", "param", "temperature", "top_k", "top_p",
-                      "max_tokens", "seed", "device", "dtype", "chat_template", "no_color", "max_draft_tokens", "tp")
+                      "max_tokens", "seed", "device", "dtype", "chat_template", "no_color", "max_draft_tokens", "tp",
+                      "threads")
 GENERATION = MODEL_AND_SAMPLING + ("rule", "delta", "num_draft_tokens", "stop", "system", "compile", "quantize",
-                                  "remember")
+                                  "remember", "backend")
 
 
 @dataclass

@@ -36,7 +36,7 @@ from cactus_cli.core.events import MODEL, NGRAM, SUFFIX
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.paths import cache_path
 from cactus_cli.infer.devices import device_name
-from cactus_cli.infer.models import ModelPair
+from cactus_cli.infer.sources import ModelPair
 
 WINDOW = 15  # timings kept per width (median of these)
 DECAY = 0.97  # per step: the acceptance estimates follow the last ~30 steps
@@ -240,11 +240,13 @@ class Acceptance:
 
 
 def cost_key(pair: ModelPair, compiled: bool = False) -> dict[str, Any]:
-    """What step costs depend on: the models, device, dtype, threads, torch and compilation."""
+    """What step costs depend on: the models, device, dtype, threads, torch, backend and compilation."""
     v = pair.verifier
     key = {"verifier": v.path, "draft": pair.draft.path if pair.draft else None, "device": device_name(v.device),
            "dtype": str(v.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
            "torch": torch.__version__}
+    if v.backend != "torch":  # (absent for torch, so caches from earlier versions still apply)
+        key.update(backend=v.backend, threads=v.model.threads, extra_buffers=not v.model.plain_buffers)
     if compiled:
         key["compiled"] = True  # (absent when eager, so eager caches from earlier versions still apply)
     if v.quantize != "none":

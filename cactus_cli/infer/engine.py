@@ -23,13 +23,13 @@ from cactus_cli.core.errors import ContextLimitError, ModelError
 from cactus_cli.core.events import MODEL, NGRAM, StepEvent
 from cactus_cli.core.exact import meter
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits
-from cactus_cli.infer.compiled import CompileUnavailable
 from cactus_cli.infer.costs import CostStore, cost_key, probe
 from cactus_cli.infer.draft import Drafter, Lookup, Proposal, make_drafter
-from cactus_cli.infer.factory import make_runner
-from cactus_cli.infer.models import ModelPair
 from cactus_cli.infer.policy import AdaptiveK, FixedK, KPolicy, acceptance_key
-from cactus_cli.infer.runners import Runner, sync, to_device
+from cactus_cli.infer.runners.base import Runner, sync, to_device
+from cactus_cli.infer.runners.compiled import CompileUnavailable
+from cactus_cli.infer.runners.factory import make_runner
+from cactus_cli.infer.sources import ModelPair
 from cactus_cli.infer.text import TextStream
 
 
@@ -70,7 +70,7 @@ class SpeculativeEngine:
     def __init__(self, pair: ModelPair, lookup: Lookup | None = None, compiled: bool = False):
         """``lookup`` drafts by prompt lookup or from the suffix trees, with the pair's draft model
         (if any) for when they have nothing. ``compiled``: static caches and compiled steps
-        (compiled.py)."""
+        (runners/compiled.py)."""
         self.pair = pair
         self.lookup = lookup
         self.eos = eos_ids(pair)
@@ -116,9 +116,11 @@ class SpeculativeEngine:
         become power-of-two widths that shorter steps pad to. ``exact=False`` compiles only what no
         compiled width covers. Eager runners: nothing to do. If compiling fails, the engine goes
         eager and ``compile_note`` says why."""
-        if not self.compiled:
-            return
         tokens = min(tokens, self.context_length + 1)
+        if not self.compiled:  # (a llama.cpp context sized now, not grown mid-run; a no-op for transformers')
+            for runner in self.runners:
+                runner.reserve(tokens, tuple(widths))
+            return
         widths = sorted(set(widths))
         if len(widths) > MAX_GRAPHS:
             widths = sorted({1 << (w - 1).bit_length() for w in widths})

@@ -1,13 +1,14 @@
-"""Model sources and loading: resolve a name (hub id, local folder, .gguf file, embedded pair),
-load it with transformers on the device and dtype devices.py picks (quantized by quantize.py,
-or as this rank's tensor-parallel shard), and check that draft and verifier share a tokenizer.
-Loading never starts or serves a tensor-parallel group: ``tp_load_spec`` only says what every
-rank loads; app/runtime.py starts the group (or, on a follower rank, serves it)."""
+"""Loading: pick the backend (torch or llama.cpp) for the sources (sources.py), then load with
+transformers on the device and dtype devices.py picks (quantized by quantize.py, or as this
+rank's tensor-parallel shard) or load the GGUF on llama.cpp, and check that draft and verifier
+share a tokenizer (and that llama.cpp's vocabulary gives the tokenizer's ids). Loading never
+starts or serves a tensor-parallel group: ``tp_load_spec`` only says what every rank loads;
+app/runtime.py starts the group (or, on a follower rank, serves it)."""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 
 from cactus_cli.core import defaults
 from cactus_cli.core.errors import ModelError
-from cactus_cli.infer import embedded
+from cactus_cli.infer import gguf
 from cactus_cli.infer.devices import (
     fastest_cpu_quantization,
     quantized_dtype,
@@ -25,144 +26,22 @@ from cactus_cli.infer.devices import (
 )
 from cactus_cli.infer.quantize import QualityGateFailed, quality_verdict, quantize_model
 from cactus_cli.infer.smooth import CALIBRATION_TEXT
+from cactus_cli.infer.sources import (
+    GGUF_KINDS,
+    LoadedModel,
+    ModelPair,
+    Source,
+    _from_pretrained,
+    load_tokenizer,
+    materialize,
+    mlp_shape,
+    model_files,
+    resolve_source,
+)
 from cactus_cli.infer.tp import group
 from cactus_cli.infer.vocab import CrossVocab
 
-
-@dataclass
-class LoadedModel:
-    model: Any  # a transformers PreTrainedModel, in eval mode
-    source: str  # what the user named
-    path: str  # what was loaded
-    device: torch.device
-    dtype: torch.dtype
-    context_length: int  # max positions the model supports
-    logits_width: int  # rows of the output embedding (may exceed the tokenizer: padded rows)
-    load_seconds: float = 0.0
-    quantize: str = "none"  # weight-only quantization of the Linear layers: none, int8, int4
-    tp: int = 1  # tensor-parallel ranks the model is sharded over (distributed.py)
-    quantize_note: str = ""  # what the quantization ran ("int4 weights (15 layers, 1 in int8 ...)")
-
-
-@dataclass
-class ModelPair:
-    verifier: LoadedModel
-    draft: LoadedModel | None
-    tokenizer: Any
-    vocab_size: int  # len(tokenizer): logits are cut to this many columns
-    dtype_reason: str = ""  # why this dtype (``--dtype auto`` measures on a CPU)
-    cross: CrossVocab | None = None  # a draft with its own tokenizer (draft/cross.py), else None
-
-
-def mlp_shape(src: "Source") -> tuple[int, int] | None:
-    """(hidden, intermediate) sizes from a model's config, for the dtype probe; None if unknown."""
-    try:
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(src.location, local_files_only=True)
-        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        hidden = int(cfg.hidden_size)
-        inter = int(getattr(cfg, "intermediate_size", None) or 4 * hidden)
-        return hidden, inter
-    except Exception:  # any unreadable config: fall back to the CPU flags
-        return None
-
-
-# --------------------------------------------------------------------------- sources
-
-
-@dataclass(frozen=True)
-class Source:
-    kind: str  # "folder", "gguf", "hub", "embedded"
-    location: str  # folder path, gguf file path, hub id, or embedded model name
-
-
-def resolve_source(name: str) -> Source:
-    """Decide what ``name`` refers to, without loading it. Missing files are errors here."""
-    if name.startswith("embedded:"):
-        return Source("embedded", embedded.get(name.split(":", 1)[1]).name)
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not any((path / f).is_file() for f in ("config.json", "tokenizer_config.json", "tokenizer.json")):
-            raise ModelError(f"{name} is a folder but not a model folder (it has no config.json); "
-                             "give a folder saved by transformers, a .gguf file or a hub id")
-        return Source("folder", str(path))
-    if path.suffix.lower() == ".gguf":
-        if not path.is_file():
-            raise ModelError(f"model file {name} does not exist")
-        return Source("gguf", str(path))
-    if path.exists():
-        raise ModelError(f"{name} is neither a model folder nor a .gguf file")
-    looks_like_path = name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1]
-    if looks_like_path or name.count("/") > 1:
-        raise ModelError(f"model folder {name} does not exist")
-    if not hub_cached(name):
-        # fail at once, naming both readings, instead of retrying the network for a minute
-        first = Path(name.split("/", 1)[0])
-        try:
-            listing = ", ".join(sorted(p.name for p in first.iterdir())[:6]) or "nothing"
-            as_path = f"no folder {name} (in {first}/: {listing})"
-        except OSError:  # no such folder, or an unreadable one
-            as_path = f"no folder {name} here"
-        raise ModelError(
-            f"{name!r}: {as_path}, and no Hugging Face model {name} in the local cache; fix the path, or "
-            f"download the model first (`huggingface-cli download {name}`)")
-    return Source("hub", name)
-
-
-def hub_cached(repo_id: str) -> bool:
-    """Whether the local Hugging Face cache holds a config or tokenizer of ``repo_id`` (no network)."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return False
-    for filename in ("config.json", "tokenizer_config.json", "tokenizer.json"):
-        try:
-            if isinstance(try_to_load_from_cache(repo_id, filename), str):
-                return True
-        except Exception:  # an invalid repo id: not cached
-            return False
-    return False
-
-
-def materialize(src: Source, reporter=None) -> Source:
-    """Embedded models and .gguf files are converted once to a cached safetensors folder;
-    everything else is loaded as it is."""
-    if src.kind == "embedded":
-        return Source("folder", str(embedded.prepare_embedded(src.location, reporter)))
-    if src.kind == "gguf":
-        return Source("folder", str(embedded.prepare_gguf(src.location, reporter)))
-    return src
-
-
-def _from_pretrained(loader, src: Source, what: str, **kwargs):
-    """Call a transformers from_pretrained, turning 'not found / offline' into one clear line."""
-    location = src.location
-    try:
-        if src.kind == "hub":
-            kwargs["local_files_only"] = True  # hub ids come from the local cache: no network round trips
-        return loader.from_pretrained(location, **kwargs)
-    except (OSError, ValueError) as err:
-        # the whole message on one line (transformers' first line often ends in a colon)
-        first = " ".join(str(err).split())[:400] or type(err).__name__
-        if src.kind == "hub":
-            offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-            hint = (
-                "HF_HUB_OFFLINE=1 is set, so only the local Hugging Face cache was searched"
-                if offline
-                else "it is not in the local Hugging Face cache and the hub could not be reached"
-            )
-            raise ModelError(
-                f"could not load {what} {src.location!r} from the Hugging Face hub: {hint}; "
-                f"download it with `huggingface-cli download {src.location}` or pass a local folder ({first})"
-            ) from None
-        raise ModelError(f"could not load {what} from {src.location}: {first}") from None
-
-
-def load_tokenizer(src: Source):
-    from transformers import AutoTokenizer
-
-    return _from_pretrained(AutoTokenizer, src, "tokenizer")
+BACKENDS = ("auto", "torch", "llama.cpp")
 
 
 def load_model(name: str, src: Source, device: torch.device, dtype: torch.dtype, role: str = "model",
@@ -172,8 +51,6 @@ def load_model(name: str, src: Source, device: torch.device, dtype: torch.dtype,
     it. ``quantize`` int8 / int4 / w8a8 replaces every Linear by its quantized version (``gate``:
     a w8a8 that costs more than that many nats/token on ``calibration`` becomes int8);
     ``tp`` > 1 loads this rank's shard (every rank of the group calls this together)."""
-    import time
-
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -299,6 +176,61 @@ def choose_quantize(name: str, dev: torch.device, dtype: str, vsrc: Source) -> t
     return "w8a8", f"quantize auto: w8a8, {why}; {verdict:+.3f} nats/token on this model", None
 
 
+def choose_backend(asked: str, sources: list[tuple[str, Source]], dev: torch.device, quantize: str, dtype: str,
+                   compile_mode: str, tp: int) -> tuple[str, str]:
+    """(backend, why). ``auto``: llama.cpp for GGUF sources (the embedded pair, .gguf files) on a
+    CPU when its bindings import, torch everywhere else (CUDA, hub ids, folders) and wherever a
+    torch-only setting was given; that setting with ``llama.cpp`` named is an error. (quantize
+    none is not one: llama.cpp does not quantize further either, it runs the GGUF's own types.)"""
+    torch_only = [flag for flag, on in ((f"--tp {tp}", tp > 1), ("--compile on", compile_mode == "on"),
+                                       (f"--quantize {quantize}", quantize not in ("auto", "none")), (f"--dtype {dtype}", dtype != "auto"),
+                                       (f"--device {dev}", dev.type != "cpu")) if on]
+    other = next(((name, src) for name, src in sources if src.kind not in GGUF_KINDS), None)
+    if asked == "torch":
+        return "torch", "backend torch (asked for)"
+    if asked == "llama.cpp":
+        if other is not None:
+            raise ModelError(f"--backend llama.cpp runs GGUF files (embedded models, .gguf), and {other[0]!r} is a "
+                             f"{other[1].kind}; use --backend torch for it")
+        if torch_only:
+            raise ModelError(f"{torch_only[0]} does not apply to the llama.cpp backend (it runs the GGUF's own "
+                             "quantization on the CPU); drop it, or use --backend torch")
+        if problem := gguf.available():
+            raise ModelError(problem)
+        return "llama.cpp", "backend llama.cpp (asked for)"
+    if other is not None:
+        return "torch", f"backend auto: torch ({other[0]} is a {other[1].kind}, not a GGUF file)"
+    if torch_only:
+        return "torch", f"backend auto: torch ({torch_only[0]} is a torch setting)"
+    if problem := gguf.available():
+        return "torch", f"backend auto: torch, llama.cpp is not available: {problem}"
+    return "llama.cpp", "backend auto: llama.cpp (GGUF files on a CPU)"
+
+
+PROBE_TEXT = "def add(a, b):\n    return a + b  # sum: ünïcödé, 数字 42\n\tdone!"
+
+
+def load_gguf(name: str, src: Source, tokenizer: Any, role: str, threads: int, reporter=None) -> LoadedModel:
+    """A GGUF file on llama.cpp, after checking that its vocabulary gives the same ids as
+    ``tokenizer`` (the engine's) on a probe text in the chat template, special tokens included."""
+    t0 = time.perf_counter()
+    if reporter is not None:
+        reporter.task(f"loading the {role} {name} on llama.cpp")
+    model = gguf.GGUFModel.load(src.location, threads)
+    text = PROBE_TEXT
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": PROBE_TEXT}], add_generation_prompt=True,
+                                             tokenize=False)
+    ours, theirs = list(tokenizer(text, add_special_tokens=False)["input_ids"]), model.tokenize(text)
+    if ours != theirs:
+        at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        raise ModelError(f"{role} {name}: llama.cpp's vocabulary and the tokenizer give different token ids for the same "
+                         f"text (first at token {at}: {ours[at:at + 3]} vs {theirs[at:at + 3]}); use the tokenizer "
+                         "made from this GGUF (no --tokenizer), or --backend torch")
+    return LoadedModel(model, name, src.location, torch.device("cpu"), torch.float32, model.n_ctx_train, model.n_vocab,
+                       time.perf_counter() - t0, "gguf", 1, model.description, backend="llama.cpp")
+
+
 def tp_plan(tp: int, vsrc: Source, verifier: str, dev: torch.device, dtype: str, quantize: str,
             vocab: int) -> tuple[dict[str, Any], torch.dtype, str]:
     """Check --tp against the verifier and pick the dtype: (what every rank loads, dtype, why).
@@ -334,26 +266,47 @@ def tp_load_spec(verifier: str, tokenizer: str | None, device: str, dtype: str, 
 
 
 def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, device: str, dtype: str,
-              reporter=None, quantize: str = "none", tp: int = 1, cross_vocab: str = "auto") -> ModelPair:
+              reporter=None, quantize: str = "none", tp: int = 1, cross_vocab: str = "auto", backend: str = "torch",
+              threads: int | None = None, compile_mode: str = "auto") -> ModelPair:
     """Load verifier, optional draft and the shared tokenizer (the verifier's unless ``tokenizer``
-    names another source). A draft with another vocabulary drafts across vocabularies by
-    ``cross_vocab`` (auto, string, intersection: draft/cross.py). Sources are all resolved
-    first, so a missing one fails before any load."""
+    names another source) on ``backend`` (``choose_backend``). A draft with another vocabulary
+    drafts across vocabularies by ``cross_vocab`` (auto, string, intersection: draft/cross.py).
+    Sources are all resolved first, so a missing one fails before any load."""
     if not verifier:
         raise ModelError("no verifier model: pass --verifier (hub id, folder or .gguf) or use a --profile that names one")
     dev = resolve_device(device)
     vsrc = resolve_source(verifier)
     dsrc = resolve_source(draft) if draft is not None else None
     tsrc = resolve_source(tokenizer) if tokenizer else None
+    named = [(verifier, vsrc)] + ([(draft, dsrc)] if dsrc is not None else [])
+    backend, backend_why = choose_backend(backend, named, dev, quantize, dtype, compile_mode, tp)
     if reporter is not None:
         reporter.task(f"loading verifier {verifier}")
-    vsrc = materialize(vsrc, reporter)
-    tok = load_tokenizer(materialize(tsrc, reporter) if tsrc else vsrc)
+    vsrc, vtok = model_files(vsrc, backend, reporter)
+    tok = load_tokenizer(materialize(tsrc, reporter) if tsrc else vtok)
     if tsrc is not None:  # the shared-vocabulary check holds whatever the tokenizer's source
-        for src, name in ((vsrc, verifier), (materialize(dsrc, reporter) if dsrc else None, draft)):
+        for src, name in ((vtok, verifier), (model_files(dsrc, backend, reporter)[1] if dsrc else None, draft)):
             own = _own_tokenizer(src)
             if own is not None:
                 check_same_vocab(own, tok, name, tokenizer, what=f"--tokenizer {tokenizer!r} and model {name!r}")
+    if backend == "llama.cpp":
+        vm = load_gguf(verifier, vsrc, tok, "verifier", threads or gguf.default_threads(), reporter)
+        why = f"llama.cpp: the GGUF's own weight types ({vm.quantize_note}), float32 activations"
+    else:
+        vm, why = _load_torch_verifier(verifier, vsrc, tok, dev, dtype, quantize, tp, reporter)
+    _check_rows(vm, "verifier", len(tok))
+    pair = ModelPair(vm, None, tok, len(tok), why, backend_reason=backend_why)
+    if draft is None:
+        return pair
+    if reporter is not None:
+        reporter.task(f"loading draft {draft}")
+    return with_draft(pair, draft, reporter, cross_vocab, own_tokenizer=tsrc is None)
+
+
+def _load_torch_verifier(verifier: str, vsrc: Source, tok: Any, dev: torch.device, dtype: str, quantize: str, tp: int,
+                         reporter) -> tuple[LoadedModel, str]:
+    """The verifier on torch: this rank's shard under --tp, else quantized as asked (or as
+    ``quantize auto`` measures); and why this dtype."""
     if tp > 1:
         load, dt, why = tp_plan(tp, vsrc, verifier, dev, dtype, quantize, len(tok))
         if reporter is not None:
@@ -370,33 +323,31 @@ def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, de
     calibration = list(tok(CALIBRATION_TEXT)["input_ids"]) if quantize == "w8a8" else None  # (smooth.py)
     vm = load_model(verifier, vsrc, dev, dt, "verifier", quantize, reporter, tp, calibration,
                     gate if quantize == "w8a8" else None)
-    _check_rows(vm, "verifier", len(tok))
-    pair = ModelPair(vm, None, tok, len(tok), why)
-    if draft is None:
-        return pair
-    if reporter is not None:
-        reporter.task(f"loading draft {draft}")
-    return with_draft(pair, draft, reporter, cross_vocab, own_tokenizer=tsrc is None)
+    return vm, why
 
 
 def with_draft(pair: ModelPair, draft: str, reporter=None, cross_vocab: str = "auto",
                own_tokenizer: bool = True) -> ModelPair:
-    """``pair`` with a draft model (bench compares several on one verifier in memory): on the
-    verifier's device (rank 0's under --tp, where acceptance is decided), in its dtype and
-    quantization (int8 if the verifier's w8a8 failed its quality gate). With ``own_tokenizer``
-    a draft whose vocabulary differs drafts across vocabularies by ``cross_vocab``."""
+    """``pair`` with a draft model (bench compares several on one verifier in memory), on the
+    verifier's backend: on llama.cpp beside it, or on torch on the verifier's device (rank 0's
+    under --tp, where acceptance is decided) in its dtype and quantization (int8 if the
+    verifier's w8a8 failed its quality gate). With ``own_tokenizer`` a draft whose vocabulary
+    differs drafts across vocabularies by ``cross_vocab``."""
     vm, tok = pair.verifier, pair.tokenizer
-    dsrc = materialize(resolve_source(draft), reporter)
-    dtok = _draft_tokenizer(tok, dsrc if own_tokenizer else None, cross_vocab, draft)
-    quantize = vm.quantize if vm.tp == 1 else "none"
-    calibration = list((dtok or tok)(CALIBRATION_TEXT)["input_ids"]) if quantize == "w8a8" else None
-    dm = load_model(draft, dsrc, vm.device, vm.dtype, "draft", quantize, reporter, 1, calibration)
+    dsrc, dtoksrc = model_files(resolve_source(draft), vm.backend, reporter)
+    dtok = _draft_tokenizer(tok, dtoksrc if own_tokenizer else None, cross_vocab, draft)
+    if vm.backend == "llama.cpp":
+        dm = load_gguf(draft, dsrc, dtok or tok, "draft", vm.model.threads, reporter)
+    else:
+        quantize = vm.quantize if vm.tp == 1 else "none"
+        calibration = list((dtok or tok)(CALIBRATION_TEXT)["input_ids"]) if quantize == "w8a8" else None
+        dm = load_model(draft, dsrc, vm.device, vm.dtype, "draft", quantize, reporter, 1, calibration)
     cross = None
     if dtok is not None:
         cross = CrossVocab.build(dtok, tok, dm.logits_width, vm.logits_width, cross_vocab, draft, vm.source)
     else:
         _check_rows(dm, "draft", pair.vocab_size)
-    return ModelPair(vm, dm, tok, pair.vocab_size, pair.dtype_reason, cross)
+    return dataclasses.replace(pair, draft=dm, cross=cross)
 
 
 def _check_rows(lm: LoadedModel, role: str, vocab: int) -> None:

@@ -11,6 +11,7 @@ import typer
 from cactus_cli.cli import options as o
 from cactus_cli.cli.grid import (
     DEFAULT_RULES,
+    Backends,
     Compiles,
     Csv,
     Deltas,
@@ -31,6 +32,7 @@ def bench(
     ks: Ks = None,
     compiles: Compiles = None,
     quantizes: Quantizes = None,
+    backends: Backends = None,
     prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL file with 'prompt' and optional 'id', 'category' (default: the built-in set).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Use only the first N prompts (the built-in set is interleaved by category).")] = None,
     category: Annotated[Optional[str], typer.Option("--category", help="Comma list of prompt categories to keep (built-in: code, math, instructions, writing, grounded).")] = None,
@@ -46,7 +48,7 @@ def bench(
     baseline always included (same prompts, sampling and seeds). Ctrl-C stops early and
     still prints and saves what finished."""
     run_grid_command("bench", shared, GridFlags(rules, deltas, ks, compiles, quantizes, prompts_file, limit, category,
-                                                meter, compare_hf), GridOutput(as_json, csv_path, out_dir))
+                                                meter, compare_hf, backends), GridOutput(as_json, csv_path, out_dir))
 
 
 def register(app: typer.Typer) -> None:

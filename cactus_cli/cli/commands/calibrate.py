@@ -17,7 +17,7 @@ from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.fileio import check_output_file
 
 
-@o.shared_options(*o.MODEL_AND_SAMPLING, "rule", "compile", "quantize")
+@o.shared_options(*o.MODEL_AND_SAMPLING, "rule", "compile", "quantize", "backend")
 def calibrate(
     deltas: Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values to sweep (0 is always added). Default: 0,0.1,0.25,0.5,0.75,1,1.5,2.", rich_help_panel=o.DECODING)] = None,
     ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of candidate k (default 1..12), timed against the verifier alone and -k auto; the delta sweep runs at the profile's k (for auto: the candidate nearest 4).", rich_help_panel=o.DECODING)] = None,

@@ -10,6 +10,7 @@ import typer
 from cactus_cli.cli import options as o
 from cactus_cli.cli.grid import (
     DEFAULT_RULES,
+    Backends,
     Compiles,
     Csv,
     Deltas,
@@ -30,6 +31,7 @@ def eval_cmd(
     ks: Ks = None,
     compiles: Compiles = None,
     quantizes: Quantizes = None,
+    backends: Backends = None,
     tasks_file: Annotated[Optional[Path], typer.Option("--tasks", help="JSONL file: 'prompt', 'answer', optional 'id', 'category' and 'pattern' (a regex whose first group is the answer). Default: the built-in set (40 arithmetic word problems, 8 code-output questions).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Use only the first N problems (the built-in set is interleaved by category).")] = None,
     category: Annotated[Optional[str], typer.Option("--category", help="Comma list of task categories to keep (built-in: arithmetic, code-output).")] = None,
@@ -45,7 +47,8 @@ def eval_cmd(
     the way GSM8K evaluations read them (after '####', else the last number, or a task's
     pattern) and compared after normalization; accuracy comes with a 95% Wilson interval.
     Ctrl-C stops early and still prints and saves what finished."""
-    run_grid_command("eval", shared, GridFlags(rules, deltas, ks, compiles, quantizes, tasks_file, limit, category, meter),
+    run_grid_command("eval", shared, GridFlags(rules, deltas, ks, compiles, quantizes, tasks_file, limit, category, meter,
+                                             backends=backends),
                      GridOutput(as_json, csv_path, out_dir))
 
 

@@ -93,6 +93,8 @@ def _json_doc(text: str, interrupted: bool, settings, stats, engine, params) -> 
     doc["settings"]["dtype_resolved"] = str(engine.pair.verifier.dtype).removeprefix("torch.")
     doc["settings"]["device_resolved"] = str(engine.pair.verifier.device)
     doc["settings"]["dtype_reason"] = engine.pair.dtype_reason
+    doc["settings"]["backend_resolved"] = engine.pair.verifier.backend
+    doc["settings"]["backend_reason"] = engine.pair.backend_reason
     cross = engine.pair.cross
     doc["settings"]["cross_vocab_resolved"] = {"method": cross.method, "why": cross.why} if cross else None
     doc["settings"]["quantized"] = {role: lm.quantize_note for role, lm in

@@ -18,7 +18,7 @@ from cactus_cli.infer.draft.model import ModelDrafter
 from cactus_cli.infer.draft.ngram import NgramDrafter
 from cactus_cli.infer.draft.suffix import SuffixDrafter
 from cactus_cli.infer.draft.suffix_tree import History
-from cactus_cli.infer.runners import Runner
+from cactus_cli.infer.runners.base import Runner
 from cactus_cli.infer.vocab import CrossVocab
 
 __all__ = ["Drafter", "History", "Lookup", "Proposal", "make_drafter"]

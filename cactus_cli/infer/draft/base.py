@@ -11,7 +11,7 @@ import torch
 
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.runners import Runner
+from cactus_cli.infer.runners.base import Runner
 
 
 @dataclass

@@ -31,7 +31,7 @@ import torch
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample
 from cactus_cli.infer.draft.base import OnRunner, Proposal
-from cactus_cli.infer.runners import Runner, common_prefix, to_device
+from cactus_cli.infer.runners.base import Runner, common_prefix, to_device
 from cactus_cli.infer.vocab import VocabMap, encode, eos_id, visible_text
 
 STRING, INTERSECTION = "string", "intersection"

@@ -7,7 +7,7 @@ import torch
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample
 from cactus_cli.infer.draft.base import OnRunner, Proposal
-from cactus_cli.infer.runners import Runner
+from cactus_cli.infer.runners.base import Runner
 
 
 class ModelDrafter(OnRunner):

@@ -8,7 +8,7 @@ import torch
 from cactus_cli.core.events import NGRAM
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer.draft.base import Drafter, Proposal, WithFallback
-from cactus_cli.infer.runners import to_device
+from cactus_cli.infer.runners.base import to_device
 
 
 class NgramDrafter(WithFallback):

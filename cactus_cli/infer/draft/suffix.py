@@ -25,7 +25,7 @@ from cactus_cli.core.events import SUFFIX
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer.draft.base import Drafter, Proposal, WithFallback
 from cactus_cli.infer.draft.suffix_tree import History, Match, SuffixTree, follow
-from cactus_cli.infer.runners import to_device
+from cactus_cli.infer.runners.base import to_device
 
 MIN_PROB = 0.1  # a draft ends where its path's estimated probability would fall below this
 MAX_DRAFT = 16  # tokens looked ahead when asked whether there is a draft (the k policy caps it)

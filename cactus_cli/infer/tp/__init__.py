@@ -1,1 +1,1 @@
-"""Tensor parallelism: the process group (group.py) and rank 0's sharded runner (sharded.py)."""
+"""Tensor parallelism: the process group (group.py); rank 0's sharded runner is infer/runners/sharded.py."""

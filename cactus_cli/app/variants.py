@@ -1,0 +1,92 @@
+"""One engine per variant of a bench or eval grid (backend, quantize, compiled, draft model or
+lookup, cross-vocabulary method), loading each model once and sharing it between the variants
+that use it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from cactus_cli.app import runtime
+from cactus_cli.app.prompts import Prompt
+from cactus_cli.app.settings import Settings, parse_draft
+from cactus_cli.core.errors import ModelError
+from cactus_cli.infer.engine import SpeculativeEngine
+from cactus_cli.infer.models import with_draft
+from cactus_cli.infer.vocab import CrossVocab
+
+
+def load_engines(settings: Settings, quantizes: list[str], compiles: list[str], drafts: list[str],
+                 prompts: list[Prompt], ks: list[int | str], reporter, crosses: list[str] = ("auto",),
+                 backends: list[str] = ("torch",)) -> tuple[dict[tuple[str, str, bool, str, str], SpeculativeEngine], list]:
+    """An engine per variant (backend, quantize, compiled, draft, and for a draft with another
+    vocabulary each method in ``crosses``), the verifier in memory once per backend and
+    quantization and each draft model once beside it (a same-family and a cross-family draft, by
+    string and by intersection, compare on one verifier), each engine prepared (compiled, costs
+    probed) for the longest prompt; and the prompts encoded. The quantize and compile lists
+    apply to torch (llama.cpp runs the GGUF as it is). A compiled engine that fell back to eager
+    (the warning says why) is not a second variant."""
+    models = list(dict.fromkeys(m for m in (parse_draft(d)[1] for d in drafts) if m))
+    loading = dataclasses.replace(settings, cross_vocab="auto")  # (decided per method below, on the map built once)
+    engines: list[tuple[tuple[str, str], SpeculativeEngine]] = []
+    for backend, quantize, modes in _backend_runs(settings, backends, quantizes, compiles):
+        pairs: dict[tuple[str | None, str], Any] = {}
+        for mode in modes:
+            if not pairs:  # the verifier (and the first draft model), then each other draft model beside it
+                first = runtime.load_engine(dataclasses.replace(loading, draft=models[0] if models else drafts[0]),
+                                            reporter, mode, None, quantize, backend).pair
+                loaded = {None: dataclasses.replace(first, draft=None, cross=None)}
+                if models:
+                    loaded[models[0]] = first
+                for m in models[1:]:
+                    loaded[m] = with_draft(loaded[None], m, reporter, "auto", settings.tokenizer is None)
+                pairs = _cross_as_asked(loaded, list(crosses))
+            for draft in drafts:
+                model = parse_draft(draft)[1]
+                for (m, cross), own in pairs.items():
+                    if m == model:
+                        engines.append(((draft, cross), runtime.load_engine(dataclasses.replace(settings, draft=draft),
+                                                                            reporter, mode, own, quantize, backend)))
+    encoded = runtime.encode_prompts(engines[0][1], prompts, settings.chat_template)
+    longest = max(len(ids) for _, ids in encoded)
+    for _, e in engines:
+        runtime.prepare(e, settings, reporter, longest, ks)
+    ready: dict[tuple[str, str, bool, str, str], SpeculativeEngine] = {}
+    for (draft, cross), e in engines:
+        ready.setdefault((e.pair.verifier.backend, e.pair.verifier.quantize, e.compiled, draft, cross), e)
+    return ready, encoded
+
+
+def _backend_runs(settings: Settings, backends: list[str], quantizes: list[str],
+                  compiles: list[str]) -> list[tuple[str, str, list[str]]]:
+    """(backend, quantize, compile modes) per verifier to load. With several backends, the
+    quantize and compile lists are the torch rows' (llama.cpp runs the GGUF as it is); with
+    llama.cpp alone, a value it cannot take is an error (models.choose_backend says so)."""
+    if len(backends) == 1:
+        return [(backends[0], q, compiles) for q in quantizes]
+    runs = []
+    for backend in backends:
+        if backend == "llama.cpp":
+            runs.append((backend, "auto", ["auto"]))
+        else:
+            runs += [(backend, q, compiles) for q in quantizes]
+    return runs
+
+
+def _cross_as_asked(loaded: dict[str | None, Any], methods: list[str]) -> dict[tuple[str | None, str], Any]:
+    """Each loaded pair under (draft model, method): a draft whose vocabulary differs once per
+    --cross-vocab method (its token map built once at load, the method decided again; ``auto``
+    resolves to one of the others and is not run twice), any other with method "". A method
+    asked for when no draft model has another vocabulary is an error, as with one draft."""
+    pairs: dict[tuple[str | None, str], Any] = {}
+    for m, p in loaded.items():
+        if m is None or p.cross is None:
+            pairs[(m, "")] = p
+            continue
+        for method in methods:
+            cross = CrossVocab.choose(p.cross.tokenizer, p.cross.vmap, p.cross.rows, method, m, p.verifier.source)
+            pairs.setdefault((m, cross.method), dataclasses.replace(p, cross=cross))
+    if methods != ["auto"] and all(cross == "" for _, cross in pairs):
+        raise ModelError(f"--cross-vocab {','.join(methods)}: every --draft model shares the verifier's vocabulary; "
+                         "drop --cross-vocab (it applies to a draft with another tokenizer)")
+    return pairs

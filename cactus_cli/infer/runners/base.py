@@ -1,0 +1,81 @@
+"""The one interface to a model, ``Runner``: ``forward`` new tokens and read logits, ``crop``
+back after a rejection, ``prefill`` a prompt, ``reserve`` room for a request. The engine and the
+drafters only ever call these; the helpers below are shared by the implementations."""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from cactus_cli.infer.sources import LoadedModel
+
+
+class Runner(Protocol):
+    """Everything the engine and the drafters use of a model runner."""
+
+    lm: LoadedModel  # the model, its device and dtype
+    vocab_size: int  # logits are cut to this many columns
+    compiled: bool
+    forward_passes: int  # model calls so far (prefills included)
+    compile_seconds: float  # spent compiling (0 for an eager runner); excluded from tokens/s
+
+    @property
+    def cache_len(self) -> int:
+        """Tokens in the KV cache."""
+
+    def forward(self, ids: torch.Tensor | list[int], keep: int) -> torch.Tensor:
+        """Append ``ids`` [L] to the cache; return the last ``keep`` logits rows [keep, V]."""
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` cached tokens."""
+
+    def reset(self) -> None:
+        """Forget the cache."""
+
+    def prefill(self, prompt: list[int], previous: list[int], reuse: bool) -> int:
+        """Make the cache hold ``prompt[:-1]``, keeping a prefix shared with ``previous`` when
+        ``reuse``; return the number of tokens kept."""
+
+    def reserve(self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None,
+                exact: bool = True) -> None:
+        """Room for ``tokens`` cached tokens and steps of these widths (compiling them, if compiled)."""
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def to_device(ids: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
+    """Token ids as an int64 tensor on ``device``. A host list is copied without blocking: a
+    blocking host-to-device copy waits for every kernel queued before it, a sync per call."""
+    if isinstance(ids, torch.Tensor):
+        return ids.to(device=device, dtype=torch.int64)
+    host = torch.tensor(ids, dtype=torch.int64)
+    return host.to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device, so a timer reads finished work (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prefill(runner: Runner, prompt: list[int], previous: list[int], reuse: bool) -> int:
+    """``Runner.prefill`` in terms of the runner's own forward / crop / reset (so a wrapper that
+    announces those calls announces a prefill too). With ``reuse``, the longest prefix ``prompt``
+    shares with ``previous`` (the sequence the cache was built from) is kept."""
+    keep = min(common_prefix(previous[: runner.cache_len], prompt), len(prompt) - 1) if reuse else 0
+    if keep:
+        runner.crop(keep)
+        keep = runner.cache_len  # (0 when a sliding window could not go back that far)
+    else:
+        runner.reset()
+    if len(prompt) - 1 > keep:
+        runner.forward(prompt[keep:-1], keep=1)
+    return keep

@@ -1,0 +1,262 @@
+"""The llama.cpp backend on tiny GGUF files written in-process (tests/gguf_helpers.py): the runner
+against a fresh full-sequence forward, greedy speculation equal to greedy plain decoding with
+every drafter, SpS lossless end to end, the backend choice, the token-id check, and bad files.
+Needs llama-cpp-python (the `demo` extra, which the README's test command installs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cactus_cli.core.errors import ContextLimitError, ModelError
+from cactus_cli.core.sampling import SamplingParams
+from cactus_cli.core.stats import SpecStats
+from cactus_cli.infer import gguf, models
+from cactus_cli.infer.draft import Lookup
+from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.runners import llama_cpp
+from cactus_cli.infer.runners.factory import make_runner
+from cactus_cli.infer.runners.llama_cpp import LlamaCppRunner
+from cactus_cli.infer.sources import Source
+from tests.gguf_helpers import write_tiny_gguf
+from tests.stats_helpers import assert_matches
+
+if gguf.available() is not None:
+    if os.environ.get("CI"):
+        raise RuntimeError(f"llama-cpp-python is missing in CI: {gguf.available()}")
+    pytest.skip(f"llama.cpp backend unavailable: {gguf.available()}", allow_module_level=True)
+
+GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+PROMPT = "the cat sat on the mat and then the cat sat"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("gguf")
+    return {"verifier": str(write_tiny_gguf(root / "verifier.gguf", seed=0)),
+            "close": str(write_tiny_gguf(root / "close.gguf", seed=0, noise=0.05)),
+            "other": str(write_tiny_gguf(root / "other.gguf", seed=7)),
+            "short": str(write_tiny_gguf(root / "short.gguf", seed=0, context=32))}
+
+
+@pytest.fixture(scope="module")
+def pairs(files):
+    def load(draft):
+        return load_pair(files["verifier"], files[draft] if draft else None, None, "cpu", "auto", backend="llama.cpp")
+
+    return {"close": load("close"), "other": load("other"), "alone": load(None)}
+
+
+def encode(pair, text=PROMPT) -> list[int]:
+    return list(pair.tokenizer(text)["input_ids"])
+
+
+def run(engine, ids, params):
+    stats, tokens = SpecStats(), []
+    for ev in engine.generate(ids, params):
+        stats.update(ev)
+        tokens += ev.emitted
+    return tokens, stats
+
+
+def full_logits(pair, ids: list[int]) -> torch.Tensor:
+    """Every position's logits from a fresh context, one forward."""
+    runner = LlamaCppRunner(pair.verifier, pair.vocab_size, pair.verifier.context_length)
+    return runner.forward(ids, len(ids)).clone()
+
+
+def test_the_pair_runs_on_llama_cpp_and_says_why(pairs):
+    pair = pairs["close"]
+    assert pair.verifier.backend == pair.draft.backend == "llama.cpp"
+    assert pair.backend_reason == "backend llama.cpp (asked for)"
+    assert "all F32" in pair.verifier.quantize_note and pair.verifier.quantize == "gguf"
+    assert isinstance(make_runner(pair.verifier, pair.vocab_size, False, 512, "verifier"), LlamaCppRunner)
+
+
+def test_forward_crop_reset_and_prefill_agree_with_one_full_forward(pairs):
+    pair = pairs["alone"]
+    ids = encode(pair)
+    full = full_logits(pair, ids)
+    runner = LlamaCppRunner(pair.verifier, pair.vocab_size, 512)
+    a = runner.forward(ids[:5], keep=5).clone()
+    b = runner.forward(torch.tensor(ids[5:]), keep=len(ids) - 5).clone()  # (ids as a tensor too)
+    assert runner.cache_len == len(ids) and runner.forward_passes == 2
+    torch.testing.assert_close(torch.cat([a, b]), full, atol=1e-4, rtol=1e-4)
+    runner.crop(7)  # back to 7 tokens, then the rest again: the same logits
+    assert runner.cache_len == 7
+    torch.testing.assert_close(runner.forward(ids[7:], keep=3), full[-3:], atol=1e-4, rtol=1e-4)
+    runner.reset()
+    assert runner.cache_len == 0
+    torch.testing.assert_close(runner.forward(ids, keep=1), full[-1:], atol=1e-4, rtol=1e-4)
+    # prefill keeps the prefix a new prompt shares with the last sequence, and only that
+    longer = ids + encode(pair, " and the dog")
+    kept = runner.prefill(longer, ids, reuse=True)
+    assert kept == len(ids) and runner.cache_len == len(longer) - 1
+    torch.testing.assert_close(runner.forward(longer[-1:], keep=1), full_logits(pair, longer)[-1:], atol=1e-4, rtol=1e-4)
+    assert runner.prefill(longer, ids, reuse=False) == 0 and runner.cache_len == len(longer) - 1
+
+
+def test_the_context_grows_with_the_request_and_keeps_the_cache(pairs, monkeypatch):
+    monkeypatch.setattr(llama_cpp, "FIRST_CONTEXT", 16)
+    monkeypatch.setattr(llama_cpp, "MAX_OUTPUTS", 2)
+    pair = pairs["alone"]
+    ids = (encode(pair) * 30)[:400]
+    full = full_logits(pair, ids)
+    runner = LlamaCppRunner(pair.verifier, pair.vocab_size, 512)
+    first = runner.n_ctx  # (llama.cpp rounds a context up to 256)
+    runner.forward(ids[:350], keep=1)
+    rows = runner.forward(ids[350:], keep=50)  # past the first context and past the outputs it was made for
+    assert runner.n_ctx > first and runner.cache_len == 400
+    # (hundreds of positions in float16 KV, batched in other splits: equal up to rounding, same argmax)
+    torch.testing.assert_close(rows, full[350:], atol=0.1, rtol=0.01)
+    assert torch.equal(rows.argmax(-1), full[350:].argmax(-1))
+    runner.reserve(10_000)  # (room is capped at the model's window: the engine stops there)
+    with pytest.raises(ContextLimitError, match="600 tokens do not fit the model's context window of 512"):
+        runner.forward(ids[:200], keep=1)
+    assert runner.cache_len == 400
+
+
+@pytest.mark.parametrize("k", [1, 4, "auto"])
+@pytest.mark.parametrize("draft", ["close", "other", "ngram", "suffix"])
+def test_greedy_speculative_equals_greedy_plain_decoding(pairs, draft, k):
+    model = pairs["alone"] if draft in ("ngram", "suffix") else pairs[draft]
+    engine = SpeculativeEngine(model, Lookup(draft) if draft in ("ngram", "suffix") else None)
+    plain = SpeculativeEngine(pairs["alone"])
+    ids = encode(model)
+    n = 40
+    params = GenerationParams(sampling=GREEDY, num_draft_tokens=8 if k == "auto" else k, adaptive_k=k == "auto",
+                              max_tokens=n, ignore_eos=True)
+    expected, _ = run(plain, ids, GenerationParams(sampling=GREEDY, num_draft_tokens=0, max_tokens=n, ignore_eos=True))
+    for _ in range(2):  # twice: the second run of the suffix drafter drafts from the first's answer
+        tokens, stats = run(engine, ids, params)
+        assert tokens == expected
+    if draft == "close" and k == 4:
+        assert stats.num_accepted_tokens > 0  # the pair does speculate
+
+
+def test_sps_on_llama_cpp_reproduces_the_verifier_distribution_of_two_tokens(pairs):
+    # The first two generated tokens' joint distribution over many seeds must equal the verifier's
+    # exact one (top-k 3 sampling: 9 cells), computed from one-row forwards of a fresh context.
+    # N = 1500 runs; L1 bound at false-failure odds 1e-4 (the torch runners' test, same odds).
+    from cactus_cli.core.sampling import probs_from_logits
+
+    pair = pairs["other"]
+    sp = SamplingParams(temperature=1.5, top_k=3, top_p=1.0)
+    ids = encode(pair, "the dog")
+    q1 = probs_from_logits(full_logits(pair, ids)[-1], sp).double()
+    exact = {}
+    for t1 in q1.nonzero().flatten().tolist():
+        q2 = probs_from_logits(full_logits(pair, ids + [t1])[-1], sp).double()
+        for t2 in q2.nonzero().flatten().tolist():
+            exact[(t1, t2)] = (q1[t1] * q2[t2]).item()
+    cells = sorted(exact)
+    index = {c: i for i, c in enumerate(cells)}
+    engine = SpeculativeEngine(pair)
+    samples = []
+    for seed in range(1500):
+        params = GenerationParams(sampling=sp, rule="sps", num_draft_tokens=2, max_tokens=2, ignore_eos=True, seed=seed)
+        tokens, _ = run(engine, ids, params)
+        samples.append(index[tuple(tokens[:2])])  # KeyError = a token the verifier cannot emit
+    assert_matches(torch.tensor(samples), torch.tensor([exact[c] for c in cells]), false_failure_odds=1e-4)
+
+
+def test_the_same_file_on_torch_gives_nearly_the_same_logits(files, pairs):
+    """transformers reads the same GGUF: the two backends compute one model (llama.cpp keeps its
+    KV cache in float16, hence the tolerance) and pick the same greedy tokens."""
+    pair = pairs["alone"]
+    ids = encode(pair)
+    on_torch = load_pair(files["verifier"], None, None, "cpu", "float32", backend="torch")
+    assert on_torch.backend_reason == "backend torch (asked for)"
+    with torch.no_grad():
+        theirs = on_torch.verifier.model(torch.tensor([ids])).logits[0, :, : pair.vocab_size]
+    ours = full_logits(pair, ids)
+    assert (theirs - ours).abs().max() < 0.05 * ours.abs().max()
+    assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
+
+
+def test_auto_picks_llama_cpp_for_gguf_on_a_cpu_and_torch_otherwise(files, tiny, monkeypatch):
+    g = Source("gguf", files["verifier"])
+    cpu = torch.device("cpu")
+    assert models.choose_backend("auto", [("v", g)], cpu, "auto", "auto", "auto", 1)[0] == "llama.cpp"
+    assert models.choose_backend("auto", [("v", g)], cpu, "none", "auto", "auto", 1)[0] == "llama.cpp"
+    folder = Source("folder", tiny["verifier"])
+    assert models.choose_backend("auto", [("v", g), ("d", folder)], cpu, "auto", "auto", "auto", 1) == (
+        "torch", "backend auto: torch (d is a folder, not a GGUF file)")
+    for args, flag in (((cpu, "int8", "auto", "auto", 1), "--quantize int8"), ((cpu, "auto", "float32", "auto", 1), "--dtype float32"),
+                       ((cpu, "auto", "auto", "on", 1), "--compile on"), ((cpu, "auto", "auto", "auto", 2), "--tp 2")):
+        assert models.choose_backend("auto", [("v", g)], *args) == ("torch", f"backend auto: torch ({flag} is a torch setting)")
+        with pytest.raises(ModelError, match=f"^{flag} does not apply to the llama.cpp backend"):
+            models.choose_backend("llama.cpp", [("v", g)], *args)
+    with pytest.raises(ModelError, match="runs GGUF files .* is a folder; use --backend torch"):
+        models.choose_backend("llama.cpp", [("v", folder)], cpu, "auto", "auto", "auto", 1)
+    monkeypatch.setattr(gguf, "available", lambda: "the llama.cpp backend needs llama-cpp-python (...); install it")
+    backend, why = models.choose_backend("auto", [("v", g)], cpu, "auto", "auto", "auto", 1)
+    assert backend == "torch" and why.startswith("backend auto: torch, llama.cpp is not available: ")
+    with pytest.raises(ModelError, match="needs llama-cpp-python"):
+        models.choose_backend("llama.cpp", [("v", g)], cpu, "auto", "auto", "auto", 1)
+
+
+def test_a_tokenizer_that_gives_other_ids_is_refused_at_load(files, tiny, monkeypatch):
+    with pytest.raises(ModelError, match="do not share a vocabulary"):  # another vocabulary: the --tokenizer check
+        load_pair(files["verifier"], None, tiny["verifier"], "cpu", "auto", backend="llama.cpp")
+    # the same vocabulary, other ids for the probe text (llama.cpp's tokenizer would split it otherwise)
+    real = gguf.GGUFModel.tokenize
+    monkeypatch.setattr(gguf.GGUFModel, "tokenize", lambda self, text: real(self, text)[:-2] + real(self, text)[-1:])
+    with pytest.raises(ModelError, match=r"verifier .*: llama.cpp's vocabulary and the tokenizer give different token "
+                                         r"ids for the same text \(first at token \d+"):
+        load_pair(files["verifier"], None, None, "cpu", "auto", backend="llama.cpp")
+
+
+def cactus(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cactus_cli", *args], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+
+def test_generate_json_says_which_backend_ran_and_why(files):
+    r = cactus("generate", PROMPT, "--verifier", files["verifier"], "--draft", files["close"], "-n", "12", "-t", "0",
+               "-k", "4", "--json", "--threads", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(r.stdout)["settings"]
+    assert (s["backend"], s["backend_resolved"], s["threads"]) == ("auto", "llama.cpp", 1)
+    assert s["backend_reason"] == "backend auto: llama.cpp (GGUF files on a CPU)"
+    r = cactus("generate", PROMPT, "--verifier", files["verifier"], "--backend", "llama.cpp", "--quantize", "w8a8")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "error: --quantize w8a8 does not apply to the llama.cpp backend (it runs the GGUF's own quantization on the CPU); "
+        "drop it, or use --backend torch")
+
+
+def test_bench_runs_both_backends_side_by_side_each_with_its_own_baseline(files):
+    r = cactus("bench", "--verifier", files["verifier"], "--draft", files["close"], "--backend", "torch,llama.cpp",
+               "--rules", "sps", "-k", "2", "--limit", "1", "-n", "8", "--json", "--dtype", "auto", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout)["results"]
+    assert [(row["backend"], row["kind"]) for row in rows] == [
+        ("torch", "autoregressive"), ("torch", "speculative"), ("llama.cpp", "autoregressive"), ("llama.cpp", "speculative")]
+    assert len({row["config"] for row in rows}) == 4
+
+
+@pytest.mark.parametrize("damage", ["random bytes", "truncated", "unknown architecture"])
+def test_a_bad_gguf_is_one_line(files, tmp_path, damage):
+    bad = tmp_path / "bad.gguf"
+    if damage == "random bytes":
+        bad.write_bytes(os.urandom(4096))
+    elif damage == "truncated":
+        bad.write_bytes(Path(files["verifier"]).read_bytes()[:200_000])
+    else:
+        write_tiny_gguf(bad, architecture="nosucharch")
+    r = cactus("generate", "hi", "--verifier", str(bad), "--backend", "llama.cpp", "-n", "4")
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert "Traceback" not in r.stderr and lines[-1].startswith("error: ") and str(bad) in lines[-1], lines[-3:]
+
+
+def test_a_prompt_longer_than_the_context_is_one_line(files):
+    r = cactus("generate", "the cat sat on the mat " * 20, "--verifier", files["short"], "--backend", "llama.cpp", "-n", "4")
+    assert r.returncode == 2 and "context window is 32" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
