@@ -108,9 +108,9 @@ def test_configurations_run_prompt_by_prompt(tiny, monkeypatch):
     # all configurations on prompt 1, then all on prompt 2: machine drift moves every row alike
     real, order = bench_mod.run_one, []
 
-    def record(engine, cfg, i, ids, base):
+    def record(engine, cfg, i, ids, base, *rest):
         order.append((i, cfg.label))
-        return real(engine, cfg, i, ids, base)
+        return real(engine, cfg, i, ids, base, *rest)
 
     monkeypatch.setattr(bench_mod, "run_one", record)
     assert bench(tiny, "--rules", "sps", "-k", "1,2").exit_code == 0

@@ -22,8 +22,8 @@ from cactus_cli.infer.draft import Lookup
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
 from cactus_cli.infer.runners import compiled as runners
-from cactus_cli.infer.runners.compiled import CompiledLM, compile_problem
 from cactus_cli.infer.runners import sharded as distributed
+from cactus_cli.infer.runners.compiled import CompiledLM, compile_problem
 from tests.test_engine import prompt_ids
 
 needs_compiler = pytest.mark.skipif(compile_problem(torch.device("cpu")) is not None, reason="no torch.compile here")

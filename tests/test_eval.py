@@ -89,9 +89,9 @@ def test_eval_and_bench_share_one_grid_runner(tiny, monkeypatch):
     calls = []
     real = bench_mod.run_grid
 
-    def record(engines, grid, prompts, base, on_run, sink, grade=None):
+    def record(engines, grid, prompts, base, on_run, sink, grade=None, *rest):
         calls.append(grade is not None)
-        return real(engines, grid, prompts, base, on_run, sink, grade)
+        return real(engines, grid, prompts, base, on_run, sink, grade, *rest)
 
     monkeypatch.setattr(bench_mod, "run_grid", record)
     assert cli.invoke(app, ["bench", *pair_args(tiny), "--rules", "sps", "-k", "2", "--limit", "1", "-n", "4"]).exit_code == 0

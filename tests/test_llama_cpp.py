@@ -260,3 +260,22 @@ def test_a_bad_gguf_is_one_line(files, tmp_path, damage):
 def test_a_prompt_longer_than_the_context_is_one_line(files):
     r = cactus("generate", "the cat sat on the mat " * 20, "--verifier", files["short"], "--backend", "llama.cpp", "-n", "4")
     assert r.returncode == 2 and "context window is 32" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+
+
+def test_without_the_bindings_auto_runs_a_gguf_on_torch_and_says_how_to_install_them(files, monkeypatch):
+    monkeypatch.setattr(gguf, "available", lambda: gguf.INSTALL_HINT)
+    said = []
+
+    class Reporter:
+        def task(self, description, total=None):
+            return lambda n: None
+
+        def done(self, description):
+            pass
+
+        def warn(self, message):
+            said.append(message)
+
+    pair = load_pair(files["verifier"], None, None, "cpu", "auto", Reporter(), backend="auto")
+    assert pair.verifier.backend == "torch" and pair.backend_reason.startswith("backend auto: torch, llama.cpp is not")
+    assert said == [f"running the GGUF on torch (converted once, slower on a CPU): {gguf.INSTALL_HINT}"]

@@ -4,7 +4,9 @@
    per step, the realized KL(h_alg || q) per position, and the verifier log-likelihood of the
    generated tokens relative to SpS (delta = 0 is always in the sweep).
 2. Choose the largest delta whose mean realized KL is within --max-divergence (and whose
-   log-likelihood drop is within --max-quality-drop, when given).
+   log-likelihood drop is within --max-quality-drop, when given; and, with --tasks, whose
+   accuracy drop against delta = 0, paired over the same problems, is within
+   --max-accuracy-drop points).
 3. Rank the candidate k with the engine's own cost model (costs.py: draft seconds per token and
    verifier seconds per width t_v(w), measured on this machine) and the chosen delta's `a`; time the
    verifier alone, the best few k and `-k auto` with the meter off, and keep the fastest. When
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from cactus_cli.app.grid import BenchConfig, ConfigResult, run_speculative
+from cactus_cli.app.grid import BenchConfig, ConfigResult, Grade, run_speculative
 from cactus_cli.app.profiles import (
     builtin_profile_dir,
     find_profile,
@@ -27,6 +29,7 @@ from cactus_cli.app.profiles import (
     user_profile_dir,
 )
 from cactus_cli.app.settings import Settings, check_each
+from cactus_cli.app.tasks import paired_difference
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.fileio import check_output_file, write_or_fail
 from cactus_cli.infer.costs import CostModel, tokens_per_second
@@ -51,10 +54,15 @@ class DeltaPoint:
     delta: float
     result: ConfigResult
 
-    def row(self, ref_loglik: float | None) -> dict[str, Any]:
+    def row(self, ref_loglik: float | None, ref: ConfigResult | None = None) -> dict[str, Any]:
         m = self.result.metrics()
         ll = m["mean_verifier_loglik"]
-        return {"delta": self.delta, "acceptance_rate": m["draft_acceptance_rate"],
+        graded = {}
+        if self.result.graded:  # --tasks: accuracy, and its change from delta = 0 over the same problems
+            d, lo, hi, n = paired_difference(self.result.pass_rates(), ref.pass_rates())
+            graded = {"accuracy": self.result.correct / self.result.graded, "accuracy_vs_sps": d,
+                      "accuracy_vs_sps_ci95": [lo, hi], "problems": n}
+        return {**graded, "delta": self.delta, "acceptance_rate": m["draft_acceptance_rate"],
                 "per_token_acceptance": m["per_token_acceptance"],
                 "mean_accepted_tokens_per_step": m["mean_accepted_tokens_per_step"],
                 "tokens_per_second_metered": m["tokens_per_second"], "realized_kl_mean": m["realized_kl_mean"],
@@ -77,13 +85,18 @@ class Calibration:
     reason: str = ""
     advice: str = ""  # said plainly when speculation with this draft does not pay here
 
-def choose_delta(rows: list[dict[str, Any]], max_divergence: float, max_quality_drop: float | None) -> tuple[float, str]:
+def choose_delta(rows: list[dict[str, Any]], max_divergence: float, max_quality_drop: float | None,
+                 max_accuracy_drop: float | None = None) -> tuple[float, str]:
+    """The largest delta within every constraint given; ``max_accuracy_drop`` in points of
+    accuracy (the paired difference from delta = 0, its point estimate)."""
     ok = []
     for r in rows:
         kl = r["realized_kl_mean"]
         if kl is None or kl > max_divergence:
             continue
         if max_quality_drop is not None and (r["loglik_vs_sps"] or 0.0) < -max_quality_drop:
+            continue
+        if max_accuracy_drop is not None and 100 * r.get("accuracy_vs_sps", 0.0) < -max_accuracy_drop:
             continue
         ok.append(r["delta"])
     if not ok:
@@ -92,6 +105,8 @@ def choose_delta(rows: list[dict[str, Any]], max_divergence: float, max_quality_
     why = f"largest delta with mean realized KL <= {max_divergence:g}"
     if max_quality_drop is not None:
         why += f" and log-likelihood drop <= {max_quality_drop:g} nats/token"
+    if max_accuracy_drop is not None:
+        why += f" and accuracy drop <= {max_accuracy_drop:g} points (paired, vs delta = 0)"
     return best, why
 
 def validate(settings: Settings, deltas: list[float], ks: list[int]) -> None:
@@ -108,7 +123,9 @@ def sweep_k(settings: Settings, ks: list[int]) -> int:
     return min(ks, key=lambda k: (abs(k - want), k))
 
 def run(engine, settings: Settings, prompts, base, deltas: list[float], ks: list[int], max_divergence: float,
-        max_quality_drop: float | None, on_prompt: Callable[[str], None]) -> Calibration:
+        max_quality_drop: float | None, on_prompt: Callable[[str], None], grade: Grade | None = None,
+        max_accuracy_drop: float | None = None) -> Calibration:
+    """``grade``: the prompts are tasks (--tasks), each delta's answers graded."""
     validate(settings, deltas, ks)
     k0 = sweep_k(settings, ks)
     cal = Calibration(rule=settings.rule, k0=k0)
@@ -116,9 +133,9 @@ def run(engine, settings: Settings, prompts, base, deltas: list[float], ks: list
 
     # 1. delta sweep at k0, meter on; 2. delta from the constraints
     points = _sweep_deltas(engine, settings.rule, k0, extra, prompts, replace(base, measure=True),
-                           sorted(set([0.0] + list(deltas))), on_prompt)
-    cal.deltas = [pt.row(points[0].result.stats.mean_verifier_loglik) for pt in points]
-    cal.chosen_delta, cal.reason = choose_delta(cal.deltas, max_divergence, max_quality_drop)
+                           sorted(set([0.0] + list(deltas))), on_prompt, grade)
+    cal.deltas = [pt.row(points[0].result.stats.mean_verifier_loglik, points[0].result) for pt in points]
+    cal.chosen_delta, cal.reason = choose_delta(cal.deltas, max_divergence, max_quality_drop, max_accuracy_drop)
     chosen = next(pt for pt in points if pt.delta == cal.chosen_delta)
 
     # 3. k: the measured cost model ranks, then tokens/s with the meter off decides
@@ -135,12 +152,12 @@ def run(engine, settings: Settings, prompts, base, deltas: list[float], ks: list
 
 
 def _sweep_deltas(engine, rule: str, k0: int, extra: dict[str, Any], prompts, metered, deltas: list[float],
-                  on_prompt: Callable[[str], None]) -> list[DeltaPoint]:
+                  on_prompt: Callable[[str], None], grade: Grade | None = None) -> list[DeltaPoint]:
     points: list[DeltaPoint] = []
     for d in deltas:
         cfg = BenchConfig("speculative", rule, k0, {**extra, "delta": d})
         sink: list[ConfigResult] = []
-        run_speculative(engine, cfg, prompts, metered, lambda d=d: on_prompt(f"delta={d:g} k={k0}"), sink)
+        run_speculative(engine, cfg, prompts, metered, lambda d=d: on_prompt(f"delta={d:g} k={k0}"), sink, grade)
         points.append(DeltaPoint(d, sink[0]))
     return points
 
@@ -186,13 +203,14 @@ def _choose_k(cal: Calibration, costs: CostModel, chosen: DeltaPoint, ks: list[i
 
 
 def document(cal: Calibration, settings: Settings, prompts, max_divergence: float,
-             max_quality_drop: float | None, env: dict[str, Any]) -> dict[str, Any]:
+             max_quality_drop: float | None, env: dict[str, Any], max_accuracy_drop: float | None = None) -> dict[str, Any]:
     return {
         "schema_version": 1,
         "rule": cal.rule,
         "chosen": {"delta": cal.chosen_delta, "num_draft_tokens": cal.chosen_k, "reason": cal.reason,
                    "advice": cal.advice},
-        "constraints": {"max_divergence": max_divergence, "max_quality_drop": max_quality_drop},
+        "constraints": {"max_divergence": max_divergence, "max_quality_drop": max_quality_drop,
+                        "max_accuracy_drop": max_accuracy_drop},
         "delta_sweep": {"k": cal.k0, "rows": cal.deltas},
         "k_sweep": {"delta": cal.chosen_delta, "cost_ratio": cal.cost_ratio,
                     "verify_cost_by_width": cal.verify_cost_by_width,

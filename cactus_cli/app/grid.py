@@ -5,29 +5,21 @@ parses what users type)."""
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import io
-import json
-import platform
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from cactus_cli import __version__
 from cactus_cli.app.prompts import Prompt
 from cactus_cli.app.settings import check_each, parse_list
-from cactus_cli.app.tasks import wilson
 from cactus_cli.core.acceptance import RULES, resolve_params
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.stats import SpecStats, summarize
-from cactus_cli.infer.devices import device_name
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.runners.base import sync
-
-SCHEMA_VERSION = 1
+from cactus_cli.infer.text import trim_stop
 
 
 @dataclass(frozen=True)
@@ -145,6 +137,7 @@ class ConfigResult:
             "num_output_tokens": s.num_output_tokens,
             "total_seconds": s.total_seconds,
             "tokens_per_second": tps,
+            "decode_tokens_per_second": s.decode_tokens_per_second,  # (after each prompt's prefill)
             "ms_per_output_token": 1000 / tps if tps else None,
             "mean_accepted_tokens_per_step": s.mean_accepted_tokens_per_step,
             "mean_acceptance_length": s.mean_acceptance_length,
@@ -167,6 +160,7 @@ class ConfigResult:
         }
 
     def add(self, prompt: Prompt, s: SpecStats, verdict: tuple[bool, str | None] | None = None) -> None:
+        """One generation (a problem may have several: --samples); its verdict if graded."""
         self.stats.merge(s)
         self.by_category.setdefault(prompt.category, SpecStats()).merge(s)
         self.prompts_done += 1
@@ -176,50 +170,95 @@ class ConfigResult:
             self.correct += int(ok)
             self.answers.append({"id": prompt.id, "category": prompt.category, "answer": given, "correct": ok})
 
+    def pass_rates(self) -> dict[str, float]:
+        """Per problem, the share of its samples graded correct (pass@1, unbiased for n samples)."""
+        by: dict[str, list[bool]] = {}
+        for a in self.answers:
+            by.setdefault(a["id"], []).append(a["correct"])
+        return {k: sum(v) / len(v) for k, v in by.items()}
 
-def run_one(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int],
-            base: GenerationParams) -> tuple[SpecStats, str]:
-    """One configuration on prompt ``i`` (seed = base seed + i, so every configuration sees the
-    same seeds): its stats and the text it generated."""
+
+Grade = Callable[[Prompt, list[str]], list[tuple[bool, str | None]]]  # a problem's texts -> (correct, the answer given)
+SAMPLE_STRIDE = 1_000_003  # eval --samples: sample s of prompt i is seeded base + i + s * this
+
+
+def run_one(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int], base: GenerationParams,
+            stop: tuple[str, ...] = (), sample: int = 0) -> tuple[SpecStats, str]:
+    """One configuration on prompt ``i`` (seed = base seed + i, + SAMPLE_STRIDE per further
+    sample, so every configuration sees the same seeds): its stats and the text it generated;
+    ``stop``: where this prompt's answer ends."""
     if cfg.kind == "hf-assisted":
         return _one_hf(engine, cfg, i, ids, base)
     params = dataclasses.replace(base, rule=cfg.rule or "sps", rule_kwargs=cfg.rule_kwargs, num_draft_tokens=cfg.k,
-                                 adaptive_k=cfg.adaptive, ignore_eos=False, seed=base.seed + i,
+                                 adaptive_k=cfg.adaptive, ignore_eos=False, seed=base.seed + i + sample * SAMPLE_STRIDE,
+                                 stop=base.stop + tuple(stop),
                                  memory=cfg.label)  # (a drafter with memory learns from this row's own answers only)
     s, text = SpecStats(), []
     for ev in engine.generate(ids, params):
         s.update(ev)
         text.append(ev.text)
-    return s, "".join(text)
+    out = "".join(text)
+    return s, trim_stop(out, params.stop) if s.finish_reason == "stop" else out
 
 
 def run_speculative(engine: SpeculativeEngine, cfg: BenchConfig, prompts: list[tuple[Prompt, list[int]]],
-                    base: GenerationParams, on_prompt: Callable[[], None], sink: list[ConfigResult]) -> None:
-    """Run one configuration over every prompt. The result goes into ``sink`` before the first
-    prompt, so an interrupted run keeps the prompts that finished."""
+                    base: GenerationParams, on_prompt: Callable[[], None], sink: list[ConfigResult],
+                    grade: Grade | None = None) -> None:
+    """Run one configuration over every prompt (graded, with ``grade``). The result goes into
+    ``sink`` before the first prompt, so an interrupted run keeps the prompts that finished."""
     result = ConfigResult(cfg, SpecStats(), {}, 0)
     sink.append(result)
     for i, (prompt, ids) in enumerate(prompts):
-        result.add(prompt, run_one(engine, cfg, i, ids, base)[0])
+        stats, text = run_one(engine, cfg, i, ids, base, prompt.stop)
+        result.add(prompt, stats, grade(prompt, [text])[0] if grade is not None else None)
         on_prompt()
+
+
+@dataclass
+class Generated:
+    """One generation of one configuration on one problem (what eval --resume keeps)."""
+
+    label: str
+    stats: SpecStats
+    text: str
+    verdict: tuple[bool, str | None] | None = None
 
 
 def run_grid(engines: dict[Any, SpeculativeEngine], grid: list[BenchConfig], prompts: list[tuple[Prompt, list[int]]],
              base: GenerationParams, on_run: Callable[[BenchConfig], None], sink: list[ConfigResult],
-             grade: Callable[[Prompt, str], tuple[bool, str | None]] | None = None) -> None:
+             grade: Grade | None = None, samples: int = 1, done: dict[str, list[Generated]] | None = None,
+             on_problem: Callable[[Prompt, list[Generated]], None] | None = None) -> None:
     """Every configuration on every prompt, prompt by prompt (all configurations on prompt 1, then
     prompt 2, ...): a machine that speeds up or slows down during a long run (another tenant,
     heat) then moves every row alike instead of favouring whichever ran in its fast minutes.
     Results go into ``sink`` first, so an interrupted run keeps what finished. ``engines`` maps
-    each configuration's ``variant`` to the engine that runs it. With ``grade`` (eval), each
-    generated text is graded against its prompt's answer."""
+    each configuration's ``variant`` to the engine that runs it. With ``grade`` (eval), a
+    problem's texts (``samples`` per configuration) are graded together once they are all
+    generated, outside the timed region (code checks run in parallel). ``done`` (eval
+    --resume): problems finished in an earlier sitting, taken as they were; ``on_problem``
+    hears of each problem finished now."""
     results = [ConfigResult(cfg, SpecStats(), {}, 0) for cfg in grid]
     sink.extend(results)
+    by_label = {r.config.label: r for r in results}
     for i, (prompt, ids) in enumerate(prompts):
+        if done and prompt.id in done:
+            for g in done[prompt.id]:
+                by_label[g.label].add(prompt, g.stats, g.verdict)
+            continue
+        made: list[tuple[ConfigResult, Generated]] = []
         for result in results:
-            stats, text = run_one(engines[result.config.variant], result.config, i, ids, base)
-            result.add(prompt, stats, grade(prompt, text) if grade is not None else None)
-            on_run(result.config)
+            for sample in range(samples):
+                stats, text = run_one(engines[result.config.variant], result.config, i, ids, base, prompt.stop, sample)
+                made.append((result, Generated(result.config.label, stats, text)))
+                if grade is None:  # (bench: kept at once, so Ctrl-C keeps it; eval keeps whole graded problems)
+                    result.add(prompt, stats)
+                on_run(result.config)
+        if grade is not None:
+            for (result, g), verdict in zip(made, grade(prompt, [g.text for _, g in made])):
+                g.verdict = verdict
+                result.add(prompt, g.stats, verdict)
+        if on_problem is not None:
+            on_problem(prompt, [g for _, g in made])
 
 
 def _one_hf(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int],
@@ -263,108 +302,6 @@ def warm_up(engine: SpeculativeEngine, ids: list[int], base: GenerationParams, k
                                   learn=False)
         for _ in engine.generate(ids, params):
             pass
-
-
-def environment(engine: SpeculativeEngine, settings: dict[str, Any]) -> dict[str, Any]:
-    import transformers
-
-    dev = engine.pair.verifier.device
-    on_llama = engine.pair.verifier.backend == "llama.cpp"
-    return {
-        "cactus": __version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "llama_cpp_python": _version("llama-cpp-python"),
-        "backend": engine.pair.verifier.backend,
-        "llama_cpp_threads": engine.pair.verifier.model.threads if on_llama else None,
-        "platform": platform.platform(),
-        "device": str(dev),
-        "device_name": device_name(dev),  # the GPU, or the CPU model and the flags that decide matmul speed
-        "cpu_threads": torch.get_num_threads(),
-        "dtype": str(engine.pair.verifier.dtype).removeprefix("torch."),
-        "quantized": engine.pair.verifier.quantize_note or None,  # what ran ("int4 weights (N layers, M in int8)")
-        "verifier": settings.get("verifier"),
-        "draft": settings.get("draft"),
-        "cross_vocab": engine.pair.cross.method if engine.pair.cross else None,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-
-
-def _version(distribution: str) -> str | None:
-    """An installed distribution's version (without importing it), or None."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return None
-
-
-def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[str, Any],
-             prompts: list[Prompt], interrupted: bool, cost_model: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The --json document (schema_version 1): one row per configuration, baseline first."""
-    results = [r for r in results if r.prompts_done]
-    base = next((r for r in results if r.config.kind == "autoregressive"), None)
-    base_tps = base.stats.tokens_per_second if base else None
-    hf = {r.config.k: r.stats.tokens_per_second for r in results if r.config.kind == "hf-assisted"}
-    rows = []
-    for r in results:
-        m = r.metrics()
-        tps = m["tokens_per_second"]
-        alone = r.config.kind == "autoregressive"  # (the baseline runs on the first variant's engine, with no draft)
-        row = {"config": r.config.label, "kind": r.config.kind, "rule": r.config.rule, "backend": r.config.backend,
-               "compiled": r.config.compiled,
-               "quantize": r.config.quantize, "draft": None if alone else r.config.draft,
-               "cross_vocab": None if alone else r.config.cross or None,
-               "k": "auto" if r.config.adaptive else r.config.k, "max_draft_tokens": r.config.k if r.config.adaptive else None,
-               "rule_params": r.config.rule_kwargs, "prompts": r.prompts_done, **m,
-               "speedup": tps / base_tps if tps and base_tps else None,
-               "tokens_per_second_vs_hf": (tps / hf[r.config.k] if r.config.kind == "speculative"
-                                           and not r.config.adaptive and hf.get(r.config.k) and tps else None),
-               "by_category": {}}
-        if r.graded:  # eval: accuracy with its 95% Wilson interval
-            lo, hi = wilson(r.correct, r.graded)
-            row.update(problems=r.graded, correct=r.correct, accuracy=r.correct / r.graded,
-                       accuracy_ci95_low=lo, accuracy_ci95_high=hi, answers=r.answers)
-        for cat, s in sorted(r.by_category.items()):
-            cm = r.metrics(s)
-            base_cat = base.by_category.get(cat) if base else None
-            btps = base_cat.tokens_per_second if base_cat else None
-            row["by_category"][cat] = {
-                "tokens_per_second": cm["tokens_per_second"],
-                "mean_accepted_tokens_per_step": cm["mean_accepted_tokens_per_step"],
-                "draft_acceptance_rate": cm["draft_acceptance_rate"],
-                "speedup": cm["tokens_per_second"] / btps if cm["tokens_per_second"] and btps else None,
-            }
-            graded = [a["correct"] for a in r.answers if a["category"] == cat]
-            if graded:
-                row["by_category"][cat]["accuracy"] = sum(graded) / len(graded)
-        rows.append(row)
-    return {"schema_version": SCHEMA_VERSION, "interrupted": interrupted, "environment": env,
-            "settings": settings, "prompts": [p.id for p in prompts], "results": rows, "cost_model": cost_model}
-
-
-CSV_COLUMNS = ["config", "kind", "rule", "k", "backend", "quantize", "compiled", "draft", "cross_vocab", "prompts", "problems", "correct", "accuracy",
-               "accuracy_ci95_low", "accuracy_ci95_high", "num_output_tokens", "total_seconds", "tokens_per_second",
-               "ms_per_output_token", "speedup", "tokens_per_second_vs_hf", "mean_accepted_tokens_per_step",
-               "mean_acceptance_length", "draft_acceptance_rate", "per_token_acceptance",
-               "verifier_forward_passes_per_token", "mean_k",
-               "time_to_first_token", "realized_kl_mean", "realized_kl_p90", "realized_tv_mean",
-               "mean_verifier_loglik", "rule_params", "acceptance_histogram", "k_histogram", "per_position_acceptance_rate"]
-
-
-def csv_text(doc: dict[str, Any]) -> str:
-    """One row per configuration; lists and mappings as JSON text."""
-    def cell(v):
-        return json.dumps(v) if isinstance(v, (dict, list)) else ("" if v is None else v)
-
-    buf = io.StringIO()
-    w = csv.writer(buf)
-    w.writerow(CSV_COLUMNS)
-    for row in doc["results"]:
-        w.writerow([cell(row.get(c)) for c in CSV_COLUMNS])
-    return buf.getvalue()
 
 
 def parse_drafts(text: str) -> list[str]:

@@ -18,6 +18,13 @@ class Prompt:
     category: str
     prompt: str
     where: str = ""  # "FILE:LINE" for prompts read from a file, for error messages
+    reply: str = ""  # the start of the model's reply, written for it (after the chat template)
+    stop: tuple[str, ...] = ()  # where its answer ends, beyond the run's own stop strings
+
+    def protocol(self, chat: bool) -> "Prompt":
+        """This prompt as the model gets it, with or without a chat template: as it is (code
+        tasks say more: tasks.py)."""
+        return self
 
 _BUILTIN = {
     "code": [

@@ -163,10 +163,15 @@ def encode(tokenizer: Any, messages: list[dict[str, str]] | str, use_template: b
 
 
 def encode_prompts(engine: SpeculativeEngine, prompts: list, use_template: bool | None) -> list[tuple[Any, list[int]]]:
-    """Encode a prompt set, checking now (before a long run) that each one fits the context."""
+    """Encode a prompt set as each prompt asks to be given (``Prompt.protocol``: a code task with
+    a chat template starts the reply too), checking now (before a long run) that each fits."""
+    tok = engine.pair.tokenizer
+    chat = bool(use_template) or (use_template is None and bool(getattr(tok, "chat_template", None)))
     out = []
     for p in prompts:
-        ids = encode(engine.pair.tokenizer, p.prompt, use_template)
+        p = p.protocol(chat)
+        ids = encode(tok, p.prompt, use_template) + (list(tok(p.reply, add_special_tokens=False)["input_ids"])
+                                                    if p.reply else [])
         if len(ids) >= engine.context_length:
             where = f"{p.where}: " if p.where else ""
             raise ConfigError(f"{where}prompt {p.id!r} is {len(ids)} tokens but the context window is "

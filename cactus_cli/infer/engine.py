@@ -29,7 +29,7 @@ from cactus_cli.infer.policy import AdaptiveK, FixedK, KPolicy, acceptance_key
 from cactus_cli.infer.runners.base import Runner, sync, to_device
 from cactus_cli.infer.runners.compiled import CompileUnavailable
 from cactus_cli.infer.runners.factory import make_runner
-from cactus_cli.infer.sources import ModelPair
+from cactus_cli.infer.sources import ModelPair, eos_ids
 from cactus_cli.infer.text import TextStream
 
 
@@ -49,17 +49,6 @@ class GenerationParams:
     measure: bool = False  # the divergence meter: realized KL/TV per position, verifier log-likelihood
     learn: bool = True  # teach the cost store this run's step costs and a drafter's history this sequence (a warm-up does not)
     memory: str = ""  # which history a drafter with memory reads and extends (bench: one per configuration)
-
-
-def eos_ids(pair: ModelPair) -> set[int]:
-    ids: set[int] = set()
-    for source in (pair.tokenizer, getattr(pair.verifier.model, "generation_config", None)):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return ids
 
 
 DRAFT_WIDTHS = (1, 2)  # the draft's compiled steps: one token, or the last draft + the bonus after a full acceptance
@@ -117,7 +106,7 @@ class SpeculativeEngine:
         compiled width covers. Eager runners: nothing to do. If compiling fails, the engine goes
         eager and ``compile_note`` says why."""
         tokens = min(tokens, self.context_length + 1)
-        if not self.compiled:  # (a llama.cpp context sized now, not grown mid-run; a no-op for transformers')
+        if not self.compiled:  # (llama.cpp sizes its context now, not mid-run; a no-op for transformers)
             for runner in self.runners:
                 runner.reserve(tokens, tuple(widths))
             return
@@ -186,8 +175,9 @@ class SpeculativeEngine:
             if d is not None:
                 d.forward(dids[:length], keep=1)
             try:
+                # every width to 17 (costs step where kernels change: llama.cpp's 8-16 cost what 8 does)
                 probe(self.costs.costs, verify_forward, draft_forward if d is not None else None,
-                      sorted({1, 2, 3, 5, k_max + 1}), lambda: sync(self.pair.verifier.device))
+                      sorted(set(range(1, min(k_max + 1, 17) + 1)) | {k_max + 1}), lambda: sync(self.pair.verifier.device))
             finally:
                 self.reset()
         self.costs.dirty = True
@@ -306,7 +296,8 @@ class _Run:
         self.last = to_device(prompt[-1:], self.vdev)  # [1]: the next step's first input
         if self.drafter is not None:
             self.drafter.start(prompt, previous, reuse, self.params.memory if self.params.learn else None)
-            self.policy.started()
+            draft = self.drafter.runner  # (a model behind a lookup reads the prompt when first asked to draft)
+            self.policy.started(max(len(prompt) - 1 - draft.cache_len, 0) if draft else 0)
         sync(self.vdev)
         self.prefill_seconds = time.perf_counter() - self.t_start
 

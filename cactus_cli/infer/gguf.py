@@ -117,7 +117,7 @@ class GGUFModel:
 
     @property
     def generation_config(self) -> Any:
-        """The end-of-generation ids the GGUF names (engine.eos_ids reads them as from transformers)."""
+        """The end-of-generation ids the GGUF names (sources.eos_ids reads them as from transformers)."""
         return _Eos(list(self.eos_token_ids))
 
     def tokenize(self, text: str) -> list[int]:

@@ -207,6 +207,13 @@ def choose_backend(asked: str, sources: list[tuple[str, Source]], dev: torch.dev
     return "llama.cpp", "backend auto: llama.cpp (GGUF files on a CPU)"
 
 
+def _llama_missing(named: list[tuple[str, Source]], dev: torch.device) -> str | None:
+    """Why llama.cpp did not run GGUF sources on a CPU, if that was the only reason."""
+    if dev.type == "cpu" and all(src.kind in GGUF_KINDS for _, src in named):
+        return gguf.available()
+    return None
+
+
 PROBE_TEXT = "def add(a, b):\n    return a + b  # sum: ünïcödé, 数字 42\n\tdone!"
 
 
@@ -279,7 +286,10 @@ def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, de
     dsrc = resolve_source(draft) if draft is not None else None
     tsrc = resolve_source(tokenizer) if tokenizer else None
     named = [(verifier, vsrc)] + ([(draft, dsrc)] if dsrc is not None else [])
+    asked = backend
     backend, backend_why = choose_backend(backend, named, dev, quantize, dtype, compile_mode, tp)
+    if asked == "auto" and backend == "torch" and reporter is not None and (problem := _llama_missing(named, dev)):
+        reporter.warn(f"running the GGUF on torch (converted once, slower on a CPU): {problem}")
     if reporter is not None:
         reporter.task(f"loading verifier {verifier}")
     vsrc, vtok = model_files(vsrc, backend, reporter)

@@ -104,8 +104,9 @@ class KPolicy(Protocol):
                 draft_catch_up: int = 1, source: str = MODEL, confidence: list[float] | None = None) -> None:
         """One finished step (see CostStore.observe); ``confidence``: what the drafter estimated."""
 
-    def started(self) -> None:
-        """A new prompt was prefilled, the draft's cache included: it has nothing to catch up on."""
+    def started(self, behind: int = 0) -> None:
+        """A new prompt was prefilled; the draft has ``behind`` of its tokens still to read (0 when
+        it prefilled too; the prompt, when it reads it at its first proposal)."""
 
 
 class FixedK:
@@ -123,7 +124,7 @@ class FixedK:
         if self.store is not None:
             self.store.observe(akey, k, accepted, draft_seconds, verify_seconds, draft_catch_up, source)
 
-    def started(self) -> None:
+    def started(self, behind: int = 0) -> None:
         pass
 
 
@@ -138,14 +139,14 @@ class AdaptiveK(FixedK):
         self.probed = False  # the last step was a probe
         self.calibrations: dict[str, Calibration] = {}  # (acceptance key, source) -> acceptance by estimate
         self.overheads: dict[str, Overhead] = {}  # source -> a drafting step's cost beyond k t_d
-        self.behind = 0  # steps since the last drafting step (each verified a token the draft has not seen)
+        self.behind = 0  # tokens the draft has not read: the prompt's it deferred, plus one per plain step since it drafted
 
     @property
     def costs(self) -> CostModel:
         return self.store.costs
 
-    def started(self) -> None:
-        self.behind = 0  # (the policy spans runs; the last prompt's plain steps are not this one's catch-up)
+    def started(self, behind: int = 0) -> None:
+        self.behind = behind  # (the policy spans runs; the last prompt's plain steps are not this one's catch-up)
 
     def observe(self, akey: str, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
                 draft_catch_up: int = 1, source: str = MODEL, confidence: list[float] | None = None) -> None:

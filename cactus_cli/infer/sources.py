@@ -44,6 +44,17 @@ class ModelPair:
     backend_reason: str = ""  # why the verifier runs on its backend (models.choose_backend)
 
 
+def eos_ids(pair: ModelPair) -> set[int]:
+    ids: set[int] = set()
+    for source in (pair.tokenizer, getattr(pair.verifier.model, "generation_config", None)):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
 def mlp_shape(src: "Source") -> tuple[int, int] | None:
     """(hidden, intermediate) sizes from a model's config, for the dtype probe; None if unknown."""
     try:

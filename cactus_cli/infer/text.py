@@ -83,3 +83,14 @@ class TextStream:
         window = tail + piece
         hits = [window.find(s) for s in self.stop if s in window]
         return max(min(hits) - len(tail), 0) if hits else None
+
+
+def trim_stop(text: str, stop: tuple[str, ...]) -> str:
+    """A stopped run's text without the start of its stop string: the stream cuts where a stop
+    string begins, but the part of it that came in earlier pieces was already emitted (a fence
+    "```" arriving as "``" then "`" leaves "``")."""
+    for s in stop:
+        for n in range(len(s) - 1, 0, -1):
+            if text.endswith(s[:n]):
+                return text[:-n]
+    return text

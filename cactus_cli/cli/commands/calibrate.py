@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from cactus_cli.app.prompts import load_prompts
+from cactus_cli.app.tasks import grade, load_tasks
 from cactus_cli.cli import options as o
 from cactus_cli.cli import tables, ui
 from cactus_cli.cli.edge import user_errors
@@ -23,7 +24,9 @@ def calibrate(
     ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of candidate k (default 1..12), timed against the verifier alone and -k auto; the delta sweep runs at the profile's k (for auto: the candidate nearest 4).", rich_help_panel=o.DECODING)] = None,
     max_divergence: Annotated[Optional[float], typer.Option("--max-divergence", help="Largest mean realized KL(h_alg || q) per token, in nats (default 0.05).")] = None,
     max_quality_drop: Annotated[Optional[float], typer.Option("--max-quality-drop", help="Largest drop in mean verifier log-likelihood per token vs SpS, in nats.")] = None,
+    max_accuracy_drop: Annotated[Optional[float], typer.Option("--max-accuracy-drop", help="With --tasks: largest drop in accuracy (pass@1 for code tasks), in points, against delta = 0 over the same problems (paired).")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL prompts (default: the built-in set).")] = None,
+    tasks_file: Annotated[Optional[Path], typer.Option("--tasks", help="Calibrate on graded tasks instead of prompts: `humaneval` or a task file, as for `cactus eval` (code tasks RUN THE MODEL'S CODE, sandboxed). Give --limit too: accuracy needs many problems.")] = None,
     limit: Annotated[int, typer.Option("--limit", help="Number of prompts.")] = 8,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw delta vs accepted length vs realized divergence to this PNG.")] = None,
     save: Annotated[Optional[str], typer.Option("--save", help="Write the chosen delta and k (and a calibration block) to a user profile NAME or a PATH.")] = None,
@@ -37,7 +40,7 @@ def calibrate(
     with user_errors():
         from cactus_cli.app import calibrate as cal_mod
         from cactus_cli.app import grid as b
-        from cactus_cli.app import runtime
+        from cactus_cli.app import report, runtime
         from cactus_cli.app.settings import parse_list
 
         settings, budget = _settings(shared, max_divergence, max_quality_drop)
@@ -45,7 +48,7 @@ def calibrate(
         k_list = parse_list(ks, int, "-k") if ks else list(cal_mod.DEFAULT_KS)
         cal_mod.validate(settings, delta_list, k_list)
         target, plot = _check_outputs(save, plot)
-        prompts = load_prompts(str(prompts_file) if prompts_file else None, limit)
+        prompts, grade = _prompts(prompts_file, tasks_file, limit, max_accuracy_drop)
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         with ui.LoadProgress(err) as progress:
@@ -57,9 +60,23 @@ def calibrate(
         with ui.bench_progress(err, runs) as advance:
             b.warm_up(engine, encoded[0][1], base, max(k_list))
             cal = cal_mod.run(engine, settings, encoded, base, delta_list, k_list, budget, max_quality_drop,
-                              lambda label: advance(1, label))
-        doc = cal_mod.document(cal, settings, prompts, budget, max_quality_drop, b.environment(engine, settings.to_dict()))
+                              lambda label: advance(1, label), grade, max_accuracy_drop)
+        doc = cal_mod.document(cal, settings, prompts, budget, max_quality_drop, report.environment(engine, settings.to_dict()),
+                               max_accuracy_drop)
         _report(doc, cal, settings, shared, target, plot, as_json, err)
+
+def _prompts(prompts_file: Path | None, tasks_file: Path | None, limit: int, max_accuracy_drop: float | None):
+    """The prompts, or with --tasks the graded tasks and their grader."""
+    if prompts_file is not None and tasks_file is not None:
+        raise ConfigError("--prompts and --tasks: give one (tasks are prompts with a grade)")
+    if max_accuracy_drop is not None and tasks_file is None:
+        raise ConfigError("--max-accuracy-drop needs --tasks (humaneval or a task file) to measure accuracy on")
+    if max_accuracy_drop is not None and not (0 <= max_accuracy_drop <= 100):
+        raise ConfigError(f"--max-accuracy-drop must be in 0..100 points, got {max_accuracy_drop:g}")
+    if tasks_file is not None:
+        return load_tasks(str(tasks_file), limit), grade
+    return load_prompts(str(prompts_file) if prompts_file else None, limit), None
+
 
 def _settings(shared: o.Shared, max_divergence: float | None, max_quality_drop: float | None):
     """The run's settings (seed 0 and 64 tokens per prompt unless given) and the divergence budget."""

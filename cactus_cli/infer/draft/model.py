@@ -7,7 +7,7 @@ import torch
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample
 from cactus_cli.infer.draft.base import OnRunner, Proposal
-from cactus_cli.infer.runners.base import Runner
+from cactus_cli.infer.runners.base import Runner, common_prefix
 
 
 class ModelDrafter(OnRunner):
@@ -15,8 +15,9 @@ class ModelDrafter(OnRunner):
     or 2 after a full acceptance: the last draft and the bonus; more after k = 0 steps), so no
     forward pass is spent only on catching up."""
 
-    def __init__(self, runner: Runner):
+    def __init__(self, runner: Runner, lazy: bool = False):
         self.runner = runner  # eager or compiled: the same forward / crop calls
+        self.lazy = lazy  # start() only keeps the cached prefix; the first proposal feeds the rest
         self._k = 0  # size of the last proposal
         self._base = 0  # the sequence's length when it was made
 
@@ -28,8 +29,17 @@ class ModelDrafter(OnRunner):
         self._k = 0
 
     def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> int:
+        """Prefill the prompt, or (``lazy``: a model behind a lookup, which may never be asked)
+        only keep what the cache shares with it, the rest fed by the first proposal."""
         self._k = 0
-        return self.runner.prefill(prompt, previous, reuse)
+        if not self.lazy:
+            return self.runner.prefill(prompt, previous, reuse)
+        keep = min(common_prefix(previous[: self.runner.cache_len], prompt), len(prompt) - 1) if reuse else 0
+        if keep:
+            self.runner.crop(keep)
+        else:
+            self.runner.reset()
+        return self.runner.cache_len
 
     @torch.inference_mode()
     def propose(self, seq: list[int], k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
