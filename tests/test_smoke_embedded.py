@@ -16,13 +16,15 @@ import sys
 import pytest
 
 from cactus_cli.app.profiles import load_profile
+from cactus_cli.app.settings import parse_draft
 from cactus_cli.infer import embedded
 
 
 def default_pair() -> list[embedded.EmbeddedModel]:
     """The embedded models the default profile (the README's main command) names."""
     layer, _ = load_profile("default")
-    names = [layer[key] for key in ("verifier", "draft") if str(layer.get(key, "")).startswith("embedded:")]
+    names = [name for name in (layer.get("verifier"), parse_draft(layer.get("draft"))[1])
+             if str(name).startswith("embedded:")]
     return [embedded.get(name.split(":", 1)[1]) for name in names]
 
 
