@@ -96,8 +96,8 @@ def main() -> None:
 
     from cactus_cli.core.sampling import SamplingParams
     from cactus_cli.infer import devices as models
-    from cactus_cli.infer import quantize
     from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+    from cactus_cli.infer.quant import quantize
     from cactus_cli.infer.runners import compiled as runners
     from cactus_cli.infer.runners import sharded as distributed
 

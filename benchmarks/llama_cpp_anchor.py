@@ -6,12 +6,16 @@
 1. Builds llama-bench and llama-speculative (once, cached in ~/.cache/cactus/llama.cpp-VERSION) from
    the llama.cpp vendored in the llama-cpp-python sdist of the installed version (pip download;
    cmake and a C++ compiler, the flags pip's build of the bindings uses).
-2. llama-bench: plain decoding of each GGUF (tg, -p 0 -n N) and the verifier's cost per width (pp 1..32).
+2. llama-bench: plain decoding of each GGUF (tg, -p 0 -n 64) and the verifier's cost per width
+   (pp 1..32).
 3. llama-speculative: llama.cpp's own speculative decoding with the draft on the same prompts (chat
    template applied, the profile's sampling, draft lengths --spec-n).
-4. cactus bench (the profile as it ships unless arguments after -- say otherwise), JSON.
-Prints every row's tokens/s against llama.cpp's plain and speculative decoding, and writes JSON
-with --out. Where cactus runs llama.cpp with plain buffers (AMX builds: gguf.amx_in_use), llama.cpp's
+4. cactus bench (the profile as it ships, its rule, unless arguments after -- say otherwise), JSON.
+5. llama-bench's plain decoding again: a shared machine drifts over minutes, so the anchor is the
+   mean of the runs before and after (both printed).
+Prints every row's decode tokens/s (after the prompt's prefill, as llama-bench's tg and
+llama-speculative's "decoded" count) against llama.cpp's plain and speculative decoding, its
+end-to-end tokens/s beside it, and writes JSON with --out. Where cactus runs llama.cpp with plain buffers (AMX builds: gguf.amx_in_use), llama.cpp's
 tools get --repack 0 / --no-repack, so both sides run the same kernels. One benchmark at a time:
 nothing else should run on the machine meanwhile.
 """
@@ -105,8 +109,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from cactus_cli.app.prompts import load_prompts
     from cactus_cli.app.profiles import resolve_settings
+    from cactus_cli.app.prompts import load_prompts
 
     settings = resolve_settings(None, {})
     bin_dir = build_tools(log)
@@ -132,19 +136,26 @@ def main() -> None:
                                    for k in a.spec_n.split(",")]
     best_spec = max(r["tokens_per_second"] for r in result["llama_speculative"])
     log("cactus bench")
+    rules = [] if "--rules" in a.bench_args else ["--rules", settings.rule]
     cmd = [sys.executable, "-m", "cactus_cli", "bench", "--limit", str(a.limit), "-n", str(a.n), "--json",
-           "--threads", str(a.threads), *(["--category", a.category] if a.category else []), *a.bench_args]
+           "--threads", str(a.threads), *(["--category", a.category] if a.category else []), *rules, *a.bench_args]
     doc = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     result["cactus"] = doc
-    print(f"llama-bench plain decoding (tg64): verifier {tg['verifier']:.2f} tok/s, draft {tg['draft']:.2f} tok/s")
+    log("llama-bench: plain decoding again")
+    after = llama_bench(bin_dir, verifier, a.threads, plain, ["-p", "0", "-n", "64"])[0]["avg_ts"]
+    result["llama_bench_tg_after"] = after
+    anchor = (tg["verifier"] + after) / 2
+    print(f"llama-bench plain decoding (tg64): verifier {tg['verifier']:.2f} tok/s before, {after:.2f} after "
+          f"(anchor {anchor:.2f}); draft {tg['draft']:.2f} tok/s")
     print("llama-bench verifier ms per width: " + ", ".join(f"{w}: {ms:.0f}" for w, ms in result["llama_bench_width_ms"].items()))
     for r in result["llama_speculative"]:
         print(f"llama-speculative --spec-draft-n-max {r['spec_n']}: {r['tokens_per_second']:.2f} tok/s "
               f"(acceptance {r['acceptance']:.0%})")
-    print(f"{'cactus row':<48} {'tok/s':>7} {'x llama.cpp plain':>18} {'x llama.cpp spec':>17}")
+    print(f"{'cactus row':<48} {'decode tok/s':>12} {'x llama.cpp plain':>18} {'x llama.cpp spec':>17} {'end to end':>11}")
     for row in doc["results"]:
-        tps = row["tokens_per_second"] or 0
-        print(f"{row['config']:<48} {tps:7.2f} {tps / tg['verifier']:17.2f}x {tps / best_spec:16.2f}x")
+        tps = row["decode_tokens_per_second"] or 0
+        print(f"{row['config']:<48} {tps:12.2f} {tps / anchor:17.2f}x {tps / best_spec:16.2f}x "
+              f"{row['tokens_per_second'] or 0:11.2f}")
     if a.out:
         a.out.write_text(json.dumps(result, indent=2))
         log(f"wrote {a.out}")

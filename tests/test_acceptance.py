@@ -56,7 +56,7 @@ def random_dists(B: int, k: int, V: int, seed: int, scale: float = 2.0):
 @pytest.mark.parametrize("rule,params", ALL_RULES)
 def test_accept_all_when_draft_is_verifier_argmax_and_certain(rule, params):
     # p = q one-hot on the drafted tokens: every rule accepts all k; the bonus row is one-hot on 7
-    k, V = 3, 10
+    V = 10  # k = 3 drafts
     draft = torch.tensor([[1, 4, 2]])
     p = one_hot([1, 4, 2], V).unsqueeze(0)
     q = torch.cat([p, one_hot([7], V).unsqueeze(0)], dim=1)
@@ -71,7 +71,7 @@ def test_reject_at_position_j_when_verifier_gives_zero(rule, params, j):
     # the verifier is certain of token 5 at position j and gives the draft token 0 probability:
     # accepted prefix is exactly j and the correction is 5 (KL/chi2 budgets cannot move mass to a
     # q_n = 0 token; hellinger/tv can, so they are excluded here)
-    k, V = 3, 8
+    V = 8  # k = 3 drafts
     draft_ids = [1, 2, 3]
     p = one_hot(draft_ids, V).unsqueeze(0)
     q_rows = [one_hot([t], V)[0] for t in draft_ids] + [one_hot([6], V)[0]]
@@ -384,17 +384,15 @@ def test_degenerate_inputs_never_break_the_contract(case, rule_params):
 
 def brute_force_emitted(rule: str, p: torch.Tensor, q: torch.Tensor, **params) -> torch.Tensor:
     """O(V^2): for every drafted token n, run the rule's acceptance and residual literally."""
-    from cactus_cli.core.acceptance import _accept_probs, _residual
-
     prm = resolve_params(rule, params)
+    spec = RULES[rule]
     V = p.shape[-1]
     out = torch.zeros(V, dtype=torch.float64)
     for n in range(V):
         if p[n] == 0:
             continue
-        pn, qn = p[n].view(1, 1), q[n].view(1, 1)
-        a = _accept_probs(rule, prm, pn, qn, q.view(1, 1, V), torch.float64)[0, 0]
-        r = _residual(rule, prm, p.view(1, V).clone(), q.view(1, V).clone(), torch.tensor([n]), p[n].view(1), q[n].view(1))[0]
+        a = spec.accept(prm, p.view(1, 1, V), q.view(1, 1, V), torch.tensor([[n]]))[0, 0]
+        r = spec.residual(prm, p.view(1, V).clone(), q.view(1, V).clone(), torch.tensor([n]))[0]
         r = r / r.sum() if r.sum() > 0 else r
         out[n] += p[n] * a
         out += p[n] * (1 - a) * r

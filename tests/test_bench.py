@@ -4,14 +4,28 @@ outputs on disk, Ctrl-C, and bad inputs."""
 from __future__ import annotations
 
 import csv
+import errno
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
 
 from cactus_cli.app import grid as bench_mod
 from cactus_cli.cli.main import app
-from tests.test_cli import assert_one_line_error
+from cactus_cli.core import fileio
+from tests.helpers import (
+    assert_one_line_error,
+    bench_args,
+    decoding,
+    invoke,
+    tiny_args,
+    wait_for,
+)
 
 runner = CliRunner()
 
@@ -147,3 +161,52 @@ def test_bad_prompts_file(tiny, tmp_path):
 def test_bench_needs_a_draft(tiny):
     r = runner.invoke(app, ["bench", "--verifier", tiny["verifier"], "--draft", "none"])
     assert_one_line_error(r, "needs a --draft")
+
+
+def test_bench_out_onto_a_file_and_csv_onto_a_folder_fail_before_the_run(tiny, tmp_path):
+    existing = tmp_path / "results.txt"
+    existing.write_text("keep me")
+    assert_one_line_error(invoke(*bench_args(tiny), "--out", existing), "is a file, not a folder")
+    assert existing.read_text() == "keep me"
+    assert_one_line_error(invoke(*bench_args(tiny), "--csv", tmp_path), "is a directory")
+
+
+def test_a_failed_write_after_the_run_keeps_the_printed_results(tiny, tmp_path, monkeypatch):
+    def full_disk(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fileio, "atomic_write", full_disk)
+    r = invoke(*bench_args(tiny), "--json", "--out", tmp_path / "out")
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    doc = json.loads(r.stdout)  # the whole document was printed before the write failed
+    assert doc["results"][0]["config"] == "verifier alone"
+    assert r.stderr.strip().splitlines()[-1].startswith("error: --out: could not write")
+    assert "No space left on device" in r.stderr
+
+
+def test_sigterm_keeps_finished_rows(tiny, tmp_path, isolated_home):
+    out, csv = tmp_path / "o", tmp_path / "rows.csv"
+    proc = subprocess.Popen([sys.executable, "-m", "cactus_cli", "bench", *tiny_args(tiny), "--rules", "sps",
+                             "-k", "4", "-n", "400", "--out", str(out), "--csv", str(csv)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    try:
+        assert wait_for(decoding(isolated_home), 240), "the bench never started decoding"
+        time.sleep(8)  # past the warm-up: the first prompts of 8 x 400 tokens are done
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert (out / "bench.json").is_file() and csv.is_file()
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["interrupted"] is True and doc["results"], stdout
+
+
+def test_plot_draws_speed_against_the_realized_divergence(tiny, tmp_path):
+    png = tmp_path / "tradeoff.png"
+    r = bench(tiny, "--rules", "sps,cactus", "--delta", "0.5,2", "-k", "2", "--meter", "--plot", png)
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = bench(tiny, "--rules", "sps", "-k", "2", "--plot", png)
+    assert r.exit_code == 2 and "add --meter" in r.output

@@ -14,7 +14,7 @@ from cactus_cli.app import calibrate as cal
 from cactus_cli.app.profiles import builtin_profile_dir
 from cactus_cli.cli.main import app
 from cactus_cli.core import fileio
-from tests.test_cli import assert_one_line_error
+from tests.helpers import assert_one_line_error, calibrate_args, invoke
 
 runner = CliRunner()
 
@@ -142,3 +142,24 @@ def test_a_fixed_k_replaces_the_profiles_k_auto_bound(tiny, tmp_path):
     save_profile(target, None, resolve_settings(str(target), {}), doc)
     data, _ = load_profile(str(target))  # loads: no error
     assert data["num_draft_tokens"] == 2 and "max_draft_tokens" not in data
+
+
+@pytest.mark.parametrize("where,needle", [
+    ("dir", "is a directory"),
+    ("missing", "does not exist"),
+    ("/proc/cactus-test.yaml", "cannot write in /proc"),
+])
+def test_calibrate_save_to_a_bad_place_fails_before_the_run(tiny, tmp_path, where, needle):
+    target = {"dir": tmp_path, "missing": tmp_path / "no" / "such" / "x.yaml"}.get(where, where)
+    r = invoke(*calibrate_args(tiny), "--save", target)
+    assert_one_line_error(r, needle)
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--delta", "0.5,nan"], "--delta: each value must be a number in 0..1e+06"),
+    (["--rule", "sps"], "calibrate tunes delta"),
+])
+def test_calibrate_validates_before_loading(tmp_path, args, needle):
+    r = invoke("calibrate", "--verifier", tmp_path / "missing", "--draft", tmp_path / "missing2", *args)
+    assert_one_line_error(r, needle)

@@ -14,6 +14,7 @@ from cactus_cli.cli.main import app
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
+from tests.helpers import invoke, pair_args
 
 runner = CliRunner()
 
@@ -165,3 +166,31 @@ def test_piped_subprocess(tiny):
     lines = proc.stdout.splitlines()
     assert lines[0].strip() and "num_output_tokens" in proc.stdout and "turns" in proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("script,turns", [
+    ('"""\nline one\nline two\n', ["line one\nline two"]),
+    ("first \\\nsecond \\\n", ["first \nsecond "]),
+    ("hello\n\"\"\"\n", ["hello"]),  # an empty unterminated block adds nothing
+])
+def test_chat_input_cut_off_at_the_end_keeps_the_turn(monkeypatch, script, turns):
+    import io
+
+    from cactus_cli.app.chat import read_turns
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(script.encode())))
+    assert list(read_turns(False)) == turns
+
+
+def test_chat_set_delta_under_sps_is_rejected(tiny):
+    r = invoke("chat", *pair_args(tiny), "--rule", "sps", "-n", 4, input="/set delta=0.5\n/set k=auto\n/set\n/exit\n")
+    assert r.exit_code == 0
+    assert "error: /set delta: has no effect with rule 'sps'" in r.stderr
+    assert "k = auto (from the next turn)" in r.stdout
+
+
+def test_chat_set_max_draft_tokens_with_a_fixed_k(tiny):
+    from tests.test_chat import chat
+
+    r = chat(tiny, "/set max_draft_tokens=5\n", "-k", "2")
+    assert "applies only with -k auto" in r.output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,25 +12,10 @@ import pytest
 from typer.testing import CliRunner
 
 from cactus_cli import __version__
-from cactus_cli.cli.main import app
+from cactus_cli.core import fileio
+from tests.helpers import assert_one_line_error, bench_args, invoke, pair_args
 
 runner = CliRunner()
-
-
-def invoke(*args, input=None):
-    return runner.invoke(app, [str(a) for a in args], input=input)
-
-
-def pair_args(tiny, draft="draft"):
-    return ["--verifier", tiny["verifier"], "--draft", tiny[draft], "--device", "cpu", "--dtype", "float32"]
-
-
-def assert_one_line_error(result, needle):
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    lines = [ln for ln in result.output.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
-    assert needle in lines[0], lines[0]
 
 
 def test_version_and_help():
@@ -173,3 +159,70 @@ def test_installed_entry_point_exits_2_without_traceback(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("error: ")
+
+
+def test_generate_json_interrupted_prints_what_it_has(tiny, monkeypatch):
+    from cactus_cli.cli import ui
+
+    calls = {"n": 0}
+    real = ui.QuietView.update
+
+    def update(self, ev):
+        real(self, ev)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ui.QuietView, "update", update)
+    r = invoke("generate", "the cat", *pair_args(tiny, "draft_close"), "-n", 30, "-k", 2, "--seed", 1, "--json")
+    assert r.exit_code == 130
+    doc = json.loads(r.stdout)
+    assert doc["interrupted"] is True and doc["text"] and doc["stats"]["num_output_tokens"] >= 2
+
+
+def test_non_utf8_stdin_argument_and_chat_line_are_replaced_with_one_warning(tiny, monkeypatch):
+    monkeypatch.setattr(fileio, "_warned", False)
+    r = invoke("generate", "-", *pair_args(tiny), "-n", 4, "-k", 2, input=b"\xff\xfe the cat")
+    assert r.exit_code == 0, r.output
+    assert r.stderr.count("not valid UTF-8") == 1
+    monkeypatch.setattr(fileio, "_warned", False)
+    r = invoke("generate", "caf\udce9 the dog", *pair_args(tiny), "-n", 4, "-k", 2)  # argv as Python decodes it
+    assert r.exit_code == 0, r.output and "not valid UTF-8" in r.stderr
+    monkeypatch.setattr(fileio, "_warned", False)
+    r = invoke("chat", *pair_args(tiny), "-n", 4, "-k", 2, input=b"the \xe9 cat\nthe dog\n/exit\n")
+    assert r.exit_code == 0, r.output
+    assert r.stderr.count("not valid UTF-8") == 1 and "Traceback" not in r.output
+
+
+def test_non_utf8_files_are_errors_naming_file_and_line(tiny, tmp_path):
+    profile = tmp_path / "bad.yaml"
+    profile.write_bytes(b"rule: cactus\ndescription: caf\xe9\n")
+    assert_one_line_error(invoke("generate", "hi", "--profile", profile), f"{profile}:2:17: the profile is not valid UTF-8")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n')
+    assert_one_line_error(invoke(*bench_args(tiny), "--prompts", prompts), f"{prompts}:2:")
+
+
+def test_generate_dash_with_stdin_closed_or_empty(tiny):
+    args = [sys.executable, "-m", "cactus_cli", "generate", "-", *pair_args(tiny)]
+    closed = subprocess.run(args, capture_output=True, text=True, preexec_fn=lambda: os.close(0), timeout=120)
+    assert closed.returncode == 2 and "Traceback" not in closed.stderr, closed.stderr
+    assert "stdin is closed" in closed.stderr
+    empty = subprocess.run(args, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert empty.returncode == 2 and "stdin was empty" in empty.stderr, empty.stderr
+
+
+def test_clear_messages(tiny, tmp_path, monkeypatch):
+    assert_one_line_error(invoke("generate", "hi", "--profile", tmp_path), "is a directory")
+    assert_one_line_error(invoke(*bench_args(tiny), "--prompts", tmp_path), "is a directory; give a JSONL file")
+    assert_one_line_error(invoke("generate", "hi", *pair_args(tiny), "--param", "nonsense=1"),
+                          "--param has unknown parameter 'nonsense'")
+    empty = tmp_path / "empty_model"
+    empty.mkdir()
+    r = invoke("generate", "hi", "--verifier", empty, "--draft", "none", "--device", "cpu")
+    assert_one_line_error(r, f"{empty} is a folder but not a model folder (it has no config.json)")
+    long_prompt = tmp_path / "long.jsonl"
+    long_prompt.write_text('{"prompt": "the cat"}\n{"id": "big", "prompt": "' + "the cat sat " * 10 + '"}\n')
+    r = invoke("bench", "--verifier", tiny["short_context"], "--draft", tiny["short_context"], "--device", "cpu",
+               "--prompts", long_prompt, "--no-chat-template", "-k", 2, "-n", 2)
+    assert_one_line_error(r, f"{long_prompt}:2: prompt 'big' is")

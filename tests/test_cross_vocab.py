@@ -144,7 +144,7 @@ def test_cactus_across_vocabularies_stays_within_its_budget(cross):
     # realized KL per position stays within the budget.
     assert max(realized_kl(cross["string"], 0.5)) <= 0.5 + 1e-4
     # Intersection drafts are a distribution p: the emitted distribution is a mixture over the
-    # drafted token, whose divergence delta does not bound (ALGORITHM.md, "What the budget does
+    # drafted token, whose divergence delta does not bound (docs/algorithm.md, "What the budget does
     # not say"; the same holds for a same-vocabulary draft model). delta = 0 is SpS: nothing moves.
     assert max(realized_kl(cross["intersection"], 0.0)) < 1e-6
     assert sum(realized_kl(cross["intersection"], 0.5)) > 0

@@ -17,10 +17,11 @@ from torch import nn
 from cactus_cli.core.errors import ModelError
 from cactus_cli.core.events import NGRAM
 from cactus_cli.core.sampling import SamplingParams, sample
-from cactus_cli.infer import devices, models, quantize
+from cactus_cli.infer import devices, models
 from cactus_cli.infer.draft import Lookup
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.quant import quantize
 from cactus_cli.infer.runners import compiled as runners
 from cactus_cli.infer.runners import sharded as distributed
 from cactus_cli.infer.runners.compiled import CompiledLM, compile_problem

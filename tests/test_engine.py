@@ -3,6 +3,7 @@ SpS end to end, cache bookkeeping, forward-pass counts, stops."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -232,3 +233,46 @@ def test_missing_models_are_clear_errors(tmp_path):
         load_pair(str(tmp_path / "nope"), None, None, "cpu", "float32")
     with pytest.raises(ModelError, match="no Hugging Face model someone/some-model-that-is-not-cached in the local cache"):
         load_pair("someone/some-model-that-is-not-cached", None, None, "cpu", "float32")
+
+
+def test_non_finite_probabilities_are_an_error_not_garbage(tiny):
+    from cactus_cli.core.errors import ModelError
+    from cactus_cli.core.sampling import SamplingParams
+    from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+    from cactus_cli.infer.models import load_pair
+
+    pair = load_pair(tiny["verifier"], None, None, "cpu", "float32")
+    params = GenerationParams(sampling=SamplingParams(1e-38, 0, 1.0), num_draft_tokens=0, max_tokens=4)
+    with pytest.raises(ModelError, match="non-finite"):
+        list(SpeculativeEngine(pair).generate(pair.tokenizer("the cat")["input_ids"], params))
+
+
+def test_a_plain_step_says_it_drafted_from_nowhere(pairs, monkeypatch):
+    # -k auto choosing k = 0: a plain step, whose draft_source is None (core/events.py)
+    engine = SpeculativeEngine(pairs["close"])
+    monkeypatch.setattr(engine.auto_k, "choose", lambda *a, **kw: 0)
+    params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=True, max_tokens=12, ignore_eos=True)
+    _, stats, events = run(engine, prompt_ids(pairs["close"]), params)
+    assert {ev.num_drafted for ev in events} == {0}
+    assert {ev.draft_source for ev in events} == {None}
+
+
+def test_tokens_past_a_stop_inside_a_verified_block_are_neither_counted_nor_remembered(pairs):
+    from cactus_cli.core.events import SUFFIX
+    from cactus_cli.infer.draft import Lookup
+
+    pair = pairs["self"]  # the verifier drafts for itself: whole blocks are accepted
+    ids = prompt_ids(pair)
+    free = GenerationParams(sampling=GREEDY, num_draft_tokens=7, max_tokens=40, ignore_eos=True)
+    full, _, _ = run(SpeculativeEngine(pair), ids, free)
+    cut_at = next(i for i in range(3, len(full)) if pair.tokenizer.decode([full[i]]).strip())  # a token with text
+    stop = pair.tokenizer.decode([full[cut_at]]).strip()
+    engine = SpeculativeEngine(pair, Lookup(SUFFIX))
+    params = dataclasses.replace(free, stop=(stop,))
+    tokens, stats, events = run(engine, ids, params)
+    assert stats.finish_reason == "stop" and len(tokens) <= cut_at + 1
+    assert stats.num_accepted_tokens == sum(len(ev.accepted) for ev in events) <= stats.num_output_tokens
+    assert all(len(ev.accepted) <= len(ev.emitted) for ev in events)
+    history = engine.drafter.primary.histories[""]
+    remembered = list(history.tree.docs[history.last])
+    assert remembered == ids + tokens  # what was output, not the rest of the block the verifier kept

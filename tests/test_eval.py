@@ -7,11 +7,16 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
 
 import cactus_cli.app.grid as bench_mod
+from cactus_cli.app import tasks
 from cactus_cli.app.tasks import (
     Task,
     builtin_tasks,
@@ -21,6 +26,7 @@ from cactus_cli.app.tasks import (
     wilson,
 )
 from cactus_cli.cli.main import app
+from cactus_cli.core.errors import ConfigError
 
 cli = CliRunner()
 
@@ -140,3 +146,41 @@ def test_bad_task_files_are_one_line_errors(tiny, tmp_path, line, message):
     r = cli.invoke(app, ["eval", *pair_args(tiny), "--tasks", f])
     assert r.exit_code == 2
     assert r.stderr.startswith(f"error: {f}:1: ") and message in r.stderr and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("pattern,text,want", [
+    (r"answer:\s*(\d+)?", "answer: none", None),
+    (r"(\d+)|\S", "x 5 y", "5"),
+    (r"(\d+)|\S", "x y", None),
+])
+def test_a_pattern_group_that_takes_no_part_is_no_answer(pattern, text, want):
+    assert tasks.extract_answer(text, pattern) == want
+
+
+def test_a_backtracking_pattern_gives_up_and_ctrl_c_still_works():
+    t0 = time.monotonic()
+    assert tasks.extract_answer("x" * 40, r"((x|xx)+)+y(\d)") == tasks.PATTERN_TIMED_OUT
+    assert time.monotonic() - t0 < tasks.PATTERN_SECONDS + 3
+    # Ctrl-C as in a terminal: a suite started in the background (`pytest &`, nohup) hands its
+    # children SIGINT ignored, and Python then never raises KeyboardInterrupt (what made this flaky)
+    code = ("import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "from cactus_cli.app.tasks import extract_answer\nimport sys\nprint('ready', flush=True)\n"
+            "while True: extract_answer('x' * 40, r'((x|xx)+)+y(\\d)')")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)  # within one give-up (2 s) on a quiet machine; slack for a loaded one
+    finally:
+        proc.kill()
+    assert "KeyboardInterrupt" in proc.stderr.read()
+
+
+@pytest.mark.parametrize("answer,needle", [(float("nan"), "not a finite number"), (1e400, "not a finite number"),
+                                           ("  ", "is empty"), ("inf", "not a finite number")])
+def test_task_answers_that_can_never_match(tmp_path, answer, needle):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"prompt": "q", "answer": answer}) + "\n")
+    with pytest.raises(ConfigError, match=needle):
+        tasks.load_tasks(str(path), None)

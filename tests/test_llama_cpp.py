@@ -17,7 +17,7 @@ import torch
 from cactus_cli.core.errors import ContextLimitError, ModelError
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.core.stats import SpecStats
-from cactus_cli.infer import gguf, models
+from cactus_cli.infer import gguf, plan
 from cactus_cli.infer.draft import Lookup
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
@@ -184,23 +184,23 @@ def test_the_same_file_on_torch_gives_nearly_the_same_logits(files, pairs):
 def test_auto_picks_llama_cpp_for_gguf_on_a_cpu_and_torch_otherwise(files, tiny, monkeypatch):
     g = Source("gguf", files["verifier"])
     cpu = torch.device("cpu")
-    assert models.choose_backend("auto", [("v", g)], cpu, "auto", "auto", "auto", 1)[0] == "llama.cpp"
-    assert models.choose_backend("auto", [("v", g)], cpu, "none", "auto", "auto", 1)[0] == "llama.cpp"
+    assert plan.choose_backend("auto", [("v", g)], cpu, "auto", "auto", "auto", 1)[0] == "llama.cpp"
+    assert plan.choose_backend("auto", [("v", g)], cpu, "none", "auto", "auto", 1)[0] == "llama.cpp"
     folder = Source("folder", tiny["verifier"])
-    assert models.choose_backend("auto", [("v", g), ("d", folder)], cpu, "auto", "auto", "auto", 1) == (
+    assert plan.choose_backend("auto", [("v", g), ("d", folder)], cpu, "auto", "auto", "auto", 1) == (
         "torch", "backend auto: torch (d is a folder, not a GGUF file)")
     for args, flag in (((cpu, "int8", "auto", "auto", 1), "--quantize int8"), ((cpu, "auto", "float32", "auto", 1), "--dtype float32"),
                        ((cpu, "auto", "auto", "on", 1), "--compile on"), ((cpu, "auto", "auto", "auto", 2), "--tp 2")):
-        assert models.choose_backend("auto", [("v", g)], *args) == ("torch", f"backend auto: torch ({flag} is a torch setting)")
+        assert plan.choose_backend("auto", [("v", g)], *args) == ("torch", f"backend auto: torch ({flag} is a torch setting)")
         with pytest.raises(ModelError, match=f"^{flag} does not apply to the llama.cpp backend"):
-            models.choose_backend("llama.cpp", [("v", g)], *args)
+            plan.choose_backend("llama.cpp", [("v", g)], *args)
     with pytest.raises(ModelError, match="runs GGUF files .* is a folder; use --backend torch"):
-        models.choose_backend("llama.cpp", [("v", folder)], cpu, "auto", "auto", "auto", 1)
+        plan.choose_backend("llama.cpp", [("v", folder)], cpu, "auto", "auto", "auto", 1)
     monkeypatch.setattr(gguf, "available", lambda: "the llama.cpp backend needs llama-cpp-python (...); install it")
-    backend, why = models.choose_backend("auto", [("v", g)], cpu, "auto", "auto", "auto", 1)
+    backend, why = plan.choose_backend("auto", [("v", g)], cpu, "auto", "auto", "auto", 1)
     assert backend == "torch" and why.startswith("backend auto: torch, llama.cpp is not available: ")
     with pytest.raises(ModelError, match="needs llama-cpp-python"):
-        models.choose_backend("llama.cpp", [("v", g)], cpu, "auto", "auto", "auto", 1)
+        plan.choose_backend("llama.cpp", [("v", g)], cpu, "auto", "auto", "auto", 1)
 
 
 def test_a_tokenizer_that_gives_other_ids_is_refused_at_load(files, tiny, monkeypatch):

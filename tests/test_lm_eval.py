@@ -19,7 +19,14 @@ except ImportError:
         raise RuntimeError('lm-eval is missing in CI: the test command must install ".[demo,test,eval]"') from None
     pytest.skip('the eval extra is not installed (pip install -e ".[eval]")', allow_module_level=True)
 
+import math
+import os
+
+import pytest
 import torch
+
+from cactus_cli.app.settings import flags_to_settings
+from cactus_cli.core.errors import ConfigError
 
 ROWS = [
     {"prompt": "the cat sat on the", "answer": "mat", "choices": ["mat", "sky", "sea"], "label": 0},
@@ -122,3 +129,29 @@ def test_cactus_lm_eval_command_line(tiny, task_dir, tmp_path):
     assert "tiny_gen" in proc.stdout and "exact_match" in proc.stdout
     assert "cactus: 2 generations" in proc.stderr  # per-run acceptance and speed in the log
     assert list(Path(tmp_path / "out").rglob("results_*.json"))
+
+
+def test_lm_eval_model_args_without_draft():
+    out = flags_to_settings(rule="cactus", delta=1.0)  # KeyError: 'draft' before
+    assert out["rule"] == "cactus" and "draft" not in out
+
+
+def test_lm_eval_stats_file_in_a_missing_folder_fails_at_creation(tiny, tmp_path):
+    pytest.importorskip("lm_eval")
+    from cactus_cli.app.lm_eval_adapter import CactusLM
+
+    with pytest.raises(ConfigError, match="folder .* does not exist"):
+        CactusLM(verifier=tiny["verifier"], draft=tiny["draft"], device="cpu", compile="off", quantize="none",
+                 dtype="float32", stats_file=str(tmp_path / "no" / "stats.jsonl"))
+
+
+def test_lm_eval_continuation_longer_than_the_context(tiny):
+    pytest.importorskip("lm_eval")
+    from cactus_cli.app.lm_eval_adapter import CactusLM
+    from cactus_cli.core.errors import ContextLimitError
+
+    lm = CactusLM(verifier=tiny["short_context"], draft="none", device="cpu", compile="off", quantize="none",
+                  dtype="float32")
+    with pytest.raises(ContextLimitError, match="does not fit the verifier's context window of 16"):
+        lm._score([5, 6], list(range(5, 30)))  # size mismatch RuntimeError before
+    assert math.isfinite(lm._score([5, 6], [7, 8])[0])

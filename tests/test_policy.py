@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 
 import pytest
 import torch
 
+from cactus_cli.core.paths import cache_path
 from cactus_cli.core.sampling import SamplingParams
+from cactus_cli.infer import costs as policy
 from cactus_cli.infer.costs import (
     Acceptance,
     CostModel,
@@ -28,6 +31,11 @@ from cactus_cli.infer.policy import (
     AdaptiveK,
     Calibration,
     Overhead,
+)
+from cactus_cli.infer.quant import quantize
+from tests.helpers import (
+    quantize_tiny,
+    write_costs,
 )
 from tests.test_engine import hf_greedy, prompt_ids
 
@@ -298,7 +306,7 @@ def test_adaptive_k_learns_and_reports(close_pair):
     engine = SpeculativeEngine(close_pair)
     assert engine.probe_costs(4)
     assert engine.costs.costs.knows("model") and engine.costs.costs.source == "probe"
-    assert set(engine.costs.costs.verify) == {1, 2, 3, 5}
+    assert set(engine.costs.costs.verify) == {1, 2, 3, 4, 5}  # every width to k_max + 1 (costs step where kernels change)
     params = GenerationParams(sampling=SamplingParams(0.8, 0, 1.0), rule="cactus", rule_kwargs={"delta": 1.0},
                               num_draft_tokens=4, adaptive_k=True, max_tokens=30, ignore_eos=True, seed=2)
     ks = [ev.num_drafted for ev in engine.generate(prompt_ids(close_pair), params)]
@@ -321,3 +329,72 @@ def test_dtype_auto_is_measured_and_cached(isolated_home):
     again, why2 = resolve_dtype("auto", torch.device("cpu"), (64, 256))
     assert again == dtype and "(cached)" in why2
     assert resolve_dtype("float32", torch.device("cpu"), (64, 256)) == (torch.float32, "as asked")
+
+
+def test_a_full_disk_does_not_stop_the_run(tiny, monkeypatch):
+    from cactus_cli.infer.quant import qcache
+
+    real = os.fdopen
+
+    class Full:  # the cache file's writes fail the way a full disk fails them
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    path = quantize.cache_file(quantize.weights_key(tiny["verifier"]), "int8")
+    path.unlink(missing_ok=True)  # (an earlier test may have cached it)
+    with monkeypatch.context() as m:
+        m.setattr(qcache.os, "fdopen", lambda *a, **k: Full(real(*a, **k)))
+        _, text = quantize_tiny(tiny)  # raised SafetensorError before
+    assert text.startswith("int8 weights")
+    assert not list(path.parent.glob(".*.tmp")) and not path.exists()
+    quantize_tiny(tiny)  # (the next start quantizes again and caches)
+    assert path.exists()
+
+
+@pytest.mark.parametrize("costs,acceptance", [
+    ({"verify": {"1": [0.1]}}, {"greedy": [[-5.0], [-5.0]]}),  # a negative count: ZeroDivisionError before
+    ({"verify": {"1": [0.1]}}, {"greedy": [[float("nan")], [1.0]]}),  # NaN: k = 0 forever, written back
+    ({"verify": {"-3": [0.1], "0": [0.1], "1000000": [0.1], "1": [0.1]}}, {}),  # impossible widths
+    ({"verify": {"1": [1e308, 0.1], "2": [-1, 0.2]}, "draft": {"model": [float("nan"), 0.01]}}, {}),
+])
+def test_invalid_cost_entries_are_dropped_said_and_never_written_back(tmp_path, costs, acceptance):
+    path = tmp_path / "costs.json"
+    write_costs(path, costs, acceptance)
+    p = policy.CostStore(path)
+    assert len(p.notes) == 1 and "invalid" in p.notes[0]
+    assert all(1 <= w <= policy.MAX_WIDTH for w in p.costs.verify)
+    assert all(math.isfinite(p.costs.t_v(w)) and 0 < p.costs.t_v(w) < 1 for w in range(1, 10))
+    for acc in p.acceptance.values():
+        assert all(math.isfinite(r) for r in acc.rates(8))
+    assert AdaptiveK(p).choose("greedy", 4) in range(5)
+    p.save()
+    again = policy.CostStore(path)
+    assert again.notes == []  # what was written back is clean
+
+
+def test_deeply_nested_or_garbage_cost_cache(tmp_path):
+    path = tmp_path / "costs.json"
+    path.write_text("[" * 100000 + "]" * 100000)  # RecursionError before
+    p = policy.CostStore(path)
+    assert p.notes and "unreadable" in p.notes[0]
+
+
+@pytest.mark.parametrize("seconds", [{"float32": 0, "bfloat16": 0}, {"float32": -0.2, "bfloat16": 0.1},
+                                     {"float32": float("nan"), "bfloat16": 0.1}])
+def test_a_corrupt_dtype_cache_is_measured_again(monkeypatch, seconds):
+    from cactus_cli.infer import devices as models
+
+    key = {"cpu": models.device_name(torch.device("cpu")), "threads": torch.get_num_threads(),
+           "torch": torch.__version__, "shape": [64, 128]}
+    path = cache_path(key, "dtype-")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "seconds": seconds}))
+    dtype, why = models.fastest_cpu_dtype(64, 128)  # ZeroDivisionError / "-0.20x faster" before
+    assert "(cached)" not in why and "nan" not in why and "-" not in why.split("x faster")[0]
+    assert all(v > 0 for v in json.loads(path.read_text())["seconds"].values())

@@ -5,15 +5,20 @@ the on-disk cache, and the quality report."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-import cactus_cli.infer.quantize as qz
+import cactus_cli.infer.quant.quantize as qz
 from cactus_cli.cli.main import app
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.quant import quantize
+from tests.helpers import invoke, quantize_tiny
 from tests.test_engine import GREEDY, prompt_ids, run
 
 cli = CliRunner()
@@ -35,7 +40,7 @@ def test_int8_quantizes_in_chunks_as_it_would_whole_and_leaves_the_weight_alone(
     """Rows are quantized a chunk at a time (a first start's peak memory): the same bytes as the
     whole-tensor formula, chunk boundaries falling mid-way included, and a float32 weight (whose
     ``.float()`` is itself) is not changed in place."""
-    import cactus_cli.infer.qlayers as ql
+    import cactus_cli.infer.quant.qlayers as ql
 
     monkeypatch.setattr(ql, "CHUNK", 3 * 40 + 7)  # 3 rows of 40 per chunk: 100 rows -> 34 chunks, the last short
     w = torch.randn(100, 40, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.1, 5, 100)[:, None]
@@ -158,7 +163,7 @@ def test_smoothing_leaves_the_function_unchanged_and_is_cached(tiny, isolated_ho
     factors and gives the same logits as the first start."""
     from transformers import AutoModelForCausalLM
 
-    from cactus_cli.infer import smooth
+    from cactus_cli.infer.quant import smooth
 
     model = AutoModelForCausalLM.from_pretrained(tiny["verifier"], dtype=torch.float32).eval()
     ids = torch.tensor([[5, 9, 12, 7, 30, 11]])
@@ -184,7 +189,7 @@ def test_layer_by_layer_gives_the_whole_model_numbers(tiny, isolated_home, monke
     while layer i is calibrated no later layer has run yet (nothing beyond it is read)."""
     from transformers import AutoModelForCausalLM
 
-    from cactus_cli.infer import layerwise
+    from cactus_cli.infer.quant import layerwise
 
     calibration = [5, 9, 12, 7, 30, 11, 8, 14] * 4
     ids = torch.tensor([[3, 17, 4, 25, 9]])
@@ -272,14 +277,14 @@ def test_quantize_auto_on_cpu_is_measured_and_says_why(tiny):
 
 def test_quantize_auto_gates_w8a8_on_its_measured_quality(tiny, isolated_home, monkeypatch):
     from cactus_cli.core import defaults
-    from cactus_cli.infer import models
+    from cactus_cli.infer import models, plan
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(models, "fastest_cpu_quantization", lambda hidden, inter: ("w8a8", "measured w8a8 3x faster"))
+    monkeypatch.setattr(plan, "fastest_cpu_quantization", lambda hidden, inter: ("w8a8", "measured w8a8 3x faster"))
     src = models.Source("folder", tiny["verifier"])
-    assert models.choose_quantize("auto", cpu, "auto", src) == ("w8a8", "quantize auto: w8a8, measured w8a8 3x faster",
-                                                               defaults.QUALITY_TOLERANCE)
-    assert models.choose_quantize("int8", cpu, "auto", src) == ("int8", "", None)  # asked for by name: no probe
+    assert plan.choose_quantize("auto", cpu, "auto", src) == ("w8a8", "quantize auto: w8a8, measured w8a8 3x faster",
+                                                              defaults.QUALITY_TOLERANCE)
+    assert plan.choose_quantize("int8", cpu, "auto", src) == ("int8", "", None)  # asked for by name: no probe
     calibration = [5, 9, 12, 7, 30, 11, 8, 14] * 4
     # a gate no model passes: w8a8 is measured, kept, and the model loaded again in int8
     lm = models.load_model(tiny["verifier"], src, cpu, torch.bfloat16, "verifier", "w8a8", None, 1, calibration, -1.0)
@@ -290,10 +295,10 @@ def test_quantize_auto_gates_w8a8_on_its_measured_quality(tiny, isolated_home, m
     lm = models.load_model(tiny["verifier"], src, cpu, torch.bfloat16, "verifier", "w8a8", None, 1, calibration, 10.0)
     assert lm.quantize == "w8a8" and qz.quality_verdict(tiny["verifier"]) == pytest.approx(verdict, abs=1e-3)
     monkeypatch.setattr(defaults, "QUALITY_TOLERANCE", verdict - 1e-6)  # measured worse than the tolerance
-    method, why, gate = models.choose_quantize("auto", cpu, "auto", src)
+    method, why, gate = plan.choose_quantize("auto", cpu, "auto", src)
     assert (method, gate) == ("int8", None) and "more than" in why
     monkeypatch.setattr(defaults, "QUALITY_TOLERANCE", verdict + 1e-6)  # within it: w8a8, no gate again
-    method, why, gate = models.choose_quantize("auto", cpu, "auto", src)
+    method, why, gate = plan.choose_quantize("auto", cpu, "auto", src)
     assert (method, gate) == ("w8a8", None) and "nats/token on this model" in why
 
 
@@ -330,3 +335,98 @@ def test_quantize_auto_yields_to_an_explicit_float32(tiny):
                          "--dtype", "float32", "-n", "2", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["settings"]["dtype_resolved"] == "float32"
+
+
+def test_a_damaged_quantized_cache_is_rebuilt_with_one_line(tiny):
+    from safetensors.torch import load_file, save_file
+
+    model, _ = quantize_tiny(tiny)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    path = quantize.cache_file(quantize.weights_key(tiny["verifier"]), "int8")
+    good = load_file(str(path))
+    damages = {
+        "missing": lambda t: {k: v for k, v in t.items() if k != "lm_head.scales"},
+        "flipped": lambda t: {**t, "model.layers.0.mlp.up_proj.q": t["model.layers.0.mlp.up_proj.q"] ^ 1},
+        "cut head": lambda t: {**t, "lm_head.q": t["lm_head.q"][:10]},
+    }
+    for what, damage in damages.items():
+        # written with the good file's checksum: what a flipped byte on disk looks like
+        save_file(damage(good), str(path), metadata={"sha256": quantize.checksum(good)})
+        lines = []
+        model2, _ = quantize_tiny(tiny, report=lines.append)
+        assert any("damaged" in ln for ln in lines), what
+        state = model2.state_dict()
+        assert all(torch.equal(state[k], reference[k]) for k in reference), what
+        assert quantize.checksum(load_file(str(path))) == quantize.checksum(good)  # the file was replaced
+
+
+def test_int4_says_what_ran(tiny):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny["verifier"], dtype=torch.bfloat16)
+    lines = []
+    text = quantize.quantize_model(model, "int4", tiny["verifier"], report=lines.append)
+    assert "in int8" in text and text in lines  # said once, and kept for --json
+
+
+def test_models_quality_cuts_texts_longer_than_the_context(tiny, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": " ".join(["the cat sat on the mat"] * 10)}) + "\n")
+    r = invoke("models", "quality", "--verifier", tiny["short_context"], "--device", "cpu", "--quantize", "int8",
+            "--prompts", prompts, "--json")
+    assert r.exit_code == 0, r.output
+    assert "scored on their first 16 tokens" in " ".join(r.output.split())
+
+
+def test_stale_temp_files_of_dead_writers_are_removed(tiny):
+    folder = quantize.cache_file(quantize.weights_key(tiny["verifier"]), "int8").parent
+    folder.mkdir(parents=True, exist_ok=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    stale = folder / f".int8-abc.safetensors.{dead}.x1y2.tmp"
+    live = folder / f".int8-abc.safetensors.{os.getpid()}.x1y2.tmp"
+    stale.write_bytes(b"0" * 1000)
+    live.write_bytes(b"0" * 1000)
+    quantize_tiny(tiny)
+    assert not stale.exists() and live.exists()  # a live writer's file is its own business
+    live.unlink()
+
+
+def test_the_quantized_cache_streams_tensor_by_tensor_in_the_safetensors_format(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from cactus_cli.infer.quant.qcache import CacheReader, CacheWriter, checksum
+
+    tensors = {"a.q": torch.randint(-127, 127, (5, 8), dtype=torch.int8), "a.scales": torch.rand(5),
+               "b.q": torch.randint(0, 255, (3, 4), dtype=torch.uint8), "s": torch.rand(8)}
+    specs = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
+    path = tmp_path / "int8-x-y.safetensors"
+    w = CacheWriter(path, specs)
+    for k in ("s", "b.q", "a.q", "a.scales"):  # in the order they are computed, not the file's
+        w.add(k, tensors[k])
+    assert w.finish()
+    loaded = load_file(str(path))  # what safetensors itself reads
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    r = CacheReader(path, {k: s for k, (_, s) in specs.items()})
+    assert all(torch.equal(r[k], v) for k, v in tensors.items()) and "a.q" in r and "zz" not in r
+    old = tmp_path / "old.safetensors"  # a cache written by earlier versions (safetensors' save_file)
+    save_file(tensors, str(old), metadata={"sha256": checksum(tensors)})
+    assert torch.equal(CacheReader(old, {"a.q": (5, 8)})["a.q"], tensors["a.q"])
+    with pytest.raises(ValueError, match="wrong shape"):
+        CacheReader(path, {"a.q": (8, 5)})
+    with pytest.raises(ValueError, match="missing"):
+        CacheReader(path, {"c.q": (1,)})
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum"):
+        CacheReader(path, {})
+    path.write_bytes(bytes(data[:20]))
+    with pytest.raises(ValueError):
+        CacheReader(path, {})
+    bad = tmp_path / "int8-x-z.safetensors"
+    w = CacheWriter(bad, specs)
+    w.add("a.q", tensors["a.q"].float())  # not what was announced: nothing is cached
+    for k in ("s", "b.q", "a.scales"):
+        w.add(k, tensors[k])
+    assert not w.finish() and not bad.exists() and not list(tmp_path.glob(".*.tmp"))

@@ -22,8 +22,8 @@ from cactus_cli.infer.draft.suffix_tree import History, SuffixTree, follow
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
 from cactus_cli.infer.policy import AdaptiveK
+from tests.helpers import assert_one_line_error, pair_args
 from tests.stats_helpers import assert_matches, exact_two_tokens
-from tests.test_cli import assert_one_line_error, pair_args
 from tests.test_engine import hf_greedy, run
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ import torch
 
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.infer.tp.group import check_tp
+from tests.helpers import cactus_run, decoding, listening_addresses, tiny_args, wait_for
 
 
 def cactus(tiny, *args, **kwargs) -> subprocess.CompletedProcess:
@@ -178,3 +181,41 @@ def test_a_follower_whose_rank0_pipe_ends_cleans_up_at_once_whatever_its_main_th
     finally:
         proc.kill()
     assert not log.exists() and not store.parent.exists()
+
+
+def test_a_group_environment_without_a_peer(tiny):
+    r = cactus_run(["generate", "hi", "--tp", "2", "-n", "4", *tiny_args(tiny)], env={"WORLD_SIZE": "2", "RANK": "0"})
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: WORLD_SIZE=2 and RANK=0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    r = cactus_run(["generate", "hi", "--tp", "2", "-n", "4", *tiny_args(tiny)],
+                env={"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                     "CACTUS_TP_RENDEZVOUS_SECONDS": "3"})
+    assert time.monotonic() - t0 < 60  # waited for 7 days before
+    assert r.returncode == 2, r.stderr
+    assert "waiting up to 3 s for 2 tensor-parallel ranks" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: tensor parallel: not all 2 ranks joined within 3 s")
+
+
+def test_tp_listens_on_loopback_only_and_leaves_nothing_behind(tiny, tmp_path, isolated_home):
+    pytest.importorskip("psutil")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "cactus_cli", "bench", *tiny_args(tiny), "--dtype", "float32", "--tp", "2",
+           "--rules", "sps", "-k", "4", "-n", "400"]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        shutil.rmtree(isolated_home / "costs", ignore_errors=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            assert wait_for(decoding(isolated_home), 240), "the group never started decoding"
+            listening = listening_addresses(proc.pid)
+            assert listening and all(ip in ("127.0.0.1", "::1") for ip in listening), listening
+            proc.send_signal(sig)
+            proc.wait(timeout=60)
+        finally:
+            proc.kill()
+        # rank 0 cleans up after SIGTERM; after SIGKILL the follower removes its own log
+        assert wait_for(lambda: not list(tmp_path.glob("cactus-tp-*")), 5), list(tmp_path.iterdir())
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 130

@@ -32,6 +32,7 @@ from lm_eval.api.registry import register_model
 
 from cactus_cli.app import runtime
 from cactus_cli.app.profiles import resolve_settings
+from cactus_cli.app.session import Session
 from cactus_cli.app.settings import check_flags_apply, flags_to_settings, with_seed
 from cactus_cli.core.errors import CactusError, ContextLimitError
 from cactus_cli.core.fileio import check_output_file
@@ -60,7 +61,7 @@ class CactusLM(LM):
         if stats_file:
             stats_file = str(check_output_file(stats_file, "stats_file"))  # now, not at the first request
         self.settings = with_seed(self.settings)
-        self.engine = runtime.load_engine(self.settings)
+        self.engine = Session.load(settings=self.settings).engine
         runtime.prepare(self.engine, self.settings)
         self.tokenizer = self.engine.pair.tokenizer
         self.stats_file = stats_file

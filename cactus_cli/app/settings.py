@@ -7,6 +7,8 @@ lists, --draft values. Settings are frozen: change one with ``dataclasses.replac
 from __future__ import annotations
 
 import math
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable
 
@@ -36,7 +38,7 @@ class Settings:
     verifier: str | None = None  # model source: hub id, local folder, .gguf file, or "embedded:NAME"
     draft: str | None = None  # None: the verifier alone (autoregressive)
     tokenizer: str | None = None  # tokenizer source for both models (default: the verifier's)
-    cross_vocab: str = "auto"  # a draft with another tokenizer: string (SLEM), intersection (TLI), auto
+    cross_vocab: str = defaults.CROSS_VOCAB  # a draft with another tokenizer: string (SLEM), intersection (TLI), auto
     rule: str = defaults.RULE
     delta: float = defaults.DELTA  # divergence budget, for cactus and cactus-exact
     rule_params: dict[str, Any] = field(default_factory=dict)  # divergence, epsilon, alpha, topk
@@ -50,12 +52,12 @@ class Settings:
     top_p: float = defaults.TOP_P
     max_tokens: int = defaults.MAX_TOKENS
     seed: int | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    compile: str = "auto"  # static caches + compiled steps: on for CUDA; on a CPU only where measured faster
-    quantize: str = "none"  # int8 / int4 weight-only, w8a8 (int8 x int8, CPU); auto: measured (models.choose_quantize)
-    tp: int = 1  # tensor-parallel ranks for the verifier (infer/tp/)
-    backend: str = "auto"  # torch, llama.cpp (GGUF files on a CPU), auto: llama.cpp where it can run (models.choose_backend)
+    device: str = defaults.DEVICE
+    dtype: str = defaults.DTYPE
+    compile: str = defaults.COMPILE  # static caches + compiled steps: on for CUDA; on a CPU only where measured faster
+    quantize: str = defaults.QUANTIZE  # int8 / int4 weight-only, w8a8 (int8 x int8, CPU); auto: measured (models.choose_quantize)
+    tp: int = defaults.TP  # tensor-parallel ranks for the verifier (infer/tp/)
+    backend: str = defaults.BACKEND  # torch, llama.cpp (GGUF files on a CPU), auto: llama.cpp where it can run (models.choose_backend)
     threads: int | None = None  # CPU threads for either backend (None: the CPUs this process may use)
     chat_template: bool | None = None  # None: use the tokenizer's chat template when it has one
     system: str | None = None
@@ -80,37 +82,17 @@ class Settings:
         return asdict(self)
 
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "description": (str,),
-    "verifier": (str, type(None)),
-    "draft": (str, type(None)),
-    "tokenizer": (str, type(None)),
-    "cross_vocab": (str,),
-    "rule": (str,),
-    "delta": (int, float),
-    "rule_params": (dict,),
-    "num_draft_tokens": (int, str),
-    "max_draft_tokens": (int,),
-    "ngram_max": (int,),
-    "ngram_min": (int,),
-    "remember": (str, type(None)),
-    "temperature": (int, float),
-    "top_k": (int,),
-    "top_p": (int, float),
-    "max_tokens": (int,),
-    "seed": (int, type(None)),
-    "device": (str,),
-    "dtype": (str,),
-    "compile": (str,),
-    "quantize": (str,),
-    "tp": (int,),
-    "backend": (str,),
-    "threads": (int, type(None)),
-    "chat_template": (bool, type(None)),
-    "system": (str, type(None)),
-    "stop": (list,),
-    "calibration": (dict, type(None)),
-}
+def _types(hint: Any) -> tuple[type, ...]:
+    """The types a field's annotation admits (``float`` admits ints: 1 is written for 1.0)."""
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else (hint,)
+    out: list[type] = []
+    for arg in args:
+        base = typing.get_origin(arg) or arg  # dict[str, Any] -> dict
+        out += [int, float] if base is float else [base]
+    return tuple(dict.fromkeys(out))
+
+
+_TYPES: dict[str, tuple[type, ...]] = {name: _types(hint) for name, hint in typing.get_type_hints(Settings).items()}
 assert set(_TYPES) == {f.name for f in fields(Settings)}
 
 

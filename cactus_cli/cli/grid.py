@@ -53,12 +53,15 @@ class GridOutput:
     as_json: bool
     csv_path: Path | None
     out_dir: Path | None
+    plot: Path | None = None  # bench --plot: the speed / divergence trade-off (needs --meter)
 
 def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: GridOutput) -> None:
     """bench and eval: the same grid (variants x rules x delta x k, the verifier alone first),
     the same runner, the same outputs; eval also grades each answer."""
     with user_errors():
         settings, lists, prompts, grade = _parse(kind, shared, flags)
+        if output.plot is not None and not flags.meter:
+            raise ConfigError("--plot draws speed against the realized divergence: add --meter")
         output = _check_outputs(output)
         from cactus_cli.app import grid as g
         from cactus_cli.app import report, variants
@@ -190,8 +193,17 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
 def _check_outputs(output: GridOutput) -> GridOutput:
     """A 30-minute run must not die at the end on a path it could have checked now."""
 
+    plot = output.plot
+    if plot is not None:
+        if plot.suffix.lower() != ".png":
+            raise ConfigError(f"--plot {plot}: give a .png path")
+        plot = check_output_file(plot, "--plot")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError('--plot needs matplotlib: pip install -e ".[plot]"') from None
     return GridOutput(output.as_json, check_output_file(output.csv_path, "--csv") if output.csv_path else None,
-                      check_output_dir(output.out_dir, "--out") if output.out_dir else None)
+                      check_output_dir(output.out_dir, "--out") if output.out_dir else None, plot)
 
 def _report(kind: str, doc: dict, env: dict, output: GridOutput, no_color: bool, err) -> None:
     """Print first, then write: a failed write must not lose the results."""
@@ -209,6 +221,12 @@ def _report(kind: str, doc: dict, env: dict, output: GridOutput, no_color: bool,
         err.print(f"wrote {output.out_dir}/{kind}.json, {kind}.csv, environment.json", style="dim")
     if output.csv_path:
         write_or_fail(output.csv_path, csv_text(doc), "--csv")
+    if output.plot:
+        try:
+            tables.plot_tradeoff_png(doc, output.plot)
+        except OSError as e:
+            raise ConfigError(f"--plot: could not write {output.plot} ({e.strerror or e})") from None
+        err.print(f"wrote {output.plot}", style="dim")
 
 def _check_sweep_flags(rules: list[str], deltas: str | None, ks: list, flags: dict) -> None:
     """A sweep option that no configuration of the grid would use is an error, not a no-op."""

@@ -230,6 +230,42 @@ def plot_calibration_png(doc: dict, path) -> None:
 
 
 
+def plot_tradeoff_png(doc: dict, path) -> None:
+    """bench --plot: speed and mean acceptance length against the realized divergence (the
+    meter), one point per configuration, SpS at zero divergence, the verifier alone as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in doc["results"] if r["kind"] == "speculative" and r.get("realized_kl_mean") is not None]
+    alone = next((r for r in doc["results"] if r["kind"] == "autoregressive"), None)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.8), dpi=120)
+    for ax, key, label in ((ax1, "tokens_per_second", "tokens / s"), (ax2, "mean_acceptance_length", "mean acceptance length")):
+        for r in rows:
+            sps = r["rule"] == "sps"
+            ax.plot(r["realized_kl_mean"], r[key] or 0, "D" if sps else "o", color="black" if sps else "tab:green")
+            delta = r["rule_params"].get("delta")
+            ax.annotate("SpS" if sps else (f"δ={delta:g}" if delta is not None else r["rule"]),
+                        (r["realized_kl_mean"], r[key] or 0), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        if key == "tokens_per_second" and alone is not None:
+            ax.axhline(alone["tokens_per_second"], color="gray", lw=1, ls=":", label="verifier alone")
+            ax.legend(fontsize=7, loc="lower right")
+        ax.set_xlabel("realized KL(h_alg || q) per token (nats)")
+        ax.set_ylabel(label)
+    env = doc["environment"]
+    fig.suptitle(f"{env['verifier']} / {env['draft']} · {env.get('backend', '')} · {env.get('device_name', '')}"[:120],
+                 fontsize=8)
+    fig.tight_layout()
+    from pathlib import Path
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)
+
+
 def print_quality(console: Console, doc: dict) -> None:
     """`cactus models quality`: one row per quantization."""
     from rich.table import Table

@@ -8,11 +8,20 @@ Names, used the same way everywhere in this project:
     k      drafted tokens per step
     delta  the divergence budget of the Cactus rules
 
-Most rules are *generalized speculative sampling* (ALGORITHM.md section 1): they pick a
-target ``h`` per position, accept ``n`` with probability ``min(1, h_n / p_n)`` and on
-rejection draw the replacement from ``normalize(max(0, h - p))``. ``tas`` (typical
-acceptance) is the one rule outside that frame. After ``k`` acceptances one bonus token
-is drawn from ``q[:, k]`` whatever the rule.
+Each rule is one object (``Rule``) that carries its behaviour: its parameters, the probability
+it accepts a drafted token with, the distribution it draws a replacement from after a
+rejection, its target distribution where it has one, and the exact distribution one
+verification position emits (for the divergence meter and the exactness tests). ``RULES`` is
+the one registry: ``verify``, the meter and the settings call the rule and never test its name,
+so a new rule is one subclass and one registry line (tests/test_acceptance.py adds a toy rule).
+
+Most rules are *generalized speculative sampling* (``TargetRule``, docs/algorithm.md section 1):
+they pick a target ``h`` per position, accept ``n`` with probability ``min(1, h_n / p_n)`` and
+on rejection draw the replacement from ``normalize(max(0, h - p))``; SpS and the Cactus rules
+are those whose ``h`` is ``g`` at the drafted token and the verifier's ``q`` scaled by
+``(1 - g) / (1 - q_n)`` elsewhere (``ScaledRule``: they define ``g`` alone). ``tas`` (typical
+acceptance) and ``topk`` sit outside that frame. After ``k`` acceptances one bonus token is
+drawn from ``q[:, k]`` whatever the rule.
 
 All distributions are taken after the sampling transforms (temperature, top-k, top-p),
 applied identically to both models. Every random draw comes from the ``generator``
@@ -90,40 +99,219 @@ def _pos_int(v: Any) -> bool:
 _DELTA = Param("delta", defaults.DELTA, _nonneg, "a finite number >= 0")
 
 
-@dataclass(frozen=True)
 class Rule:
-    name: str
-    summary: str
+    """An acceptance rule: name, summary, parameters, and its behaviour on probability rows
+    (float32 or float64; ``prm`` is its resolved parameters, ``n`` the drafted tokens)."""
+
+    name: str = ""
+    summary: str = ""
     params: tuple[Param, ...] = ()
 
     def param_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.params)
 
+    def finish_params(self, prm: dict[str, Any]) -> dict[str, Any]:
+        """Defaults that depend on other parameters (tas: alpha from epsilon)."""
+        return prm
 
-RULES: dict[str, Rule] = {
-    r.name: r
-    for r in (
-        Rule("sps", "standard speculative sampling: h = q, lossless"),
-        Rule("cactus", "Cactus, the paper's closed form h_n = q_n + sqrt(2 delta q_n (1 - q_n))", (_DELTA,)),
-        Rule(
-            "cactus-exact",
-            "Cactus with the exact per-token budget D(h || q) = delta (kl, chi2, hellinger, tv)",
-            (_DELTA, Param("divergence", "kl", lambda v: v in DIVERGENCES, "one of " + ", ".join(DIVERGENCES), str)),
-        ),
-        Rule(
-            "tas",
-            "typical acceptance (Medusa): accept if q_n > min(epsilon, alpha exp(-H(q))), else verifier argmax",
-            (
-                Param("epsilon", 0.09, _pos_unit, "a number in (0, 1]"),
-                Param("alpha", None, _nonneg, "a finite number >= 0 (default sqrt(epsilon))"),
-            ),
-        ),
-        Rule("topk", "accept if the draft token is among the verifier's top-k tokens", (
-            Param("topk", 5, _pos_int, "an integer >= 1", int),
-        )),
-        Rule("interp", "h = alpha p + (1 - alpha) q", (Param("alpha", 0.5, _unit, "a number in [0, 1]"),)),
-    )
-}
+    def accept(self, prm: dict, p: torch.Tensor, q: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """[B, k]: the probability each drafted token is accepted (p, q [B, k, V]: both models'
+        rows at the drafted positions; n [B, k])."""
+        raise NotImplementedError
+
+    def residual(self, prm: dict, p: torch.Tensor, q: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """[B, V]: the unnormalized distribution a replacement is drawn from at the rejected
+        position (p, q [B, V] there; n [B] the rejected token)."""
+        raise NotImplementedError
+
+    def target(self, prm: dict, p: torch.Tensor, q: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """[B, k, V]: the target h each drafted token is verified against."""
+        raise ValueError(f"rule {self.name!r} has no target distribution h (it is not of the form min(1, h_n / p_n))")
+
+    def emitted(self, prm: dict, P: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+        """[N, V]: the exact distribution of the token a position emits when the drafted token is
+        drawn from P and the rule accepts it or replaces it (float64 rows)."""
+        raise NotImplementedError(f"rule {self.name!r} does not give its emitted distribution")
+
+
+def _at(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """x [..., V] at the tokens n [...]."""
+    return x.gather(-1, n.unsqueeze(-1)).squeeze(-1)
+
+
+class TargetRule(Rule):
+    """Generalized speculative sampling against a target ``h``: accept with min(1, h_n / p_n),
+    replace from normalize(max(0, h - p)). A subclass gives ``target`` (and ``emitted``)."""
+
+    def h_at(self, prm: dict, p: torch.Tensor, q: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """h at the drafted tokens [B, k]."""
+        return _at(self.target(prm, p, q, n), n)
+
+    def accept(self, prm, p, q, n):
+        h_n, p_n = self.h_at(prm, p, q, n), _at(p, n)
+        safe_p = torch.where(p_n > 0, p_n, torch.ones_like(p_n))  # p_n = 0 accepted only when h_n > 0
+        return torch.where(p_n > 0, (h_n / safe_p).clamp(max=1.0), (h_n > 0).to(h_n.dtype))
+
+    def residual(self, prm, p, q, n):
+        return (self.target(prm, p.unsqueeze(1), q.unsqueeze(1), n.unsqueeze(1))[:, 0] - p).clamp(min=0.0)
+
+
+class FixedTargetRule(TargetRule):
+    """A target that does not depend on the drafted token: the position then emits exactly h.
+    A subclass gives ``h`` alone (tests/test_toy_rule.py defines one in ten lines)."""
+
+    def h(self, prm: dict, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """[..., V] the target from both models' rows [..., V]."""
+        raise NotImplementedError
+
+    def target(self, prm, p, q, n):
+        return self.h(prm, p, q)
+
+    def emitted(self, prm, P, Q):
+        return self.h(prm, P, Q)
+
+
+class ScaledRule(TargetRule):
+    """h = g_n at the drafted token n, s q elsewhere with s = (1 - g_n) / (1 - q_n): SpS (g = q_n)
+    and the Cactus rules (g boosted within the budget). A subclass gives ``g`` alone."""
+
+    def g(self, prm: dict, q_n: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def h_at(self, prm, p, q, n):
+        return self.g(prm, _at(q, n))
+
+    def residual(self, prm, p, q, n):
+        p_n, q_n = _at(p, n), _at(q, n)
+        g = self.g(prm, q_n)
+        r = q * _scale(q_n, g).unsqueeze(-1)
+        r.sub_(p).clamp_(min=0.0)
+        return r.scatter_(-1, n.unsqueeze(-1), (g - p_n).clamp(min=0.0).unsqueeze(-1))
+
+    def target(self, prm, p, q, n):
+        q_n = _at(q, n)
+        g = self.g(prm, q_n)
+        return (q * _scale(q_n, g).unsqueeze(-1)).scatter(-1, n.unsqueeze(-1), g.unsqueeze(-1))
+
+    def emitted(self, prm, P, Q):
+        """O(V log V), not O(V^2): rejected token n sends weight w_n = (p_n - g_n)_+ / Z_n to every
+        x != n with s_n > p_x / q_x, amount s_n q_x - p_x; sorting tokens by s_n and by p_x / q_x,
+        prefix sums give every x at once (docs/algorithm.md section 2)."""
+        g = self.g(prm, Q)  # [N, V]: g_n for every candidate drafted token n
+        s = _scale(Q, g)  # [N, V]
+        inf = torch.full_like(Q, float("inf"))
+        rho = torch.where(Q > 0, P / torch.where(Q > 0, Q, torch.ones_like(Q)), inf)  # p_x / q_x
+
+        # Z_n = sum_{x != n, rho_x < s_n} (s_n q_x - p_x): sort x by rho, prefix sums of q and p
+        rho_sorted, order = rho.sort(-1)
+        cq = torch.cat([torch.zeros_like(Q[:, :1]), Q.gather(-1, order).cumsum(-1)], -1)  # [N, V+1]
+        cp = torch.cat([torch.zeros_like(P[:, :1]), P.gather(-1, order).cumsum(-1)], -1)
+        below = torch.searchsorted(rho_sorted, s.contiguous(), right=False)  # count of x with rho_x < s_n
+        z = s * cq.gather(-1, below) - cp.gather(-1, below)
+        z = z - torch.where(rho < s, s * Q - P, torch.zeros_like(z))  # x = n is not a replacement
+        excess = (P - g).clamp(min=0.0)  # p_n (1 - a_n)
+        w = torch.where(excess > 0, excess / torch.where(z > 0, z, torch.ones_like(z)), torch.zeros_like(z))
+
+        # sum over n != x with s_n > rho_x of w_n (s_n q_x - p_x): sort n by s, suffix sums of w s and w
+        s_sorted, s_order = s.sort(-1)
+        ws = (w * s).gather(-1, s_order)
+        ww = w.gather(-1, s_order)
+        tail_ws = torch.cat([ws.flip(-1).cumsum(-1).flip(-1), torch.zeros_like(ws[:, :1])], -1)  # [N, V+1]
+        tail_w = torch.cat([ww.flip(-1).cumsum(-1).flip(-1), torch.zeros_like(ww[:, :1])], -1)
+        first = torch.searchsorted(s_sorted, rho.contiguous(), right=True)  # first n with s_n > rho_x
+        sum_ws, sum_w = tail_ws.gather(-1, first), tail_w.gather(-1, first)
+        self_term = s > rho  # n = x lies in that range: take it out
+        sum_ws = sum_ws - torch.where(self_term, w * s, torch.zeros_like(w))
+        sum_w = sum_w - torch.where(self_term, w, torch.zeros_like(w))
+        recovered = torch.where(Q > 0, Q * sum_ws - P * sum_w, torch.zeros_like(Q)).clamp(min=0.0)
+        return torch.minimum(P, g) + recovered
+
+
+class SpS(ScaledRule):
+    name, summary = "sps", "standard speculative sampling: h = q, lossless"
+
+    def g(self, prm, q_n):
+        return q_n
+
+
+class Cactus(ScaledRule):
+    name = "cactus"
+    summary = "Cactus, the paper's closed form h_n = q_n + sqrt(2 delta q_n (1 - q_n))"
+    params = (_DELTA,)
+
+    def g(self, prm, q_n):
+        return cactus_target_prob(q_n, prm["delta"])
+
+
+class CactusExact(ScaledRule):
+    name = "cactus-exact"
+    summary = "Cactus with the exact per-token budget D(h || q) = delta (kl, chi2, hellinger, tv)"
+    params = (_DELTA, Param("divergence", "kl", lambda v: v in DIVERGENCES, "one of " + ", ".join(DIVERGENCES), str))
+
+    def g(self, prm, q_n):
+        return cactus_target_prob(q_n, prm["delta"], prm["divergence"])
+
+
+class Interp(FixedTargetRule):
+    name, summary = "interp", "h = alpha p + (1 - alpha) q"
+    params = (Param("alpha", 0.5, _unit, "a number in [0, 1]"),)
+
+    def h(self, prm, p, q):
+        return prm["alpha"] * p + (1 - prm["alpha"]) * q
+
+    def residual(self, prm, p, q, n):  # (h - p)+ written so that alpha = 1 leaves exact zeros
+        return ((1 - prm["alpha"]) * (q - p)).clamp(min=0.0)
+
+
+class TypicalAcceptance(Rule):
+    name = "tas"
+    summary = "typical acceptance (Medusa): accept if q_n > min(epsilon, alpha exp(-H(q))), else verifier argmax"
+    params = (Param("epsilon", 0.09, _pos_unit, "a number in (0, 1]"),
+              Param("alpha", None, _nonneg, "a finite number >= 0 (default sqrt(epsilon))"))
+
+    def finish_params(self, prm):
+        return {**prm, "alpha": math.sqrt(prm["epsilon"])} if prm["alpha"] is None else prm
+
+    @staticmethod
+    def _threshold(prm: dict, q: torch.Tensor) -> torch.Tensor:
+        entropy = -torch.xlogy(q, q).sum(-1)
+        return torch.minimum(torch.full_like(entropy, prm["epsilon"]), prm["alpha"] * torch.exp(-entropy))
+
+    def accept(self, prm, p, q, n):
+        return (_at(q, n) > self._threshold(prm, q)).to(q.dtype)
+
+    def residual(self, prm, p, q, n):
+        return _one_hot(q.argmax(-1), q)
+
+    def emitted(self, prm, P, Q):
+        ok = Q > self._threshold(prm, Q).unsqueeze(-1)
+        return P * ok + _one_hot(Q.argmax(-1), Q) * (P * ~ok).sum(-1, keepdim=True)
+
+
+class TopK(Rule):
+    name, summary = "topk", "accept if the draft token is among the verifier's top-k tokens"
+    params = (Param("topk", 5, _pos_int, "an integer >= 1", int),)
+
+    @staticmethod
+    def _inside(prm: dict, q: torch.Tensor) -> torch.Tensor:
+        """Tokens among the verifier's top-k (ties at the k-th count; zero probability never)."""
+        thr = q.topk(min(prm["topk"], q.shape[-1]), dim=-1).values[..., -1]
+        return (q >= thr.unsqueeze(-1)) & (q > 0)
+
+    def accept(self, prm, p, q, n):
+        return _at(self._inside(prm, q), n).to(q.dtype)
+
+    def residual(self, prm, p, q, n):
+        return (self._inside(prm, q).to(q.dtype) - p).clamp(min=0.0)
+
+    def emitted(self, prm, P, Q):
+        inside = self._inside(prm, Q)
+        resid = (inside.double() - P).clamp(min=0.0)
+        z = resid.sum(-1, keepdim=True)
+        return P * inside + (P * ~inside).sum(-1, keepdim=True) * resid / torch.where(z > 0, z, torch.ones_like(z))
+
+
+RULES: dict[str, Rule] = {r.name: r for r in (SpS(), Cactus(), CactusExact(), TypicalAcceptance(), TopK(), Interp())}
 
 
 def resolve_params(rule: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -147,9 +335,7 @@ def resolve_params(rule: str, params: dict[str, Any] | None = None) -> dict[str,
         if not prm.valid(value):
             raise ValueError(f"rule {rule!r}: parameter {prm.name!r} must be {prm.valid_range}, got {value!r}")
         out[prm.name] = value
-    if rule == "tas" and out["alpha"] is None:
-        out["alpha"] = math.sqrt(out["epsilon"])
-    return out
+    return spec.finish_params(out)
 
 
 # --------------------------------------------------------------------------- the Cactus target
@@ -160,7 +346,7 @@ def cactus_target_prob(q_n: torch.Tensor, delta: float, divergence: str | None =
 
     ``divergence=None`` is the paper's second-order closed form; otherwise the exact root of
     the Bernoulli divergence D(g || q_n) = delta (the proportional scaling of the other tokens
-    makes D(h || q) equal that Bernoulli divergence, ALGORITHM.md section 2).
+    makes D(h || q) equal that Bernoulli divergence, docs/algorithm.md section 2).
     """
     x = q_n.clamp(0.0, 1.0)
     if divergence is None:
@@ -200,24 +386,11 @@ def _kl_root(x: torch.Tensor, delta: float) -> torch.Tensor:
     return torch.where(out.double() > g, torch.nextafter(out, torch.zeros_like(out)), out)
 
 
-# --------------------------------------------------------------------------- rules as (accept, residual)
+# --------------------------------------------------------------------------- shared helpers
 
 
 def _work_dtype(*ts: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
-
-
-def _h_n(rule: str, prm: dict, p_n: torch.Tensor, q_n: torch.Tensor) -> torch.Tensor:
-    """h at the drafted token, for the rules with a target distribution."""
-    if rule == "sps":
-        return q_n
-    if rule == "cactus":
-        return cactus_target_prob(q_n, prm["delta"])
-    if rule == "cactus-exact":
-        return cactus_target_prob(q_n, prm["delta"], prm["divergence"])
-    if rule == "interp":
-        return prm["alpha"] * p_n + (1 - prm["alpha"]) * q_n
-    raise ValueError(f"rule {rule!r} has no target distribution h (it is not of the form min(1, h_n / p_n))")
 
 
 def _scale(q_n: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -226,54 +399,9 @@ def _scale(q_n: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return torch.where(rest > 0, (1.0 - g) / torch.where(rest > 0, rest, torch.ones_like(rest)), torch.zeros_like(rest))
 
 
-def _ratio_accept(h_n: torch.Tensor, p_n: torch.Tensor) -> torch.Tensor:
-    """min(1, h_n / p_n), with p_n = 0 accepted only when h_n > 0."""
-    safe_p = torch.where(p_n > 0, p_n, torch.ones_like(p_n))
-    return torch.where(p_n > 0, (h_n / safe_p).clamp(max=1.0), (h_n > 0).to(h_n.dtype))
-
-
 def _one_hot(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """[B] -> [B, V] one-hot rows shaped and typed like ``like``."""
     return torch.zeros_like(like).scatter(-1, index.unsqueeze(-1), 1.0)
-
-
-def _topk_threshold(q: torch.Tensor, topk: int) -> torch.Tensor:
-    """[..., V] -> [...]: the k-th largest verifier probability (ties at it count as in)."""
-    return q.topk(min(topk, q.shape[-1]), dim=-1).values[..., -1]
-
-
-def _topk_set(q: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
-    # tokens the verifier gives zero probability (filtered by top-k/top-p) are never "likely"
-    return (q >= thr.unsqueeze(-1)) & (q > 0)
-
-
-def _accept_probs(rule, prm, p_n, q_n, q_rows, work):
-    """[B, k] acceptance probability of each drafted token; q_rows is q[:, :k]."""
-    if rule == "tas":
-        qf = q_rows.to(work)
-        entropy = -torch.xlogy(qf, qf).sum(-1)  # [B, k]
-        threshold = torch.minimum(torch.full_like(entropy, prm["epsilon"]), prm["alpha"] * torch.exp(-entropy))
-        return (q_n > threshold).to(work)
-    if rule == "topk":
-        thr = _topk_threshold(q_rows, prm["topk"]).to(work)
-        return ((q_n >= thr) & (q_n > 0)).to(work)
-    return _ratio_accept(_h_n(rule, prm, p_n, q_n), p_n)
-
-
-def _residual(rule, prm, p_j, q_j, n_j, p_nj, q_nj):
-    """[B, V] unnormalized replacement distribution at the rejected position."""
-    if rule == "tas":
-        return _one_hot(q_j.argmax(-1), q_j)
-    if rule == "topk":
-        inside = _topk_set(q_j, _topk_threshold(q_j, prm["topk"]))
-        return (inside.to(q_j.dtype) - p_j).clamp(min=0.0)
-    if rule == "interp":
-        return ((1 - prm["alpha"]) * (q_j - p_j)).clamp(min=0.0)
-    # sps / cactus / cactus-exact: h = s q off n, g at n; sps is g = q_n, s = 1 exactly
-    g = _h_n(rule, prm, p_nj, q_nj)
-    r = q_j * _scale(q_nj, g).unsqueeze(-1)
-    r.sub_(p_j).clamp_(min=0.0)
-    return r.scatter_(-1, n_j.unsqueeze(-1), (g - p_nj).clamp(min=0.0).unsqueeze(-1))
 
 
 # --------------------------------------------------------------------------- public functions
@@ -308,8 +436,8 @@ def verify(
     """Verify ``k`` drafted tokens per sequence against the verifier and emit 1..k+1 tokens each.
 
     p: [B, k, V] draft probabilities; q: [B, k+1, V] verifier probabilities (row k = bonus);
-    draft_tokens: [B, k] drawn from p. Works in float32 (float64 if an input is float64),
-    upcasting only the rows it reads, so float16/bfloat16 inputs are fine.
+    draft_tokens: [B, k] drawn from p. Works in float32 (float64 if an input is float64), so
+    float16/bfloat16 inputs are fine. The rule (``RULES[rule]``) decides acceptance and residual.
     """
     prm = resolve_params(rule, params)
     B, k, V = _check_shapes(p, q, draft_tokens)
@@ -317,9 +445,9 @@ def verify(
     n = draft_tokens.to(torch.int64)  # [B, k]
     rows = torch.arange(B, device=q.device)
 
-    p_n = p.gather(-1, n.unsqueeze(-1)).squeeze(-1).to(work)  # [B, k]
-    q_n = q[:, :k].gather(-1, n.unsqueeze(-1)).squeeze(-1).to(work)  # [B, k]
-    acc_prob = _accept_probs(rule, prm, p_n, q_n, q[:, :k], work)  # [B, k]
+    spec = RULES[rule]
+    pw, qw = p.to(work), q[:, :k].to(work)  # [B, k, V] (no copy for float32 inputs)
+    acc_prob = spec.accept(prm, pw, qw, n)  # [B, k]
     u = torch.rand((B, k), generator=generator, device=q.device, dtype=work)
     accepted = u < acc_prob  # u in [0, 1): probability 1 always accepts, 0 never
     num_accepted = accepted.to(torch.int64).cumprod(-1).sum(-1)  # [B]
@@ -329,8 +457,8 @@ def verify(
         dist, fallback = bonus, bonus
     else:
         j = num_accepted.clamp(max=k - 1)  # first rejected position (ignored where all accepted)
-        q_j = q[rows, j].to(work)
-        resid = _residual(rule, prm, p[rows, j].to(work), q_j, n[rows, j], p_n[rows, j], q_n[rows, j])
+        q_j = qw[rows, j]
+        resid = spec.residual(prm, pw[rows, j], q_j, n[rows, j])
         all_in = (num_accepted == k).unsqueeze(-1)
         dist = torch.where(all_in, bonus, resid)
         fallback = torch.where(all_in, bonus, q_j)
@@ -366,13 +494,5 @@ def target_distribution(
     cactus-exact, interp). ``tas`` and ``topk`` have no such h and raise ValueError."""
     prm = resolve_params(rule, params)
     B, k, V = _check_shapes(p, q, draft_tokens)
-    if rule in ("tas", "topk"):
-        raise ValueError(f"rule {rule!r} has no target distribution h (it is not of the form min(1, h_n / p_n))")
     work = _work_dtype(p, q)
-    pw, qw = p.to(work), q[:, :k].to(work)
-    if rule == "interp":
-        return prm["alpha"] * pw + (1 - prm["alpha"]) * qw
-    n = draft_tokens.to(torch.int64).unsqueeze(-1)
-    q_n = qw.gather(-1, n).squeeze(-1)
-    g = _h_n(rule, prm, pw.gather(-1, n).squeeze(-1), q_n)
-    return (qw * _scale(q_n, g).unsqueeze(-1)).scatter(-1, n, g.unsqueeze(-1))
+    return RULES[rule].target(prm, p.to(work), q[:, :k].to(work), draft_tokens.to(torch.int64))

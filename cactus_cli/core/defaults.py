@@ -11,5 +11,8 @@ TEMPERATURE = 0.6
 TOP_K = 20  # 0 = off
 TOP_P = 0.95  # 1 = off
 MAX_TOKENS = 256
-BENCH_RULES = "sps,cactus"
-QUALITY_TOLERANCE = 0.03  # nats/token of mean NLL a quantization may cost to be chosen by --quantize auto  # bench and eval compare these rules when --rules is not given
+BENCH_RULES = "sps,cactus"  # bench and eval compare these rules when --rules is not given
+QUALITY_TOLERANCE = 0.03  # nats/token of mean NLL a quantization may cost to be chosen by --quantize auto
+# what runs the models: each "auto" is decided from the sources and the machine at load (infer/models.py)
+BACKEND = DEVICE = DTYPE = COMPILE = QUANTIZE = CROSS_VOCAB = "auto"
+TP = 1  # tensor-parallel ranks

@@ -1,6 +1,6 @@
 """The exact distribution a verification position emits under each rule, and its divergence
 from the verifier: what the divergence meter reports per token (bench --meter, calibrate) and
-what the statistical tests compare sampled frequencies against (ALGORITHM.md section 2)."""
+what the statistical tests compare sampled frequencies against (docs/algorithm.md section 2)."""
 
 from __future__ import annotations
 
@@ -8,82 +8,23 @@ from typing import Any
 
 import torch
 
-from cactus_cli.core.acceptance import (
-    _h_n,
-    _one_hot,
-    _scale,
-    _topk_set,
-    _topk_threshold,
-    resolve_params,
-)
+from cactus_cli.core.acceptance import RULES, resolve_params
 
 
 def emitted_distribution(rule: str, p: torch.Tensor, q: torch.Tensor, **params: Any) -> torch.Tensor:
     """The exact distribution of the token one verification position emits, when the drafted token
     is drawn from ``p`` and the rule then accepts it or replaces it: ``p``, ``q`` are [V] or [..., V]
-    (q is the verifier row of that position). Computed in float64.
+    (q is the verifier row of that position). Computed in float64 by the rule itself
+    (``Rule.emitted``):
 
-        h_alg(x) = sum_n p_n [a_n 1{x = n} + (1 - a_n) r^(n)(x)]
-
-    For sps / cactus / cactus-exact (h depends on n) this is O(V log V), not O(V^2): with
-    s_n = (1 - g_n) / (1 - q_n), rejected token n sends weight w_n = (p_n - g_n)_+ / Z_n to every
-    x != n with s_n > p_x / q_x, amount s_n q_x - p_x; sorting tokens by s_n and by p_x / q_x,
-    prefix sums give every x at once (ALGORITHM.md section 2)."""
+        h_alg(x) = sum_n p_n [a_n 1{x = n} + (1 - a_n) r^(n)(x)]"""
     prm = resolve_params(rule, params)
     if p.shape != q.shape:
         raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
     shape = p.shape
     P = p.double().reshape(-1, shape[-1])  # [N, V]
     Q = q.double().reshape(-1, shape[-1])
-    if rule == "interp":
-        out = prm["alpha"] * P + (1 - prm["alpha"]) * Q
-    elif rule == "tas":
-        entropy = -torch.xlogy(Q, Q).sum(-1, keepdim=True)
-        thr = torch.minimum(torch.full_like(entropy, prm["epsilon"]), prm["alpha"] * torch.exp(-entropy))
-        ok = Q > thr
-        out = P * ok
-        out = out + _one_hot(Q.argmax(-1), Q) * (P * ~ok).sum(-1, keepdim=True)
-    elif rule == "topk":
-        inside = _topk_set(Q, _topk_threshold(Q, prm["topk"]))
-        out = P * inside
-        resid = (inside.double() - P).clamp(min=0.0)
-        z = resid.sum(-1, keepdim=True)
-        out = out + (P * ~inside).sum(-1, keepdim=True) * resid / torch.where(z > 0, z, torch.ones_like(z))
-    else:
-        out = _emitted_h_rule(rule, prm, P, Q)
-    return out.reshape(shape)
-
-
-def _emitted_h_rule(rule: str, prm: dict, P: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
-    """[N, V] -> [N, V] for the rules h^(n) = s_n q off n, g_n at n."""
-    g = _h_n(rule, prm, P, Q)  # [N, V]: g_n for every candidate drafted token n
-    s = _scale(Q, g)  # [N, V]
-    inf = torch.full_like(Q, float("inf"))
-    rho = torch.where(Q > 0, P / torch.where(Q > 0, Q, torch.ones_like(Q)), inf)  # p_x / q_x
-
-    # Z_n = sum_{x != n, rho_x < s_n} (s_n q_x - p_x): sort x by rho, prefix sums of q and p
-    rho_sorted, order = rho.sort(-1)
-    cq = torch.cat([torch.zeros_like(Q[:, :1]), Q.gather(-1, order).cumsum(-1)], -1)  # [N, V+1]
-    cp = torch.cat([torch.zeros_like(P[:, :1]), P.gather(-1, order).cumsum(-1)], -1)
-    below = torch.searchsorted(rho_sorted, s.contiguous(), right=False)  # count of x with rho_x < s_n
-    z = s * cq.gather(-1, below) - cp.gather(-1, below)
-    z = z - torch.where(rho < s, s * Q - P, torch.zeros_like(z))  # x = n is not a replacement
-    excess = (P - g).clamp(min=0.0)  # p_n (1 - a_n)
-    w = torch.where(excess > 0, excess / torch.where(z > 0, z, torch.ones_like(z)), torch.zeros_like(z))
-
-    # sum over n != x with s_n > rho_x of w_n (s_n q_x - p_x): sort n by s, suffix sums of w s and w
-    s_sorted, s_order = s.sort(-1)
-    ws = (w * s).gather(-1, s_order)
-    ww = w.gather(-1, s_order)
-    tail_ws = torch.cat([ws.flip(-1).cumsum(-1).flip(-1), torch.zeros_like(ws[:, :1])], -1)  # [N, V+1]
-    tail_w = torch.cat([ww.flip(-1).cumsum(-1).flip(-1), torch.zeros_like(ww[:, :1])], -1)
-    first = torch.searchsorted(s_sorted, rho.contiguous(), right=True)  # first n with s_n > rho_x
-    sum_ws, sum_w = tail_ws.gather(-1, first), tail_w.gather(-1, first)
-    self_term = s > rho  # n = x lies in that range: take it out
-    sum_ws = sum_ws - torch.where(self_term, w * s, torch.zeros_like(w))
-    sum_w = sum_w - torch.where(self_term, w, torch.zeros_like(w))
-    recovered = torch.where(Q > 0, Q * sum_ws - P * sum_w, torch.zeros_like(Q)).clamp(min=0.0)
-    return torch.minimum(P, g) + recovered
+    return RULES[rule].emitted(prm, P, Q).reshape(shape)
 
 
 def divergences(h: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -117,7 +117,7 @@ class SpecStats:
 
     @property
     def per_token_acceptance(self) -> float | None:
-        """Per-token acceptance `a` of the i.i.d. model (ALGORITHM.md section 4): accepted tokens
+        """Per-token acceptance `a` of the i.i.d. model (docs/algorithm.md section 5): accepted tokens
         over tokens the rule tested (a step tests tokens up to and including its first rejection)."""
         tested = self.num_accepted_tokens + self.num_rejections  # (k varies: not the histogram's last bucket)
         return self.num_accepted_tokens / tested if tested else None

@@ -15,7 +15,7 @@ import torch
 from cactus_cli.core.errors import ModelError
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.paths import cache_path
-from cactus_cli.infer.qlayers import (
+from cactus_cli.infer.quant.qlayers import (
     Int8DynamicLinear,
     Int8Linear,
     quantize_int8,

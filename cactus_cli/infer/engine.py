@@ -7,6 +7,8 @@ committed), commit (the policy learns the step's costs, both KV caches are cropp
 accepted length, the sequence grows). The engine speaks tokens: text, stop strings and the
 rejected drafts as text are added by text.py's stream around it, outside the timed region.
 The engine never imports Rich and never names a concrete drafter or runner (factories do).
+Long because it holds the engine and its one step loop together: the round of choose-k, draft,
+verify, commit reads best in one file, next to the state it changes.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class SpeculativeEngine:
         limits = [pair.verifier.context_length] + ([pair.draft.context_length] if pair.draft else [])
         self.context_length = min(limits)
         self.tokens: list[int] = []  # the verified sequence; the verifier cache holds tokens[: cache_len]
+        self._run: _Run | None = None  # the generation in progress
         self.compile_note: str | None = None  # why a compiled engine runs eagerly, if it does
         self.report: Callable[[str], None] | None = None  # progress lines (a compile during generate)
         self._build(compiled)
@@ -130,13 +133,14 @@ class SpeculativeEngine:
     @property
     def cost_source(self) -> str:
         """Whose draft costs a choice of k mostly rests on: the draft model's, or (lookup alone) none."""
-        return self.drafter.cost_source if self.drafter is not None else NGRAM
+        return self.drafter.source if self.drafter is not None else NGRAM
 
     def reset(self) -> None:
-        """Forget both caches (the next generate prefills from scratch)."""
+        """Forget both caches (the next generate prefills from scratch; a drafter rebuilds the rest
+        of its state when it starts the next sequence)."""
         self.verifier.reset()
-        if self.drafter is not None:
-            self.drafter.reset()
+        if self.draft_runner is not None:
+            self.draft_runner.reset()
         self.tokens = []
 
     def cache_lengths(self) -> dict[str, int]:
@@ -193,8 +197,16 @@ class SpeculativeEngine:
         return out
 
     def generate(self, prompt_ids: list[int], params: GenerationParams, reuse_cache: bool = False) -> Iterator[StepEvent]:
-        """``steps`` with text: each event's pieces, rejected drafts as text, stop strings."""
-        return TextStream(self.pair.tokenizer, params.stop).wrap(self.steps(prompt_ids, params, reuse_cache))
+        """``steps`` with text: each event's pieces, rejected drafts as text, stop strings (where
+        the text stops, the run's output ends too: ``cut_output``)."""
+        return TextStream(self.pair.tokenizer, params.stop, self.cut_output).wrap(self.steps(prompt_ids, params,
+                                                                                                reuse_cache))
+
+    def cut_output(self, dropped: int) -> None:
+        """A stop string ended the text ``dropped`` emitted tokens before the last event's end:
+        the run's output (what a drafter with memory learns) ends there too."""
+        if self._run is not None:
+            self._run.produced -= dropped
 
     def steps(self, prompt_ids: list[int], params: GenerationParams, reuse_cache: bool = False) -> Iterator[StepEvent]:
         """Token events after ``prompt_ids`` (no text). With ``reuse_cache`` the KV caches keep the
@@ -209,15 +221,15 @@ class SpeculativeEngine:
             )
         self.prepare(len(prompt_ids) + params.max_tokens + 1, self.step_widths(params.num_draft_tokens), self.report,
                      exact=False)
-        return self._run(list(prompt_ids), params, reuse_cache)
+        return self._loop(list(prompt_ids), params, reuse_cache)
 
     def policy(self, params: GenerationParams) -> KPolicy:
         if not params.learn:
             return FixedK(None) if not params.adaptive_k else AdaptiveK(CostStore())
         return self.auto_k if params.adaptive_k else FixedK(self.costs)
 
-    def _run(self, prompt: list[int], params: GenerationParams, reuse: bool) -> Iterator[StepEvent]:
-        run = _Run(self, prompt, params, self.policy(params))
+    def _loop(self, prompt: list[int], params: GenerationParams, reuse: bool) -> Iterator[StepEvent]:
+        run = self._run = _Run(self, prompt, params, self.policy(params))
         try:
             run.prefill(reuse)
         except BaseException:
@@ -238,8 +250,9 @@ class SpeculativeEngine:
                 if event.finish_reason:
                     return
         finally:
-            if run.drafter is not None:
-                run.drafter.finish(self.tokens)  # (the suffix drafter's history; empty after a reset)
+            if run.drafter is not None:  # what was output (not what a verified block held past EOS or a
+                run.drafter.finish(self.tokens[: len(prompt) + run.produced] if self.tokens else [])  # stop)
+            self._run = None
             if params.learn:
                 self.costs.save()  # what this run learned about step costs, for the next run
 
@@ -257,6 +270,37 @@ class _Verified:
     logits: torch.Tensor  # [k+1, V]
 
 
+@dataclass(frozen=True)
+class HostRead:
+    """The step's one device-to-host copy, packed as one int64 vector and unpacked here:
+
+        [m, tokens[0..k], drafts[0..k-1], nan, nonfinite?]
+         1  k+1 (the m accepted, the extra, then -1s)  k  1   1 (sampling only)
+    """
+
+    accepted: int
+    tokens: list[int]  # [k+1]: the verdict's row
+    drafts: list[int]  # [k]
+    nan_logits: bool
+    nonfinite_probs: bool
+
+    @staticmethod
+    def pack(verdict: Verdict, drafts: torch.Tensor, flags: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([verdict.num_accepted[:1], verdict.tokens[0], drafts, torch.stack(flags).to(torch.int64)])
+
+    @classmethod
+    def read(cls, packed: torch.Tensor, k: int) -> "HostRead":
+        host = packed.tolist()  # (the sync)
+        return cls(host[0], host[1 : k + 2], host[k + 2 : 2 * k + 2], bool(host[2 * k + 2]),
+                   len(host) > 2 * k + 3 and bool(host[2 * k + 3]))
+
+
+@dataclass(frozen=True)
+class Timing:
+    draft_seconds: float
+    verify_seconds: float
+
+
 class _Run:
     """The state of one generation; ``step`` is one choose-k / draft / verify / commit round."""
 
@@ -269,10 +313,11 @@ class _Run:
         self.vdev = engine.pair.verifier.device
         self.vgen = torch.Generator(device=self.vdev).manual_seed(params.seed)
         self.drafter = engine.drafter if params.num_draft_tokens > 0 else None
+        self.draft_runner = self.drafter.runner if self.drafter is not None else None
         self.akey = acceptance_key(params.rule, params.rule_kwargs, self.sp.temperature, self.sp.top_k, self.sp.top_p)
         self.dgen = None
         if self.drafter is not None:
-            ddev = self.drafter.device
+            ddev = self.draft_runner.lm.device if self.draft_runner is not None else self.vdev
             self.dgen = self.vgen if ddev == self.vdev else torch.Generator(device=ddev).manual_seed(params.seed + 1)
         self.produced = 0
         self.first = True
@@ -282,7 +327,10 @@ class _Run:
         self.prefill_tokens = 0
         self.reused_tokens = 0
         self.v_passes = engine.verifier.forward_passes
-        self.d_passes = self.drafter.forward_passes if self.drafter else 0
+        self.d_passes = self._draft_passes()
+
+    def _draft_passes(self) -> int:
+        return self.draft_runner.forward_passes if self.draft_runner is not None else 0
 
     @torch.inference_mode()
     def prefill(self, reuse: bool) -> None:
@@ -296,7 +344,7 @@ class _Run:
         self.last = to_device(prompt[-1:], self.vdev)  # [1]: the next step's first input
         if self.drafter is not None:
             self.drafter.start(prompt, previous, reuse, self.params.memory if self.params.learn else None)
-            draft = self.drafter.runner  # (a model behind a lookup reads the prompt when first asked to draft)
+            draft = self.draft_runner  # (a model behind a lookup reads the prompt when first asked to draft)
             self.policy.started(max(len(prompt) - 1 - draft.cache_len, 0) if draft else 0)
         sync(self.vdev)
         self.prefill_seconds = time.perf_counter() - self.t_start
@@ -308,11 +356,12 @@ class _Run:
         proposal = self.draft(k)
         if proposal is not None:
             k = len(proposal.tokens)  # a lookup may offer fewer than k
-            source = proposal.source if k else None
+            source = proposal.source
+        source = source if k else None  # (a plain step drafts nothing, from nowhere)
         t1 = time.perf_counter()
         verified = self.verify(proposal, k)
-        t2 = time.perf_counter()
-        return self.commit(verified, k, source, proposal.fed if proposal is not None else 0, t0, t1, t2, confidence)
+        timing = Timing(t1 - t0, time.perf_counter() - t1)
+        return self.commit(verified, k, source, proposal.fed if proposal is not None else 0, timing, confidence)
 
     def choose_k(self) -> tuple[int, str | None, list[float] | None]:
         """k for this step, where its drafts come from (None: a plain step), and the drafter's
@@ -340,6 +389,9 @@ class _Run:
         """The verifier's forward and the rule's verdict, read back in the step's one host sync
         (accepted count, tokens, drafts and error flags in one copy). Commits nothing."""
         e, sp, vdev = self.e, self.sp, self.vdev
+        if e.verifier.cache_len != len(e.tokens) - 1:  # (the invariant every step starts from: a host compare)
+            raise RuntimeError(f"internal error: the verifier caches {e.verifier.cache_len} tokens of a "
+                               f"{len(e.tokens)}-token sequence; it must hold all but the last")
         drafts = proposal.tokens.to(vdev) if k else torch.zeros(0, dtype=torch.int64, device=vdev)  # [k]
         logits = e.verifier.forward(torch.cat([self.last, drafts]), keep=k + 1)  # [k+1, V]
         p = q = None
@@ -351,52 +403,62 @@ class _Run:
             flags.append(~torch.isfinite(q).all())
             p = proposal.probs.to(vdev).unsqueeze(0) if k else q[:, :0]  # [1, k, V]
             verdict = verify(self.params.rule, p, q, drafts.view(1, k), generator=self.vgen, **self.params.rule_kwargs)
-        host = torch.cat([verdict.num_accepted[:1], verdict.tokens[0], drafts,
-                          torch.stack(flags).to(torch.int64)]).tolist()
-        if host[2 * k + 2]:
+        host = HostRead.read(HostRead.pack(verdict, drafts, flags), k)
+        if host.nan_logits:
             raise ModelError(f"the verifier returned NaN logits (numerical overflow in "
                              f"{str(e.pair.verifier.dtype).removeprefix('torch.')}?); try --dtype float32")
-        if len(host) > 2 * k + 3 and host[2 * k + 3]:
+        if host.nonfinite_probs:
             raise ModelError(f"temperature {sp.temperature:g} made the verifier's probabilities non-finite; "
                              "use a larger temperature, or 0 for greedy")
-        m = host[0]
-        return _Verified(m, host[1 : m + 2], host[k + 2 : 2 * k + 2], verdict.tokens[0, m : m + 1], p, q, logits)
+        m = host.accepted
+        return _Verified(m, host.tokens[: m + 1], host.drafts, verdict.tokens[0, m : m + 1], p, q, logits)
 
-    def commit(self, v: _Verified, k: int, source: str | None, fed: int, t0: float, t1: float, t2: float,
+    def commit(self, v: _Verified, k: int, source: str | None, fed: int, timing: Timing,
                confidence: list[float] | None = None) -> StepEvent:
-        """The policy learns the step; both caches keep exactly the verified sequence minus its
-        last token; the sequence grows; the emitted tokens are cut at EOS or max_tokens."""
+        """The policy learns the step; both caches rewind to the verified sequence; the sequence
+        grows; the emitted tokens are cut at EOS or max_tokens, and so are the accepted ones
+        counted (a draft past the cut was verified, never output)."""
         e, m, new = self.e, v.accepted, v.new
         self.last = v.next_input  # stays on the device for the next step's input
-        self.policy.observe(self.akey, k, m, t1 - t0, t2 - t1, fed, source or MODEL, confidence)
+        self.policy.observe(self.akey, k, m, timing.draft_seconds, timing.verify_seconds, fed, source or MODEL,
+                            confidence)
         measured = (meter(self.params.rule, self.params.rule_kwargs, v.p, v.q, v.logits, new, m, k)
                     if self.params.measure else ((), (), ()))
-        e.verifier.crop(len(e.tokens) + m)
-        e.tokens += new
-        if self.drafter is not None:
-            self.drafter.accept(e.tokens, m)
+        self.rewind(m, new)
         emitted, finish = self.emit(new)
         if finish is None and len(e.tokens) >= e.context_length:
             finish = "context"
-        drafter = self.drafter
+        n = len(emitted)
         ev = StepEvent(
-            num_drafted=k, draft_source=source, accepted=tuple(new[:m]), rejected=tuple(v.drafts[m:]),
+            num_drafted=k, draft_source=source, accepted=tuple(new[: min(m, n)]), rejected=tuple(v.drafts[m:]),
             extra=new[-1], extra_kind="verifier" if k == 0 else ("bonus" if m == k else "correction"),
-            emitted=tuple(emitted), pieces=(), rejected_text=(), draft_seconds=t1 - t0, verify_seconds=t2 - t1,
+            emitted=tuple(emitted), pieces=(), rejected_text=(), draft_seconds=timing.draft_seconds,
+            verify_seconds=timing.verify_seconds,
             prefill_seconds=self.prefill_seconds if self.first else 0.0,
             prefill_tokens=self.prefill_tokens if self.first else 0,
             reused_tokens=self.reused_tokens if self.first else 0,
             elapsed=time.perf_counter() - self.t_start - self.paused,
-            draft_forward_passes=(drafter.forward_passes - self.d_passes) if drafter else 0,
+            draft_forward_passes=self._draft_passes() - self.d_passes,
             verifier_forward_passes=e.verifier.forward_passes - self.v_passes,
             prompt_tokens=len(self.prompt), finish_reason=finish,
-            realized_kl=measured[0][: len(emitted)], realized_tv=measured[1][: len(emitted)],
-            verifier_loglik=measured[2][: len(emitted)],
+            realized_kl=measured[0][:n], realized_tv=measured[1][:n], verifier_loglik=measured[2][:n],
         )
         self.v_passes = e.verifier.forward_passes
-        self.d_passes = drafter.forward_passes if drafter else 0
+        self.d_passes = self._draft_passes()
         self.first = False
         return ev
+
+    def rewind(self, m: int, new: list[int]) -> None:
+        """The one place both KV caches go back after a verify. Before: the verifier held the
+        sequence minus its last token, then the last token and all k drafts; the draft model
+        held a prefix of the sequence plus its own first k - 1 drafts. After: the verifier holds
+        the sequence (now grown by the m accepted drafts and the correction or bonus) minus its
+        last token, and the drafter crops its cache to the accepted drafts (accept)."""
+        e = self.e
+        e.verifier.crop(len(e.tokens) + m)
+        e.tokens += new
+        if self.drafter is not None:
+            self.drafter.accept(e.tokens, m)
 
     def emit(self, new: list[int]) -> tuple[list[int], str | None]:
         """The verified tokens that become output, cut at EOS (kept, it adds no text) or max_tokens."""

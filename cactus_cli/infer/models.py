@@ -1,5 +1,5 @@
 """Loading: pick the backend (torch or llama.cpp) for the sources (sources.py), then load with
-transformers on the device and dtype devices.py picks (quantized by quantize.py, or as this
+transformers on the device and dtype devices.py picks (quantized by quant/quantize.py, or as this
 rank's tensor-parallel shard) or load the GGUF on llama.cpp, and check that draft and verifier
 share a tokenizer (and that llama.cpp's vocabulary gives the tokenizer's ids). Loading never
 starts or serves a tensor-parallel group: ``tp_load_spec`` only says what every rank loads;
@@ -14,34 +14,29 @@ from typing import Any
 
 import torch
 
-from cactus_cli.core import defaults
 from cactus_cli.core.errors import ModelError
 from cactus_cli.infer import gguf
 from cactus_cli.infer.devices import (
-    fastest_cpu_quantization,
-    quantized_dtype,
     resolve_device,
-    resolve_dtype,
-    resolve_quantize,
 )
-from cactus_cli.infer.quantize import QualityGateFailed, quality_verdict, quantize_model
-from cactus_cli.infer.smooth import CALIBRATION_TEXT
+from cactus_cli.infer.plan import LoadPlan, plan_load, tp_plan
+from cactus_cli.infer.quant.quantize import (
+    QualityGateFailed,
+    quantize_model,
+)
+from cactus_cli.infer.quant.smooth import CALIBRATION_TEXT
 from cactus_cli.infer.sources import (
-    GGUF_KINDS,
     LoadedModel,
     ModelPair,
     Source,
     _from_pretrained,
     load_tokenizer,
     materialize,
-    mlp_shape,
     model_files,
     resolve_source,
 )
 from cactus_cli.infer.tp import group
 from cactus_cli.infer.vocab import CrossVocab
-
-BACKENDS = ("auto", "torch", "llama.cpp")
 
 
 def load_model(name: str, src: Source, device: torch.device, dtype: torch.dtype, role: str = "model",
@@ -155,65 +150,6 @@ def check_same_vocab(verifier_tok, draft_tok, verifier: str, draft: str, what: s
     )
 
 
-def choose_quantize(name: str, dev: torch.device, dtype: str, vsrc: Source) -> tuple[str, str, float | None]:
-    """(method, why, quality gate). ``auto`` on a CPU with bfloat16 activations: w8a8 or int8,
-    whichever runs the model's MLP matmul faster here (measured once per machine), where w8a8's
-    quality on this model passes: its mean NLL within QUALITY_TOLERANCE of the unquantized model
-    on the calibration text, measured at its first quantization (the gate) and kept."""
-    method = resolve_quantize(name, dev, dtype)
-    shape = mlp_shape(vsrc) if name == "auto" and method == "int8" else None
-    if shape is None:  # asked for by name, or not a CPU
-        return method, "", None
-    best, why = fastest_cpu_quantization(*shape)
-    if best != "w8a8":
-        return "int8", f"quantize auto: int8, {why}", None
-    verdict = quality_verdict(vsrc.location)
-    if verdict is None:
-        return "w8a8", f"quantize auto: w8a8, {why}", defaults.QUALITY_TOLERANCE
-    if verdict > defaults.QUALITY_TOLERANCE:
-        return "int8", (f"quantize auto: int8, w8a8 measured {verdict:+.3f} nats/token on this model "
-                        f"(more than {defaults.QUALITY_TOLERANCE:g})"), None
-    return "w8a8", f"quantize auto: w8a8, {why}; {verdict:+.3f} nats/token on this model", None
-
-
-def choose_backend(asked: str, sources: list[tuple[str, Source]], dev: torch.device, quantize: str, dtype: str,
-                   compile_mode: str, tp: int) -> tuple[str, str]:
-    """(backend, why). ``auto``: llama.cpp for GGUF sources (the embedded pair, .gguf files) on a
-    CPU when its bindings import, torch everywhere else (CUDA, hub ids, folders) and wherever a
-    torch-only setting was given; that setting with ``llama.cpp`` named is an error. (quantize
-    none is not one: llama.cpp does not quantize further either, it runs the GGUF's own types.)"""
-    torch_only = [flag for flag, on in ((f"--tp {tp}", tp > 1), ("--compile on", compile_mode == "on"),
-                                       (f"--quantize {quantize}", quantize not in ("auto", "none")), (f"--dtype {dtype}", dtype != "auto"),
-                                       (f"--device {dev}", dev.type != "cpu")) if on]
-    other = next(((name, src) for name, src in sources if src.kind not in GGUF_KINDS), None)
-    if asked == "torch":
-        return "torch", "backend torch (asked for)"
-    if asked == "llama.cpp":
-        if other is not None:
-            raise ModelError(f"--backend llama.cpp runs GGUF files (embedded models, .gguf), and {other[0]!r} is a "
-                             f"{other[1].kind}; use --backend torch for it")
-        if torch_only:
-            raise ModelError(f"{torch_only[0]} does not apply to the llama.cpp backend (it runs the GGUF's own "
-                             "quantization on the CPU); drop it, or use --backend torch")
-        if problem := gguf.available():
-            raise ModelError(problem)
-        return "llama.cpp", "backend llama.cpp (asked for)"
-    if other is not None:
-        return "torch", f"backend auto: torch ({other[0]} is a {other[1].kind}, not a GGUF file)"
-    if torch_only:
-        return "torch", f"backend auto: torch ({torch_only[0]} is a torch setting)"
-    if problem := gguf.available():
-        return "torch", f"backend auto: torch, llama.cpp is not available: {problem}"
-    return "llama.cpp", "backend auto: llama.cpp (GGUF files on a CPU)"
-
-
-def _llama_missing(named: list[tuple[str, Source]], dev: torch.device) -> str | None:
-    """Why llama.cpp did not run GGUF sources on a CPU, if that was the only reason."""
-    if dev.type == "cpu" and all(src.kind in GGUF_KINDS for _, src in named):
-        return gguf.available()
-    return None
-
-
 PROBE_TEXT = "def add(a, b):\n    return a + b  # sum: ünïcödé, 数字 42\n\tdone!"
 
 
@@ -238,33 +174,6 @@ def load_gguf(name: str, src: Source, tokenizer: Any, role: str, threads: int, r
                        time.perf_counter() - t0, "gguf", 1, model.description, backend="llama.cpp")
 
 
-def tp_plan(tp: int, vsrc: Source, verifier: str, dev: torch.device, dtype: str, quantize: str,
-            vocab: int) -> tuple[dict[str, Any], torch.dtype, str]:
-    """Check --tp against the verifier and pick the dtype: (what every rank loads, dtype, why).
-    No side effects: rank 0 then starts the group, a follower rank serves it (app/runtime.py)."""
-    from transformers import AutoConfig
-
-    if quantize not in ("none", "auto"):
-        raise ModelError(f"--quantize {quantize} does not combine with --tp yet; use one or the other")
-    try:
-        config = AutoConfig.from_pretrained(vsrc.location, local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise ModelError(f"could not read the verifier's config from {vsrc.location}: {err}") from None
-    group.check_tp(tp, config, dev, verifier)
-    if dev.type == "cuda" and dev.index not in (None, 0):
-        raise ModelError(f"--device {dev} with --tp: rank r runs on cuda:r and the draft beside rank 0 on cuda:0; "
-                         "use --device cuda (choose the GPUs with CUDA_VISIBLE_DEVICES)")
-    if dev.type == "cpu":
-        if dtype not in ("auto", "float32"):
-            raise ModelError(f"--tp on a CPU reduces over gloo in float32; use --dtype float32 (or auto), not {dtype}")
-        dt, why = torch.float32, "tensor parallel over gloo (CPU) reduces in float32"
-    else:
-        dt, why = resolve_dtype(dtype, dev)
-    load = {"kind": vsrc.kind, "location": vsrc.location, "device": str(dev), "dtype": str(dt).removeprefix("torch."),
-            "vocab": vocab}
-    return load, dt, why
-
-
 def tp_load_spec(verifier: str, tokenizer: str | None, device: str, dtype: str, quantize: str, tp: int) -> dict[str, Any]:
     """What a follower rank loads (the verifier's shard), found the way rank 0 finds it."""
     vsrc = materialize(resolve_source(verifier))
@@ -276,64 +185,45 @@ def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, de
               reporter=None, quantize: str = "none", tp: int = 1, cross_vocab: str = "auto", backend: str = "torch",
               threads: int | None = None, compile_mode: str = "auto") -> ModelPair:
     """Load verifier, optional draft and the shared tokenizer (the verifier's unless ``tokenizer``
-    names another source) on ``backend`` (``choose_backend``). A draft with another vocabulary
-    drafts across vocabularies by ``cross_vocab`` (auto, string, intersection: draft/cross.py).
-    Sources are all resolved first, so a missing one fails before any load."""
-    if not verifier:
-        raise ModelError("no verifier model: pass --verifier (hub id, folder or .gguf) or use a --profile that names one")
-    dev = resolve_device(device)
-    vsrc = resolve_source(verifier)
-    dsrc = resolve_source(draft) if draft is not None else None
-    tsrc = resolve_source(tokenizer) if tokenizer else None
-    named = [(verifier, vsrc)] + ([(draft, dsrc)] if dsrc is not None else [])
-    asked = backend
-    backend, backend_why = choose_backend(backend, named, dev, quantize, dtype, compile_mode, tp)
-    if asked == "auto" and backend == "torch" and reporter is not None and (problem := _llama_missing(named, dev)):
-        reporter.warn(f"running the GGUF on torch (converted once, slower on a CPU): {problem}")
+    names another source), as ``plan_load`` decides. A draft with another vocabulary drafts
+    across vocabularies by ``cross_vocab`` (auto, string, intersection: draft/cross.py)."""
+    return load_plan(plan_load(verifier, draft, tokenizer, device, dtype, reporter, quantize, tp, cross_vocab, backend,
+                               threads, compile_mode), reporter)
+
+
+def load_plan(plan: LoadPlan, reporter=None) -> ModelPair:
+    """The pair ``plan`` describes, loaded in one pass."""
+    vsrc, vtok = plan.verifier_files
+    tsrc = plan.tokenizer_source
     if reporter is not None:
-        reporter.task(f"loading verifier {verifier}")
-    vsrc, vtok = model_files(vsrc, backend, reporter)
+        reporter.task(f"loading verifier {plan.verifier}")
     tok = load_tokenizer(materialize(tsrc, reporter) if tsrc else vtok)
     if tsrc is not None:  # the shared-vocabulary check holds whatever the tokenizer's source
-        for src, name in ((vtok, verifier), (model_files(dsrc, backend, reporter)[1] if dsrc else None, draft)):
+        dtok = model_files(plan.draft_source, plan.backend, reporter)[1] if plan.draft_source else None
+        for src, name in ((vtok, plan.verifier), (dtok, plan.draft)):
             own = _own_tokenizer(src)
             if own is not None:
-                check_same_vocab(own, tok, name, tokenizer, what=f"--tokenizer {tokenizer!r} and model {name!r}")
-    if backend == "llama.cpp":
-        vm = load_gguf(verifier, vsrc, tok, "verifier", threads or gguf.default_threads(), reporter)
+                check_same_vocab(own, tok, name, plan.tokenizer,
+                                 what=f"--tokenizer {plan.tokenizer!r} and model {name!r}")
+    if plan.backend == "llama.cpp":
+        vm = load_gguf(plan.verifier, vsrc, tok, "verifier", plan.threads or gguf.default_threads(), reporter)
         why = f"llama.cpp: the GGUF's own weight types ({vm.quantize_note}), float32 activations"
     else:
-        vm, why = _load_torch_verifier(verifier, vsrc, tok, dev, dtype, quantize, tp, reporter)
+        if plan.tp > 1:
+            if reporter is not None:
+                reporter.task(f"starting {plan.tp} tensor-parallel ranks")
+            group.start(plan.tp, plan.device, plan.tp_load)
+        calibration = list(tok(CALIBRATION_TEXT)["input_ids"]) if plan.quantize == "w8a8" else None  # (smooth.py)
+        vm = load_model(plan.verifier, vsrc, plan.device, plan.dtype, "verifier", plan.quantize, reporter, plan.tp,
+                        calibration, plan.gate)
+        why = plan.dtype_reason
     _check_rows(vm, "verifier", len(tok))
-    pair = ModelPair(vm, None, tok, len(tok), why, backend_reason=backend_why)
-    if draft is None:
+    pair = ModelPair(vm, None, tok, len(tok), why, backend_reason=plan.backend_reason, plan=plan)
+    if plan.draft is None:
         return pair
     if reporter is not None:
-        reporter.task(f"loading draft {draft}")
-    return with_draft(pair, draft, reporter, cross_vocab, own_tokenizer=tsrc is None)
-
-
-def _load_torch_verifier(verifier: str, vsrc: Source, tok: Any, dev: torch.device, dtype: str, quantize: str, tp: int,
-                         reporter) -> tuple[LoadedModel, str]:
-    """The verifier on torch: this rank's shard under --tp, else quantized as asked (or as
-    ``quantize auto`` measures); and why this dtype."""
-    if tp > 1:
-        load, dt, why = tp_plan(tp, vsrc, verifier, dev, dtype, quantize, len(tok))
-        if reporter is not None:
-            reporter.task(f"starting {tp} tensor-parallel ranks")
-        group.start(tp, dev, load)
-        quantize, gate = "none", None
-    else:
-        quantize, qwhy, gate = choose_quantize(quantize, dev, dtype, vsrc)
-        if quantize != "none":
-            dt, why = quantized_dtype(quantize, dtype, dev)
-            why = f"{qwhy}; {why}" if qwhy else why
-        else:
-            dt, why = resolve_dtype(dtype, dev, mlp_shape(vsrc) if dtype == "auto" and dev.type == "cpu" else None)
-    calibration = list(tok(CALIBRATION_TEXT)["input_ids"]) if quantize == "w8a8" else None  # (smooth.py)
-    vm = load_model(verifier, vsrc, dev, dt, "verifier", quantize, reporter, tp, calibration,
-                    gate if quantize == "w8a8" else None)
-    return vm, why
+        reporter.task(f"loading draft {plan.draft}")
+    return with_draft(pair, plan.draft, reporter, plan.cross_vocab, own_tokenizer=tsrc is None)
 
 
 def with_draft(pair: ModelPair, draft: str, reporter=None, cross_vocab: str = "auto",

@@ -41,7 +41,8 @@ class ModelPair:
     vocab_size: int  # len(tokenizer): logits are cut to this many columns
     dtype_reason: str = ""  # why this dtype (``--dtype auto`` measures on a CPU)
     cross: CrossVocab | None = None  # a draft with its own tokenizer (draft/cross.py), else None
-    backend_reason: str = ""  # why the verifier runs on its backend (models.choose_backend)
+    backend_reason: str = ""  # why the verifier runs on its backend (plan.choose_backend)
+    plan: Any = None  # the LoadPlan it was loaded from (plan.py), for --json
 
 
 def eos_ids(pair: ModelPair) -> set[int]:

@@ -7,7 +7,7 @@ verifier alone alike (README, "Bench")."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from cactus_cli.core.events import NGRAM, SUFFIX, Piece, StepEvent
 
@@ -34,11 +34,13 @@ class Detokenizer:
 
 class TextStream:
     """Adds text to step events; ends the run at the first stop string (the text is cut where
-    it starts; text already shown stays shown)."""
+    it starts; text already shown stays shown). The event that hits it keeps only the tokens up
+    to it, accepted ones included, and ``on_cut`` hears how many emitted tokens were dropped."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), on_cut: Callable[[int], None] | None = None):
         self.tokenizer = tokenizer
         self.detok = Detokenizer(tokenizer)
+        self.on_cut = on_cut
         self.stop = stop
         self.max_stop = max((len(s) for s in stop), default=0)
         self.text = ""
@@ -70,8 +72,10 @@ class TextStream:
             if finish == "stop":
                 break
         n = len(emitted)
+        if n < len(ev.emitted) and self.on_cut is not None:
+            self.on_cut(len(ev.emitted) - n)
         return dataclasses.replace(
-            ev, emitted=emitted, pieces=tuple(pieces), finish_reason=finish,
+            ev, emitted=emitted, accepted=ev.accepted[:n], pieces=tuple(pieces), finish_reason=finish,
             rejected_text=tuple(self.tokenizer.decode([t]) for t in ev.rejected),
             realized_kl=ev.realized_kl[:n], realized_tv=ev.realized_tv[:n], verifier_loglik=ev.verifier_loglik[:n])
 

@@ -41,6 +41,7 @@ def bench(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (schema_version 1) instead of the table.")] = False,
     csv_path: Csv = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="Write bench.json, bench.csv and environment.json into this folder.")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw tokens/s and mean acceptance length against the realized divergence (one point per configuration, SpS at zero) to this PNG; needs --meter.")] = None,
     *,
     shared: o.Shared,
 ) -> None:
@@ -48,7 +49,7 @@ def bench(
     baseline always included (same prompts, sampling and seeds). Ctrl-C stops early and
     still prints and saves what finished."""
     run_grid_command("bench", shared, GridFlags(rules, deltas, ks, compiles, quantizes, prompts_file, limit, category,
-                                                meter, compare_hf, backends), GridOutput(as_json, csv_path, out_dir))
+                                                meter, compare_hf, backends), GridOutput(as_json, csv_path, out_dir, plot))
 
 
 def register(app: typer.Typer) -> None:

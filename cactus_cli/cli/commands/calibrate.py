@@ -41,6 +41,7 @@ def calibrate(
         from cactus_cli.app import calibrate as cal_mod
         from cactus_cli.app import grid as b
         from cactus_cli.app import report, runtime
+        from cactus_cli.app.session import Session
         from cactus_cli.app.settings import parse_list
 
         settings, budget = _settings(shared, max_divergence, max_quality_drop)
@@ -52,7 +53,7 @@ def calibrate(
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         with ui.LoadProgress(err) as progress:
-            engine = runtime.load_engine(settings, progress)
+            engine = Session.load(settings=settings, reporter=progress).engine
             encoded = runtime.encode_prompts(engine, prompts, settings.chat_template)
             runtime.prepare(engine, settings, progress, max(len(ids) for _, ids in encoded), [*k_list, "auto"])
         base = runtime.generation_params(settings)

@@ -32,6 +32,7 @@ def chat(*, shared: o.Shared) -> None:
 
         from cactus_cli.app import runtime
         from cactus_cli.app.chat import ChatSession, read_turns
+        from cactus_cli.app.session import Session
 
         settings = with_seed(settings)
         if sys.stdin is None or sys.stdin.closed:
@@ -43,7 +44,7 @@ def chat(*, shared: o.Shared) -> None:
 
         def load(s):
             with ui.LoadProgress(err) as progress:
-                engine = runtime.load_engine(s, progress)
+                engine = Session.load(settings=s, reporter=progress).engine
                 runtime.prepare(engine, s, progress, whole_context=True)
             engine.report = out.note  # a long conversation outgrows the compiled cache now and then
             return engine

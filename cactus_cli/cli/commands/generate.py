@@ -30,8 +30,8 @@ def generate(
     with --plain: just the text. With --json: one JSON object.
     """
     with user_errors():
-        from cactus_cli.app import runtime
         from cactus_cli.app.profiles import resolve_settings
+        from cactus_cli.app.session import Session
         from cactus_cli.app.settings import check_flags_apply, with_seed
 
         settings = resolve_settings(shared.profile, shared.flags)
@@ -43,10 +43,10 @@ def generate(
             {"role": "user", "content": prompt}
         ]
         with ui.LoadProgress(err_console) as progress:
-            engine = runtime.load_engine(settings, progress)
-            ids = runtime.encode(engine.pair.tokenizer, messages, settings.chat_template)
-            runtime.prepare(engine, settings, progress, len(ids))
-        params = runtime.generation_params(settings)
+            session = Session.load(settings=settings, reporter=progress)
+            ids = session.encode(messages)
+            session.prepare(len(ids), progress)
+        params = session.params()
 
         out_console = ui.make_console(no_color=shared.no_color)
         if as_json:
@@ -59,7 +59,7 @@ def generate(
         interrupted = False
         try:
             with view:
-                for event in engine.generate(ids, params):
+                for event in session.generate(ids, params=params):
                     text.append(event.text)
                     view.update(event)
         except KeyboardInterrupt:
@@ -67,7 +67,8 @@ def generate(
                 raise  # the live view and plain text already show what was generated
             interrupted = True
         if as_json:
-            typer.echo(json.dumps(_json_doc("".join(text), interrupted, settings, view.stats, engine, params), indent=2))
+            typer.echo(json.dumps(_json_doc("".join(text), interrupted, settings, view.stats, session.engine, params),
+                                  indent=2))
             if interrupted:
                 raise typer.Exit(130)
 
@@ -101,6 +102,9 @@ def _json_doc(text: str, interrupted: bool, settings, stats, engine, params) -> 
                                     (("verifier", engine.pair.verifier), ("draft", engine.pair.draft))
                                     if lm is not None and lm.quantize_note}  # what ran, layer counts included
     doc["settings"]["compiled"] = engine.compiled
+    plan = engine.pair.plan  # every choice the load made, with its reason (infer/plan.py)
+    doc["settings"]["plan"] = ({**plan.describe(), "compile": {"value": engine.compiled, "reason": engine.compile_note
+                                                               or ""}} if plan is not None else None)
     doc["settings"]["compile_seconds"] = engine.compile_seconds
     doc["cost_model"] = engine.cost_summary(params)
     return doc

@@ -12,7 +12,7 @@ import torch
 
 from cactus_cli.core import defaults
 from cactus_cli.core.events import NGRAM, SUFFIX
-from cactus_cli.infer.draft.base import Drafter, Proposal
+from cactus_cli.infer.draft.base import Drafter, Fallback, Proposal
 from cactus_cli.infer.draft.cross import CrossVocabDrafter
 from cactus_cli.infer.draft.model import ModelDrafter
 from cactus_cli.infer.draft.ngram import NgramDrafter
@@ -21,7 +21,7 @@ from cactus_cli.infer.draft.suffix_tree import History
 from cactus_cli.infer.runners.base import Runner
 from cactus_cli.infer.vocab import CrossVocab
 
-__all__ = ["Drafter", "History", "Lookup", "Proposal", "make_drafter"]
+__all__ = ["Drafter", "Fallback", "History", "Lookup", "Proposal", "make_drafter"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,6 @@ def make_drafter(model_runner: Runner | None, lookup: Lookup | None, vocab_size:
                  if cross is not None else ModelDrafter(model_runner, lazy=lookup is not None))
     if lookup is None:
         return model
-    if lookup.kind == SUFFIX:
-        return SuffixDrafter(vocab_size, device, lookup.history, fallback=model, sampled=lookup.sampled)
-    return NgramDrafter(vocab_size, device, lookup.n_max, lookup.n_min, fallback=model)
+    primary: Drafter = (SuffixDrafter(vocab_size, device, lookup.history, sampled=lookup.sampled)
+                        if lookup.kind == SUFFIX else NgramDrafter(vocab_size, device, lookup.n_max, lookup.n_min))
+    return Fallback(primary, model) if model is not None else primary

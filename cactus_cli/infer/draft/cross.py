@@ -30,7 +30,7 @@ import torch
 
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample
-from cactus_cli.infer.draft.base import OnRunner, Proposal
+from cactus_cli.infer.draft.base import Proposal
 from cactus_cli.infer.runners.base import Runner, common_prefix, to_device
 from cactus_cli.infer.vocab import VocabMap, encode, eos_id, visible_text
 
@@ -38,7 +38,9 @@ STRING, INTERSECTION = "string", "intersection"
 ANCHOR = 4  # verified tokens decoded before the draft's text, so the verifier encodes it in context
 
 
-class CrossVocabDrafter(OnRunner):
+class CrossVocabDrafter:
+    source = MODEL
+
     def __init__(self, runner: Runner, method: str, draft_tok: Any, verifier_tok: Any, vmap: VocabMap,
                  verifier_vocab: int):
         self.runner = runner
@@ -59,11 +61,19 @@ class CrossVocabDrafter(OnRunner):
     def next_source(self, seq: list[int]) -> str | None:
         return MODEL if seq else None  # (not re-encoded here: a plain step must cost nothing)
 
-    def reset(self) -> None:
-        self.runner.reset()
-        self.cached, self.target, self._synced = [], [], -1
+    def confidence(self, seq: list[int]) -> list[float] | None:
+        return None
+
+    def finish(self, seq: list[int]) -> None:
+        pass
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.lm.device
 
     def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> int:
+        self.cached = self.cached[: self.runner.cache_len]  # (the engine may have reset the runner)
+        self._synced = -1
         self._sync(prompt)
         kept = self.runner.prefill(self.target, self.cached, reuse) if len(self.target) > 1 else 0
         if len(self.target) <= 1:

@@ -6,11 +6,11 @@ import torch
 
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample
-from cactus_cli.infer.draft.base import OnRunner, Proposal
+from cactus_cli.infer.draft.base import Proposal
 from cactus_cli.infer.runners.base import Runner, common_prefix
 
 
-class ModelDrafter(OnRunner):
+class ModelDrafter:
     """Its cache holds ``seq[: cache_len]``; a proposal's first forward feeds the rest (1 token,
     or 2 after a full acceptance: the last draft and the bonus; more after k = 0 steps), so no
     forward pass is spent only on catching up."""
@@ -21,12 +21,16 @@ class ModelDrafter(OnRunner):
         self._k = 0  # size of the last proposal
         self._base = 0  # the sequence's length when it was made
 
+    source = MODEL
+
     def next_source(self, seq: list[int]) -> str | None:
         return MODEL
 
-    def reset(self) -> None:
-        self.runner.reset()
-        self._k = 0
+    def confidence(self, seq: list[int]) -> list[float] | None:
+        return None
+
+    def finish(self, seq: list[int]) -> None:
+        pass
 
     def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> int:
         """Prefill the prompt, or (``lazy``: a model behind a lookup, which may never be asked)
@@ -58,7 +62,7 @@ class ModelDrafter(OnRunner):
             tokens.append(tok)
             feed = tok  # the last drafted token is never fed: the verifier decides what follows
         if not tokens:
-            return Proposal(torch.zeros(0, dtype=torch.int64, device=self.device), None)
+            return Proposal(torch.zeros(0, dtype=torch.int64, device=self.runner.lm.device), None)
         return Proposal(torch.cat(tokens), torch.stack(probs) if probs else None, MODEL, fed)
 
     def accept(self, seq: list[int], num_accepted: int) -> None:

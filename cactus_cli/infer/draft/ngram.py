@@ -7,39 +7,34 @@ import torch
 
 from cactus_cli.core.events import NGRAM
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.draft.base import Drafter, Proposal, WithFallback
+from cactus_cli.infer.draft.base import Proposal
 from cactus_cli.infer.runners.base import to_device
 
 
-class NgramDrafter(WithFallback):
+class NgramDrafter:
     """The draft distribution is one-hot, so every acceptance rule works unchanged (SpS accepts
-    with q_n and stays exactly lossless; Cactus accepts with its boosted h_n). With ``fallback``,
-    a draft model drafts when nothing matches; its cache stays in step either way (steps it sat
-    out are fed in its next forward, as after a k = 0 step).
+    with q_n and stays exactly lossless; Cactus accepts with its boosted h_n). A draft model can
+    stand behind it (base.Fallback) for when nothing matches.
 
     Lookups are O(n_max) per token: for each n, a map from every n-gram that has a continuation
     to the start of its latest occurrence, updated as the sequence grows."""
 
-    own_source = NGRAM
+    source = NGRAM
+    runner = None  # (no model: drafts cost microseconds)
 
-    def __init__(self, vocab_size: int, device: torch.device, n_max: int = 4, n_min: int = 1,
-                 fallback: Drafter | None = None):
+    def __init__(self, vocab_size: int, device: torch.device, n_max: int = 4, n_min: int = 1):
         self.vocab_size = vocab_size
-        self._device = device
+        self.device = device
         self.n_max, self.n_min = n_max, n_min
-        self.fallback = fallback
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> start of its latest occurrence with a continuation
         self.indexed = 0  # how much of the sequence the index covers
 
-    def reset(self) -> None:
-        self.index, self.indexed = {}, 0
-        if self.fallback:
-            self.fallback.reset()
-
-    def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> int:
+    def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> None:
         self.index, self.indexed = {}, 0
         self._update(prompt)
-        return self.fallback.start(prompt, previous, reuse) if self.fallback else 0
+
+    def confidence(self, seq: list[int]) -> list[float] | None:
+        return None
 
     def finish(self, seq: list[int]) -> None:
         pass  # (a lookup reads the current sequence only)
@@ -63,14 +58,10 @@ class NgramDrafter(WithFallback):
         return []
 
     def next_source(self, seq: list[int]) -> str | None:
-        if self.lookup(seq, 1):
-            return NGRAM
-        return self.fallback.next_source(seq) if self.fallback else None
+        return NGRAM if self.lookup(seq, 1) else None
 
     def propose(self, seq: list[int], k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
         tokens = self.lookup(seq, k) if k else []
-        if not tokens and self.fallback is not None and k:
-            return self.fallback.propose(seq, k, sp, generator)
         ids = to_device(tokens, self.device)  # [k']
         probs = None
         if not sp.greedy and tokens:  # [k', V] one-hot
@@ -78,5 +69,4 @@ class NgramDrafter(WithFallback):
         return Proposal(ids, probs, NGRAM)
 
     def accept(self, seq: list[int], num_accepted: int) -> None:
-        if self.fallback:
-            self.fallback.accept(seq, num_accepted)  # sat out this step: nothing to crop, the rest is fed later
+        pass  # (the index catches up with the sequence at the next lookup)

@@ -10,9 +10,9 @@ Sampling (T > 0), each drafted token is drawn from the tree's counts at its node
 the tokens that keep the path above MIN_PROB), and those counts are the draft distribution the
 rule sees: a real distribution, so every rule applies unchanged and SpS stays exactly lossless.
 ``sampled=False`` (and greedy decoding, always) drafts the most frequent path one-hot instead,
-like prompt lookup. Sampled is the default because it measured as good or better: README,
-"Drafts from memory", has both. With ``fallback``, a draft model drafts when neither tree has a
-likely continuation.
+like prompt lookup. Sampled is the default because it measured as good or better
+(docs/drafters.md has both). A draft model can stand behind it (base.Fallback) for when neither
+tree has a likely continuation.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from cactus_cli.core.events import SUFFIX
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.draft.base import Drafter, Proposal, WithFallback
+from cactus_cli.infer.draft.base import Proposal
 from cactus_cli.infer.draft.suffix_tree import History, Match, SuffixTree, follow
 from cactus_cli.infer.runners.base import to_device
 
@@ -31,14 +31,13 @@ MIN_PROB = 0.1  # a draft ends where its path's estimated probability would fall
 MAX_DRAFT = 16  # tokens looked ahead when asked whether there is a draft (the k policy caps it)
 
 
-class SuffixDrafter(WithFallback):
-    own_source = SUFFIX
+class SuffixDrafter:
+    source = SUFFIX
+    runner = None  # (no model: drafts cost a tree walk)
 
-    def __init__(self, vocab_size: int, device: torch.device, history: History | None = None,
-                 fallback: Drafter | None = None, sampled: bool = True):
+    def __init__(self, vocab_size: int, device: torch.device, history: History | None = None, sampled: bool = True):
         self.vocab_size = vocab_size
-        self._device = device
-        self.fallback = fallback
+        self.device = device
         self.sampled = sampled
         self.min_prob = MIN_PROB
         self.histories: dict[str, History] = {"": history if history is not None else History()}
@@ -47,16 +46,10 @@ class SuffixDrafter(WithFallback):
         self.rng: random.Random | None = None
         self._found: tuple[int, Match | None, History | None] | None = None  # (len(seq), match, its history)
 
-    def reset(self) -> None:
-        """Forget the request tree (and the draft model's cache); the history stays."""
-        self.request, self._found = SuffixTree(), None
-        if self.fallback:
-            self.fallback.reset()
-
-    def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> int:
+    def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> None:
+        """A new request tree; the history stays."""
         self.request, self._found, self.rng = SuffixTree(), None, None
         self.memory = memory
-        return self.fallback.start(prompt, previous, reuse) if self.fallback else 0
 
     def finish(self, seq: list[int]) -> None:
         """The sequence is done: the history remembers it (unless this run reads no history)."""
@@ -78,19 +71,15 @@ class SuffixDrafter(WithFallback):
         return self._found[1], self._found[2]
 
     def next_source(self, seq: list[int]) -> str | None:
-        if self._match(seq)[0] is not None:
-            return SUFFIX
-        return self.fallback.next_source(seq) if self.fallback else None
+        return SUFFIX if self._match(seq)[0] is not None else None
 
     def confidence(self, seq: list[int]) -> list[float] | None:
-        """The tree's estimate for each token of the path it would draft (None: the draft model's turn)."""
+        """The tree's estimate for each token of the path it would draft (None: no path)."""
         match = self._match(seq)[0]
         return match.steps if match is not None else None
 
     def propose(self, seq: list[int], k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
         match, history = self._match(seq) if k else (None, None)
-        if match is None and self.fallback is not None and k:
-            return self.fallback.propose(seq, k, sp, generator)
         tokens: list[int] = match.tokens[:k] if match is not None else []
         dists: list[dict[int, float]] = []
         if match is not None and self.sampled and not sp.greedy:
@@ -113,5 +102,3 @@ class SuffixDrafter(WithFallback):
 
     def accept(self, seq: list[int], num_accepted: int) -> None:
         self._found = None
-        if self.fallback:
-            self.fallback.accept(seq, num_accepted)
