@@ -96,29 +96,49 @@ def main() -> None:
     rows = []
     for name in a.types.split(","):
         path = requantize(shipped, name)
-        pair = load_pair(str(path), None, str(embedded.gguf_tokenizer(shipped, "qwen2.5-coder-1.5b")), "cpu", "auto",
-                         backend="llama.cpp")
+        pair = load_pair(
+            str(path),
+            None,
+            str(embedded.gguf_tokenizer(shipped, "qwen2.5-coder-1.5b")),
+            "cpu",
+            "auto",
+            backend="llama.cpp",
+        )
         if texts is None:
-            texts = [ids for ids in (list(pair.tokenizer(p.prompt)["input_ids"]) for p in load_prompts(None)) if len(ids) > 1]
+            texts = [
+                ids for ids in (list(pair.tokenizer(p.prompt)["input_ids"]) for p in load_prompts(None)) if len(ids) > 1
+            ]
         runner = LlamaCppRunner(pair.verifier, pair.vocab_size, pair.verifier.context_length)
         cost = curve(runner, a.max_width)
         best = {}
         for r in rates:
             k = max(range(a.max_width), key=lambda k: expected_tokens(r, k) / cost[k + 1])
             best[r] = (k, expected_tokens(r, k) / cost[k + 1])
-        rows.append({"type": name, "bytes": path.stat().st_size, "mean_nll": mean_nll(runner, texts),
-                     "width_ms": {w: 1000 * s for w, s in cost.items()}, "plain_tokens_per_second": 1 / cost[1],
-                     "best_free_draft": {str(r): {"k": k, "tokens_per_second": t} for r, (k, t) in best.items()}})
+        rows.append(
+            {
+                "type": name,
+                "bytes": path.stat().st_size,
+                "mean_nll": mean_nll(runner, texts),
+                "width_ms": {w: 1000 * s for w, s in cost.items()},
+                "plain_tokens_per_second": 1 / cost[1],
+                "best_free_draft": {str(r): {"k": k, "tokens_per_second": t} for r, (k, t) in best.items()},
+            }
+        )
         print(f"[types] {name}: done", file=sys.stderr, flush=True)
         del runner, pair
     ref = rows[0]["mean_nll"]
     print(f"threads {gguf.default_threads()}, {'plain buffers (AMX build)' if gguf.amx_in_use() else 'extra buffers'}")
-    print(f"{'type':<8} {'GB':>5} {'NLL vs shipped':>15} {'plain tok/s':>12} " + " ".join(f"{'a=' + str(r):>14}" for r in rates))
+    print(
+        f"{'type':<8} {'GB':>5} {'NLL vs shipped':>15} {'plain tok/s':>12} "
+        + " ".join(f"{'a=' + str(r):>14}" for r in rates)
+    )
     for row in rows:
         drift = row["mean_nll"] - ref
         ok = "" if drift <= defaults.QUALITY_TOLERANCE else " (over)"
-        print(f"{row['type']:<8} {row['bytes'] / 1e9:5.2f} {drift:+15.3f}{ok} {row['plain_tokens_per_second']:12.2f} "
-              + " ".join(f"{b['tokens_per_second']:9.2f} k={b['k']:<2}" for b in row["best_free_draft"].values()))
+        print(
+            f"{row['type']:<8} {row['bytes'] / 1e9:5.2f} {drift:+15.3f}{ok} {row['plain_tokens_per_second']:12.2f} "
+            + " ".join(f"{b['tokens_per_second']:9.2f} k={b['k']:<2}" for b in row["best_free_draft"].values())
+        )
     widths = [1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 24, 32]
     print("ms per width: " + " ".join(f"{w:>5}" for w in widths if w <= a.max_width))
     for row in rows:

@@ -19,14 +19,41 @@ import time
 
 import torch
 
-QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
-QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                 rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
-SMOKE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             vocab_size=512, max_position_embeddings=4096)
+QWEN3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+QWEN3_06B = dict(
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+SMOKE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    max_position_embeddings=4096,
+)
 
 
 def build(spec: dict, device: torch.device, dtype: torch.dtype, name: str):
@@ -95,8 +122,11 @@ def main() -> None:
         verifier_spec.update(SMOKE, num_hidden_layers=2, tie_word_embeddings=False)
         draft_spec.update(SMOKE, num_hidden_layers=1, tie_word_embeddings=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"device: {name} · {str(dtype).removeprefix('torch.')} · torch {torch.__version__} · "
-          f"context {args.context} tokens", flush=True)
+    print(
+        f"device: {name} · {str(dtype).removeprefix('torch.')} · torch {torch.__version__} · "
+        f"context {args.context} tokens",
+        flush=True,
+    )
     problem = compile_problem(device)
     verifier = build(verifier_spec, device, dtype, "Qwen3-8B (random)")
     draft = build(draft_spec, device, dtype, "Qwen3-0.6B (random)")
@@ -107,7 +137,11 @@ def main() -> None:
             print(f"compiled: skipped ({problem})")
             continue
         cap = args.context + max(widths) + 2
-        make = (lambda lm: CompiledLM(lm, lm.logits_width, cap)) if mode == "compiled" else (lambda lm: CachedLM(lm, lm.logits_width))
+        make = (
+            (lambda lm: CompiledLM(lm, lm.logits_width, cap))
+            if mode == "compiled"
+            else (lambda lm: CachedLM(lm, lm.logits_width))
+        )
         t0 = time.perf_counter()
         v, d = make(verifier), make(draft)
         c = {"draft 1": time_forward(d, args.context, 1, args.reps, device)}

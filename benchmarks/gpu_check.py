@@ -1,16 +1,16 @@
 """The one device script (issue 20): on one GPU, within about 8 minutes including compiles,
 
-  (a) runs the test suite's CUDA-marked tests and the CPU proofs of the CUDA fixes,
-  (b) proves each fix on tiny models on the device: crop/reset outside inference mode, int4
-      packing vs a dequantized reference at K = 4096 and the K = 576 fallback, int8 vs bf16
-      milliseconds at M = 1 and 5 (eager and compiled), host syncs per step, the cost of one
-      crop, no recompiles after warm-up, no memory kept across a cache re-size, the command
-      tensor of tensor parallelism, and (measured only) the cost of attention as the cache grows,
-  (c) runs benchmarks/gpu.py on the Qwen3-8B / 0.6B shapes and prints its table,
-  (d) ends with one line per check, PASS or FAIL (exit 1 if any failed).
+(a) runs the test suite's CUDA-marked tests and the CPU proofs of the CUDA fixes,
+(b) proves each fix on tiny models on the device: crop/reset outside inference mode, int4
+    packing vs a dequantized reference at K = 4096 and the K = 576 fallback, int8 vs bf16
+    milliseconds at M = 1 and 5 (eager and compiled), host syncs per step, the cost of one
+    crop, no recompiles after warm-up, no memory kept across a cache re-size, the command
+    tensor of tensor parallelism, and (measured only) the cost of attention as the cache grows,
+(c) runs benchmarks/gpu.py on the Qwen3-8B / 0.6B shapes and prints its table,
+(d) ends with one line per check, PASS or FAIL (exit 1 if any failed).
 
-    python benchmarks/gpu_check.py              # on a CUDA machine
-    python benchmarks/gpu_check.py --cpu-smoke  # everything a CPU can run: checks the script itself
+  python benchmarks/gpu_check.py              # on a CUDA machine
+  python benchmarks/gpu_check.py --cpu-smoke  # everything a CPU can run: checks the script itself
 """
 
 from __future__ import annotations
@@ -78,8 +78,9 @@ def tiny_pair(device: torch.device, dtype: torch.dtype, layers: int = 2):
     v = build(spec, device, dtype, "tiny verifier")
     torch.manual_seed(1)
     d = build(dict(spec, num_hidden_layers=1), device, dtype, "tiny draft")
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)},
-                                                                              unk_token="w0")))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
+    )
     return ModelPair(v, d, tok, 512, "as asked")
 
 
@@ -106,7 +107,17 @@ def main() -> None:
     # ---------------------------------------------------------------- (a) tests
     @check("a. tests: CUDA-marked and the CPU proofs of the CUDA fixes")
     def _() -> str:
-        cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "tests/test_cuda_paths.py"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-o",
+            "addopts=",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_cuda_paths.py",
+        ]
         if not args.cpu_smoke:
             cmd += ["-m", "cuda or not cuda", "tests/test_compile.py"]
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
@@ -168,8 +179,12 @@ def main() -> None:
     def _() -> str:
         engine = SpeculativeEngine(pair, compiled=compile_ok)
         engine.prepare(128, {5})
-        params = GenerationParams(sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0),
-                                  num_draft_tokens=4, max_tokens=48, ignore_eos=True)
+        params = GenerationParams(
+            sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0),
+            num_draft_tokens=4,
+            max_tokens=48,
+            ignore_eos=True,
+        )
         gen = engine.generate(list(range(5, 40)), params)
         next(gen)
         steps, syncs = 0, 0
@@ -189,6 +204,7 @@ def main() -> None:
                 def counted(t, *a, **kw):
                     count[0] += 1
                     return real(t, *a, **kw)
+
                 return counted
 
             try:
@@ -227,8 +243,9 @@ def main() -> None:
 
         engine = SpeculativeEngine(pair, compiled=True)
         engine.prepare(200, {5})
-        params = GenerationParams(sampling=SamplingParams(temperature=0.0), num_draft_tokens=4, max_tokens=32,
-                                  ignore_eos=True)
+        params = GenerationParams(
+            sampling=SamplingParams(temperature=0.0), num_draft_tokens=4, max_tokens=32, ignore_eos=True
+        )
         list(engine.generate(list(range(5, 40)), params))
         before = sum(counters["stats"].values())
         list(engine.generate(list(range(7, 50)), params))
@@ -285,7 +302,9 @@ def main() -> None:
     # ---------------------------------------------------------------- (c) the benchmark
     @check("c. benchmarks/gpu.py" + (" --smoke" if args.cpu_smoke else " (Qwen3-8B / 0.6B shapes)"))
     def _() -> str:
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py")] + (["--smoke", "--reps", "3"] if args.cpu_smoke else [])
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py")] + (
+            ["--smoke", "--reps", "3"] if args.cpu_smoke else []
+        )
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
         print(out.stdout)
         if out.returncode != 0:

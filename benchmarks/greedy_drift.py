@@ -68,9 +68,12 @@ def main() -> None:
         block = [seq[len(ids) + s - 1]] + drafts
         blk = runner.forward(block, len(block))[d - s].float()
         (t, ti), (u, ui) = one.topk(2), blk.topk(2)
-        print(f"problem {i}: part at token {d} (alone {a[d]}, speculative {b[d]}); recomputed, one row: best "
-              f"{ti.tolist()} gap {float(t[0] - t[1]):.4f}; the {len(block)}-row verify block: best {ui.tolist()} "
-              f"gap {float(u[0] - u[1]):.4f}", flush=True)
+        print(
+            f"problem {i}: part at token {d} (alone {a[d]}, speculative {b[d]}); recomputed, one row: best "
+            f"{ti.tolist()} gap {float(t[0] - t[1]):.4f}; the {len(block)}-row verify block: best {ui.tolist()} "
+            f"gap {float(u[0] - u[1]):.4f}",
+            flush=True,
+        )
     print(f"{parted} of {len(tasks)} problems parted", flush=True)
 
 

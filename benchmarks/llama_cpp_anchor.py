@@ -50,38 +50,120 @@ def build_tools(log) -> Path:
     if not src.is_dir():
         with tempfile.TemporaryDirectory() as tmp:
             log(f"downloading the llama-cpp-python {ver} sdist")
-            subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={ver}", "--no-deps",
-                            "--no-binary", ":all:", "-d", tmp, "-q"], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    f"llama-cpp-python=={ver}",
+                    "--no-deps",
+                    "--no-binary",
+                    ":all:",
+                    "-d",
+                    tmp,
+                    "-q",
+                ],
+                check=True,
+            )
             sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
             with tarfile.open(sdist) as tar:
                 tar.extractall(tmp, filter="data")
             os.replace(next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp")), src)
     t0 = time.perf_counter()
     log("building llama-bench and llama-speculative (a few minutes, once)")
-    subprocess.run(["cmake", "-S", str(src), "-B", str(root / "build"), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON"], check=True,
-                   stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(root / "build"), "--target", "llama-bench", "llama-speculative",
-                    "-j", str(os.cpu_count() or 2)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            "cmake",
+            "-S",
+            str(src),
+            "-B",
+            str(root / "build"),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_SERVER=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DGGML_NATIVE=ON",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    subprocess.run(
+        [
+            "cmake",
+            "--build",
+            str(root / "build"),
+            "--target",
+            "llama-bench",
+            "llama-speculative",
+            "-j",
+            str(os.cpu_count() or 2),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     log(f"built in {time.perf_counter() - t0:.0f} s")
     return bin_dir
 
 
 def llama_bench(bin_dir: Path, model: Path, threads: int, plain: bool, args: list[str]) -> list[dict]:
-    cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-o", "json", "-r", "3",
-           "--repack", "0" if plain else "1", *args]
+    cmd = [
+        str(bin_dir / "llama-bench"),
+        "-m",
+        str(model),
+        "-t",
+        str(threads),
+        "-o",
+        "json",
+        "-r",
+        "3",
+        "--repack",
+        "0" if plain else "1",
+        *args,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out)
 
 
-def speculative(bin_dir: Path, verifier: Path, draft: Path, prompts: list[str], threads: int, plain: bool, n: int,
-                spec_n: int, sampling: dict) -> dict:
+def speculative(
+    bin_dir: Path,
+    verifier: Path,
+    draft: Path,
+    prompts: list[str],
+    threads: int,
+    plain: bool,
+    n: int,
+    spec_n: int,
+    sampling: dict,
+) -> dict:
     """llama-speculative over the prompts: decoded tokens / decode seconds, summed."""
     tokens = seconds = accepted = drafted = 0.0
     for prompt in prompts:
-        cmd = [str(bin_dir / "llama-speculative"), "-m", str(verifier), "-md", str(draft), "-p", prompt, "-n", str(n),
-               "-t", str(threads), "--spec-draft-n-max", str(spec_n), "-c", "4096", "--temp", str(sampling["temperature"]),
-               "--top-k", str(sampling["top_k"]), "--top-p", str(sampling["top_p"]), "--seed", "0"]
+        cmd = [
+            str(bin_dir / "llama-speculative"),
+            "-m",
+            str(verifier),
+            "-md",
+            str(draft),
+            "-p",
+            prompt,
+            "-n",
+            str(n),
+            "-t",
+            str(threads),
+            "--spec-draft-n-max",
+            str(spec_n),
+            "-c",
+            "4096",
+            "--temp",
+            str(sampling["temperature"]),
+            "--top-k",
+            str(sampling["top_k"]),
+            "--top-p",
+            str(sampling["top_p"]),
+            "--seed",
+            "0",
+        ]
         if plain:
             cmd.append("--no-repack")
         text = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
@@ -89,8 +171,13 @@ def speculative(bin_dir: Path, verifier: Path, draft: Path, prompts: list[str], 
         tokens, seconds = tokens + int(m.group(1)), seconds + float(m.group(2))
         accepted += int(re.search(r"n_accept\s+=\s+(\d+)", text).group(1))
         drafted += int(re.search(r"n_drafted\s+=\s+(\d+)", text).group(1))
-    return {"spec_n": spec_n, "tokens": int(tokens), "seconds": seconds, "tokens_per_second": tokens / seconds,
-            "acceptance": accepted / drafted if drafted else None}
+    return {
+        "spec_n": spec_n,
+        "tokens": int(tokens),
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds,
+        "acceptance": accepted / drafted if drafted else None,
+    }
 
 
 def main() -> None:
@@ -118,44 +205,79 @@ def main() -> None:
     draft = embedded.embedded_gguf("qwen2.5-coder-0.5b")
     plain = gguf.amx_in_use()
     log(f"threads {a.threads}; {'plain buffers (AMX build: --repack 0 both sides)' if plain else 'extra buffers'}")
-    result: dict = {"threads": a.threads, "plain_buffers": plain, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                    "llama_cpp_python": version("llama-cpp-python")}
+    result: dict = {
+        "threads": a.threads,
+        "plain_buffers": plain,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "llama_cpp_python": version("llama-cpp-python"),
+    }
     log("llama-bench: plain decoding")
-    tg = {name: llama_bench(bin_dir, path, a.threads, plain, ["-p", "0", "-n", "64"])[0]["avg_ts"]
-          for name, path in (("verifier", verifier), ("draft", draft))}
+    tg = {
+        name: llama_bench(bin_dir, path, a.threads, plain, ["-p", "0", "-n", "64"])[0]["avg_ts"]
+        for name, path in (("verifier", verifier), ("draft", draft))
+    }
     widths = llama_bench(bin_dir, verifier, a.threads, plain, ["-p", "1,2,3,5,9,17,32", "-n", "0"])
     result["llama_bench_tg"] = tg
     result["llama_bench_width_ms"] = {str(r["n_prompt"]): 1000 * r["n_prompt"] / r["avg_ts"] for r in widths}
     tok = AutoTokenizer.from_pretrained(str(embedded.gguf_tokenizer(verifier, settings.verifier.split(":", 1)[1])))
     prompts = load_prompts(None, a.limit, a.category.split(",") if a.category else None)
-    texts = [tok.apply_chat_template([{"role": "user", "content": p.prompt}], add_generation_prompt=True, tokenize=False)
-             for p in prompts]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": p.prompt}], add_generation_prompt=True, tokenize=False)
+        for p in prompts
+    ]
     sampling = {"temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p}
     log("llama-speculative")
-    result["llama_speculative"] = [speculative(bin_dir, verifier, draft, texts, a.threads, plain, a.n, int(k), sampling)
-                                   for k in a.spec_n.split(",")]
+    result["llama_speculative"] = [
+        speculative(bin_dir, verifier, draft, texts, a.threads, plain, a.n, int(k), sampling)
+        for k in a.spec_n.split(",")
+    ]
     best_spec = max(r["tokens_per_second"] for r in result["llama_speculative"])
     log("cactus bench")
     rules = [] if "--rules" in a.bench_args else ["--rules", settings.rule]
-    cmd = [sys.executable, "-m", "cactus_cli", "bench", "--limit", str(a.limit), "-n", str(a.n), "--json",
-           "--threads", str(a.threads), *(["--category", a.category] if a.category else []), *rules, *a.bench_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cactus_cli",
+        "bench",
+        "--limit",
+        str(a.limit),
+        "-n",
+        str(a.n),
+        "--json",
+        "--threads",
+        str(a.threads),
+        *(["--category", a.category] if a.category else []),
+        *rules,
+        *a.bench_args,
+    ]
     doc = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     result["cactus"] = doc
     log("llama-bench: plain decoding again")
     after = llama_bench(bin_dir, verifier, a.threads, plain, ["-p", "0", "-n", "64"])[0]["avg_ts"]
     result["llama_bench_tg_after"] = after
     anchor = (tg["verifier"] + after) / 2
-    print(f"llama-bench plain decoding (tg64): verifier {tg['verifier']:.2f} tok/s before, {after:.2f} after "
-          f"(anchor {anchor:.2f}); draft {tg['draft']:.2f} tok/s")
-    print("llama-bench verifier ms per width: " + ", ".join(f"{w}: {ms:.0f}" for w, ms in result["llama_bench_width_ms"].items()))
+    print(
+        f"llama-bench plain decoding (tg64): verifier {tg['verifier']:.2f} tok/s before, {after:.2f} after "
+        f"(anchor {anchor:.2f}); draft {tg['draft']:.2f} tok/s"
+    )
+    print(
+        "llama-bench verifier ms per width: "
+        + ", ".join(f"{w}: {ms:.0f}" for w, ms in result["llama_bench_width_ms"].items())
+    )
     for r in result["llama_speculative"]:
-        print(f"llama-speculative --spec-draft-n-max {r['spec_n']}: {r['tokens_per_second']:.2f} tok/s "
-              f"(acceptance {r['acceptance']:.0%})")
-    print(f"{'cactus row':<48} {'decode tok/s':>12} {'x llama.cpp plain':>18} {'x llama.cpp spec':>17} {'end to end':>11}")
+        print(
+            f"llama-speculative --spec-draft-n-max {r['spec_n']}: {r['tokens_per_second']:.2f} tok/s "
+            f"(acceptance {r['acceptance']:.0%})"
+        )
+    print(
+        f"{'cactus row':<48} {'decode tok/s':>12} {'x llama.cpp plain':>18} {'x llama.cpp spec':>17} {'end to end':>11}"
+    )
     for row in doc["results"]:
         tps = row["decode_tokens_per_second"] or 0
-        print(f"{row['config']:<48} {tps:12.2f} {tps / anchor:17.2f}x {tps / best_spec:16.2f}x "
-              f"{row['tokens_per_second'] or 0:11.2f}")
+        print(
+            f"{row['config']:<48} {tps:12.2f} {tps / anchor:17.2f}x {tps / best_spec:16.2f}x "
+            f"{row['tokens_per_second'] or 0:11.2f}"
+        )
     if a.out:
         a.out.write_text(json.dumps(result, indent=2))
         log(f"wrote {a.out}")

@@ -30,8 +30,9 @@ def tokenizer(folder: Path):
     vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "<pad>"] + words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
     fast.save_pretrained(folder)
     return len(vocab)
 
@@ -50,16 +51,26 @@ def main() -> None:
     torch.manual_seed(0)
 
     def config(layers: int) -> LlamaConfig:
-        return LlamaConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=3,
-                           tie_word_embeddings=False, initializer_range=0.3)
+        return LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=args.hidden,
+            intermediate_size=2 * args.hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=3,
+            tie_word_embeddings=False,
+            initializer_range=0.3,
+        )
 
     verifier = LlamaForCausalLM(config(args.layers[0])).eval()
     draft = LlamaForCausalLM(config(args.layers[1])).eval()
     with torch.no_grad():
         verifier.lm_head.weight[2].zero_()  # no early EOS
-        for layer in verifier.model.layers[args.layers[1]:]:
+        for layer in verifier.model.layers[args.layers[1] :]:
             layer.self_attn.o_proj.weight.mul_(0.02)
             layer.mlp.down_proj.weight.mul_(0.02)
         state = {k: v for k, v in verifier.state_dict().items() if k in draft.state_dict()}
@@ -69,8 +80,10 @@ def main() -> None:
     for model, name in ((verifier, "verifier"), (draft, "draft")):
         model.generation_config.eos_token_id = 2
         model.save_pretrained(args.out / name)
-    print(f"wrote {args.out}/verifier ({args.layers[0]} layers) and {args.out}/draft ({args.layers[1]} layers), "
-          f"hidden {args.hidden}, vocabulary {vocab}")
+    print(
+        f"wrote {args.out}/verifier ({args.layers[0]} layers) and {args.out}/draft ({args.layers[1]} layers), "
+        f"hidden {args.hidden}, vocabulary {vocab}"
+    )
 
 
 if __name__ == "__main__":

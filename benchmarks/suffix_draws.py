@@ -42,10 +42,20 @@ def main() -> None:
                 one.update(ev)
             st.merge(one)
     for (sampled, rule), st in stats.items():
-        print(json.dumps({"drafts": "sampled" if sampled else "one-hot", "rule": rule, "tokens": st.num_output_tokens,
-                          "acceptance": st.draft_acceptance_rate, "mal": st.mean_acceptance_length,
-                          "tokens_per_verifier_pass": st.num_output_tokens / max(st.verifier_forward_passes, 1),
-                          "tokens_per_second": st.tokens_per_second, "mean_k": st.mean_k}))
+        print(
+            json.dumps(
+                {
+                    "drafts": "sampled" if sampled else "one-hot",
+                    "rule": rule,
+                    "tokens": st.num_output_tokens,
+                    "acceptance": st.draft_acceptance_rate,
+                    "mal": st.mean_acceptance_length,
+                    "tokens_per_verifier_pass": st.num_output_tokens / max(st.verifier_forward_passes, 1),
+                    "tokens_per_second": st.tokens_per_second,
+                    "mean_k": st.mean_k,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

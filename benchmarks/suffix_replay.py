@@ -117,7 +117,9 @@ def replay(rows: list[dict], make, siblings: tuple[float, int] | None = None) ->
                 branch = tree.get((m, out[pos + m])) if m < len(draft) and pos + m < len(out) else None
                 if branch is not None:  # (the correction was a node: the verifier's logits after it are known)
                     landed += 1
-                    while more < len(branch) and pos + m + 1 + more < len(out) and branch[more] == out[pos + m + 1 + more]:
+                    while (
+                        more < len(branch) and pos + m + 1 + more < len(out) and branch[more] == out[pos + m + 1 + more]
+                    ):
                         more += 1
                     more = min(more + 1, len(out) - pos - m - 1)
             if draft:
@@ -138,8 +140,14 @@ def replay(rows: list[dict], make, siblings: tuple[float, int] | None = None) ->
             drafter.accept(seq, m)
         drafter.finish(seq)
         tokens += len(out)
-    return {"drafting_steps": drafts, "tree_nodes": tree_nodes, "mal": 1 + accepted / max(drafts, 1), "tokens_per_step": tokens / steps,
-            "tokens_per_cost": tokens / cost, "corrections_on_a_sibling": landed}
+    return {
+        "drafting_steps": drafts,
+        "tree_nodes": tree_nodes,
+        "mal": 1 + accepted / max(drafts, 1),
+        "tokens_per_step": tokens / steps,
+        "tokens_per_cost": tokens / cost,
+        "corrections_on_a_sibling": landed,
+    }
 
 
 def digit_wildcards(tokenizer) -> None:
@@ -195,17 +203,22 @@ def main() -> None:
     ap.add_argument("mode", choices=["record", "replay"])
     ap.add_argument("trace", type=Path)
     ap.add_argument("-n", type=int, default=160, help="record: tokens per problem")
-    ap.add_argument("--slope", type=float, default=SLOPE, help="replay: a drafted token's (a tree node's) share of a step's cost")
+    ap.add_argument(
+        "--slope", type=float, default=SLOPE, help="replay: a drafted token's (a tree node's) share of a step's cost"
+    )
     args = ap.parse_args()
     globals()["SLOPE"] = args.slope
     if args.mode == "record":
         return record(args.trace, args.n)
     rows = json.loads(args.trace.read_text())
     suffix = lambda: S.SuffixDrafter(VOCAB, torch.device("cpu"), sampled=False)  # noqa: E731
-    runs = [("ngram", lambda: replay(rows, lambda: NgramDrafter(VOCAB, torch.device("cpu")))),
-            ("suffix", lambda: replay(rows, suffix))]
+    runs = [
+        ("ngram", lambda: replay(rows, lambda: NgramDrafter(VOCAB, torch.device("cpu")))),
+        ("suffix", lambda: replay(rows, suffix)),
+    ]
     for name, values in (("EVIDENCE", (0.5, 2.0)), ("MAX_SCAN", (64, 1024)), ("MAX_MATCH", (8, 32))):
         for v in values:
+
             def run(name=name, v=v):
                 old = getattr(T, name)
                 setattr(T, name, v)
@@ -213,18 +226,25 @@ def main() -> None:
                     return replay(rows, suffix)
                 finally:
                     setattr(T, name, old)
+
             runs.append((f"suffix {name}={v}", run))
     for v in (0.05, 0.2, 0.3):
+
         def run(v=v):
             S.MIN_PROB = v
             try:
                 return replay(rows, suffix)
             finally:
                 S.MIN_PROB = 0.1
+
         runs.append((f"suffix MIN_PROB={v}", run))
     for sib, depth in ((0.0, K), (0.05, 4), (0.1, 2), (0.1, 0), (0.2, 0)):
-        runs.append((f"suffix tree: siblings >= {sib}, {depth} deep",
-                     lambda sib=sib, depth=depth: replay(rows, suffix, siblings=(sib, depth))))
+        runs.append(
+            (
+                f"suffix tree: siblings >= {sib}, {depth} deep",
+                lambda sib=sib, depth=depth: replay(rows, suffix, siblings=(sib, depth)),
+            )
+        )
     for name, run in runs:
         print(json.dumps({"drafter": name, **{k: round(v, 4) for k, v in run().items()}}), flush=True)
     from transformers import AutoTokenizer

@@ -6,6 +6,7 @@ verifier, the built-in eval problems interleaved problem by problem, each row it
     python benchmarks/suffix_sizing.py --limit 12 -n 128                  # Cactus delta 1
     python benchmarks/suffix_sizing.py --limit 12 -n 128 --rule sps
 """
+
 import argparse
 import dataclasses
 import json
@@ -24,7 +25,11 @@ ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--limit", type=int, default=8)
 ap.add_argument("-n", type=int, default=96)
 ap.add_argument("--rule", default="cactus")
-ap.add_argument("--rows", default="est,pos,ngram", help="est: sized by the estimates; pos: by position; long: est with longer paths; ngram: lookup")
+ap.add_argument(
+    "--rows",
+    default="est,pos,ngram",
+    help="est: sized by the estimates; pos: by position; long: est with longer paths; ngram: lookup",
+)
 args = ap.parse_args()
 settings = resolve_settings(None, {"draft": "suffix", "max_tokens": args.n, "num_draft_tokens": "auto"})
 pair = runtime.load_engine(settings).pair
@@ -44,14 +49,31 @@ stats = {r: SpecStats() for r in rows}
 t0 = time.time()
 for i, (_, ids) in enumerate(tasks):
     for r in rows:
-        params = dataclasses.replace(base, rule=args.rule, rule_kwargs=kw, seed=i,
-                                     num_draft_tokens=16 if r == "long" else base.num_draft_tokens)
+        params = dataclasses.replace(
+            base, rule=args.rule, rule_kwargs=kw, seed=i, num_draft_tokens=16 if r == "long" else base.num_draft_tokens
+        )
         one = SpecStats()
         for ev in engines[r].steps(ids, params):
             one.update(ev)
         stats[r].merge(one)
-    print(i, f"{time.time()-t0:.0f}s", {r: round(stats[r].tokens_per_second, 2) for r in rows}, file=sys.stderr, flush=True)
+    print(
+        i,
+        f"{time.time() - t0:.0f}s",
+        {r: round(stats[r].tokens_per_second, 2) for r in rows},
+        file=sys.stderr,
+        flush=True,
+    )
 for r, st in stats.items():
-    print(json.dumps({"row": r, "tokens": st.num_output_tokens, "acceptance": st.draft_acceptance_rate,
-                      "mal": st.mean_acceptance_length, "tps": st.tokens_per_second, "mean_k": st.mean_k,
-                      "tok_per_pass": st.num_output_tokens / max(st.verifier_forward_passes, 1)}))
+    print(
+        json.dumps(
+            {
+                "row": r,
+                "tokens": st.num_output_tokens,
+                "acceptance": st.draft_acceptance_rate,
+                "mal": st.mean_acceptance_length,
+                "tps": st.tokens_per_second,
+                "mean_k": st.mean_k,
+                "tok_per_pass": st.num_output_tokens / max(st.verifier_forward_passes, 1),
+            }
+        )
+    )

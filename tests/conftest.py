@@ -38,8 +38,9 @@ def make_tokenizer(folder: Path, extra_words: tuple[str, ...] = (), chat_templat
     return fast
 
 
-def make_model(folder: Path, family: str, seed: int, vocab: int, layers: int = 2, max_pos: int = 512,
-               noise: float = 0.0) -> Path:
+def make_model(
+    folder: Path, family: str, seed: int, vocab: int, layers: int = 2, max_pos: int = 512, noise: float = 0.0
+) -> Path:
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -85,8 +86,11 @@ def tiny(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")
     out = {}
     vocab = len(SPECIALS) + len(WORDS)
-    for name, family, seed, rows in (("verifier", "llama", 0, vocab), ("draft", "qwen2", 1, vocab),
-                                     ("draft_padded", "qwen2", 2, vocab + 12)):
+    for name, family, seed, rows in (
+        ("verifier", "llama", 0, vocab),
+        ("draft", "qwen2", 1, vocab),
+        ("draft_padded", "qwen2", 2, vocab + 12),
+    ):
         folder = root / name
         make_model(folder, family, seed, rows)
         make_tokenizer(folder)

@@ -10,8 +10,26 @@ from pathlib import Path
 import numpy as np
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = ["t h", "th e", "Ġ t", "Ġt h", "Ġth e", "a t", "Ġ c", "Ġc at", "Ġ s", "Ġs at", "o n", "Ġ on", "Ġ m",
-          "Ġm at", "a n", "an d", "Ġ an", "Ġan d"]
+MERGES = [
+    "t h",
+    "th e",
+    "Ġ t",
+    "Ġt h",
+    "Ġth e",
+    "a t",
+    "Ġ c",
+    "Ġc at",
+    "Ġ s",
+    "Ġs at",
+    "o n",
+    "Ġ on",
+    "Ġ m",
+    "Ġm at",
+    "a n",
+    "an d",
+    "Ġ an",
+    "Ġan d",
+]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -41,8 +59,15 @@ def vocabulary() -> tuple[list[str], list[int]]:
     return tokens + SPECIALS, types
 
 
-def write_tiny_gguf(path: Path, seed: int = 0, noise: float = 0.0, context: int = 512, layers: int = 2,
-                    architecture: str = "qwen2", dtype=np.float32) -> Path:
+def write_tiny_gguf(
+    path: Path,
+    seed: int = 0,
+    noise: float = 0.0,
+    context: int = 512,
+    layers: int = 2,
+    architecture: str = "qwen2",
+    dtype=np.float32,
+) -> Path:
     """A tiny Qwen2 GGUF. ``noise`` perturbs the same weights (a draft that agrees often);
     ``architecture`` other than qwen2 writes a file llama.cpp does not know."""
     import gguf

@@ -54,8 +54,20 @@ def one_line_error(r, needle: str, code: int = 2) -> None:
 
 
 def tiny_args(tiny, draft="draft_close"):
-    return ["--verifier", tiny["verifier"], "--draft", tiny[draft], "--device", "cpu", "--compile", "off",
-            "--dtype", "float32", "--quantize", "none"]
+    return [
+        "--verifier",
+        tiny["verifier"],
+        "--draft",
+        tiny[draft],
+        "--device",
+        "cpu",
+        "--compile",
+        "off",
+        "--dtype",
+        "float32",
+        "--quantize",
+        "none",
+    ]
 
 
 def quantize_tiny(tiny, **kwargs):
@@ -71,13 +83,24 @@ def write_costs(path: Path, costs: dict, acceptance: dict) -> None:
 
 
 def cactus_run(args, env=None, timeout=120, **kw):
-    return subprocess.run([sys.executable, "-m", "cactus_cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})), **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "cactus_cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})),
+        **kw,
+    )
 
 
-ALIAS_BOMB = "\n".join(["a: &a [x, x, x, x, x, x, x, x, x]"] + [
-    f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
-    f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]" for i in range(8)])
+ALIAS_BOMB = "\n".join(
+    ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    + [
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
+        f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]"
+        for i in range(8)
+    ]
+)
 
 
 def wait_for(predicate, seconds: float) -> bool:
@@ -103,4 +126,3 @@ def listening_addresses(pid: int) -> list[str]:
             if c.status == psutil.CONN_LISTEN:
                 out.append(c.laddr.ip)
     return out
-

@@ -190,7 +190,9 @@ def _full_div(div: str, h: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 def test_cactus_exact_never_exceeds_the_budget_and_uses_all_of_it(divergence):
     # dense grid: 400 values of q_n from 1e-6 to 1 - 1e-6, 25 budgets from 1e-4 to 3
-    x = torch.cat([torch.logspace(-6, -0.31, 200, dtype=torch.float64), 1 - torch.logspace(-6, -0.31, 200, dtype=torch.float64)])
+    x = torch.cat(
+        [torch.logspace(-6, -0.31, 200, dtype=torch.float64), 1 - torch.logspace(-6, -0.31, 200, dtype=torch.float64)]
+    )
     deltas = torch.logspace(-4, math.log10(3.0), 25, dtype=torch.float64)
     for delta in deltas.tolist():
         # one [V = 3] verifier row per x: q = (x, (1-x)/2, (1-x)/2), drafted token 0
@@ -344,9 +346,9 @@ def degenerate_case(draw):
     p = torch.stack([dist(k) for _ in range(B)])  # [B, k, V]
     q = torch.stack([dist(k + 1) for _ in range(B)])  # [B, k+1, V]
     # drafted tokens usually from p, sometimes arbitrary (p_n = 0 must be safe too)
-    draft = torch.tensor(
-        [[draw(st.integers(0, V - 1)) for _ in range(k)] for _ in range(B)], dtype=torch.int64
-    ).view(B, k)
+    draft = torch.tensor([[draw(st.integers(0, V - 1)) for _ in range(k)] for _ in range(B)], dtype=torch.int64).view(
+        B, k
+    )
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]))
     return p.to(dtype), q.to(dtype), draft, draw(st.integers(0, 2**31 - 1))
 

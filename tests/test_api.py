@@ -10,8 +10,16 @@ from cactus_cli.core.errors import ConfigError
 
 
 def load(tiny, **kw):
-    return Session.load(None, verifier=tiny["verifier"], draft=tiny["draft_close"], device="cpu", dtype="float32",
-                        quantize="none", compile="off", **kw)
+    return Session.load(
+        None,
+        verifier=tiny["verifier"],
+        draft=tiny["draft_close"],
+        device="cpu",
+        dtype="float32",
+        quantize="none",
+        compile="off",
+        **kw,
+    )
 
 
 def test_generate_yields_the_engines_step_events_and_counts_them(tiny):

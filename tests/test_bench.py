@@ -31,8 +31,21 @@ runner = CliRunner()
 
 
 def bench(tiny, *args, draft="draft_close"):
-    base = ["bench", "--verifier", tiny["verifier"], "--draft", tiny[draft], "--device", "cpu", "--dtype", "float32",
-            "--limit", "2", "-n", "8"]
+    base = [
+        "bench",
+        "--verifier",
+        tiny["verifier"],
+        "--draft",
+        tiny[draft],
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--limit",
+        "2",
+        "-n",
+        "8",
+    ]
     return runner.invoke(app, base + [str(a) for a in args])
 
 
@@ -46,15 +59,32 @@ def test_json_schema_and_baseline_row(tiny):
     assert len(doc["prompts"]) == 2
     rows = doc["results"]
     assert [r["config"] for r in rows] == [
-        "verifier alone", "sps k=2", "sps k=3", "cactus δ=0.5 k=2", "cactus δ=0.5 k=3", "cactus δ=1 k=2",
-        "cactus δ=1 k=3", "tas k=2", "tas k=3"]
+        "verifier alone",
+        "sps k=2",
+        "sps k=3",
+        "cactus δ=0.5 k=2",
+        "cactus δ=0.5 k=3",
+        "cactus δ=1 k=2",
+        "cactus δ=1 k=3",
+        "tas k=2",
+        "tas k=3",
+    ]
     base = rows[0]
     assert base["kind"] == "autoregressive" and base["speedup"] == 1.0 and base["draft_acceptance_rate"] is None
     assert base["verifier_forward_passes_per_token"] > 1.0 - 1e-9  # one pass per token (+ prefill)
     for row in rows[1:]:
-        for key in ("mean_accepted_tokens_per_step", "mean_acceptance_length", "draft_acceptance_rate",
-                    "acceptance_histogram", "per_position_acceptance_rate", "tokens_per_second",
-                    "ms_per_output_token", "speedup", "verifier_forward_passes_per_token", "by_category"):
+        for key in (
+            "mean_accepted_tokens_per_step",
+            "mean_acceptance_length",
+            "draft_acceptance_rate",
+            "acceptance_histogram",
+            "per_position_acceptance_rate",
+            "tokens_per_second",
+            "ms_per_output_token",
+            "speedup",
+            "verifier_forward_passes_per_token",
+            "by_category",
+        ):
             assert row[key] is not None, key
         assert row["mean_acceptance_length"] == pytest.approx(1 + row["mean_accepted_tokens_per_step"])
         assert len(row["acceptance_histogram"]) == row["k"] + 1
@@ -186,10 +216,29 @@ def test_a_failed_write_after_the_run_keeps_the_printed_results(tiny, tmp_path, 
 
 def test_sigterm_keeps_finished_rows(tiny, tmp_path, isolated_home):
     out, csv = tmp_path / "o", tmp_path / "rows.csv"
-    proc = subprocess.Popen([sys.executable, "-m", "cactus_cli", "bench", *tiny_args(tiny), "--rules", "sps",
-                             "-k", "4", "-n", "400", "--out", str(out), "--csv", str(csv)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cactus_cli",
+            "bench",
+            *tiny_args(tiny),
+            "--rules",
+            "sps",
+            "-k",
+            "4",
+            "-n",
+            "400",
+            "--out",
+            str(out),
+            "--csv",
+            str(csv),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
     try:
         assert wait_for(decoding(isolated_home), 240), "the bench never started decoding"
         time.sleep(8)  # past the warm-up: the first prompts of 8 x 400 tokens are done

@@ -20,8 +20,25 @@ runner = CliRunner()
 
 
 def calibrate(tiny, *args):
-    base = ["calibrate", "--verifier", tiny["verifier"], "--draft", tiny["draft_close"], "--device", "cpu",
-            "--dtype", "float32", "--limit", "2", "-n", "12", "--delta", "0.5,1", "-k", "1,2,3"]
+    base = [
+        "calibrate",
+        "--verifier",
+        tiny["verifier"],
+        "--draft",
+        tiny["draft_close"],
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--limit",
+        "2",
+        "-n",
+        "12",
+        "--delta",
+        "0.5,1",
+        "-k",
+        "1,2,3",
+    ]
     return runner.invoke(app, base + [str(a) for a in args])
 
 
@@ -52,7 +69,9 @@ def test_calibrate_writes_a_profile_that_generate_uses(tiny, isolated_home, tmp_
 
 def test_tight_budget_keeps_sps_and_save_keeps_other_keys(tiny, tmp_path):
     target = tmp_path / "mine.yaml"
-    target.write_text(f"description: my pair\nverifier: {tiny['verifier']}\ndraft: {tiny['draft_close']}\nmax_tokens: 7\n")
+    target.write_text(
+        f"description: my pair\nverifier: {tiny['verifier']}\ndraft: {tiny['draft_close']}\nmax_tokens: 7\n"
+    )
     r = calibrate(tiny, "--max-divergence", "0", "--save", target)
     assert r.exit_code == 0, r.output
     data = yaml.safe_load(target.read_text())
@@ -111,14 +130,17 @@ def costs(verify: dict[int, float], draft: float):
     return cm
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--rule", "sps"], "calibrate tunes delta"),
-    (["--temperature", "0"], "calibrate needs sampling"),
-    (["--plot", "x.txt"], "give a .png path"),
-    (["--max-divergence", "-1"], "must be >= 0"),
-    (["--save", str(builtin_profile_dir() / "default.yaml")], "is a built-in profile"),
-    (["-k", "0"], "each value must be an integer in 1..64"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--rule", "sps"], "calibrate tunes delta"),
+        (["--temperature", "0"], "calibrate needs sampling"),
+        (["--plot", "x.txt"], "give a .png path"),
+        (["--max-divergence", "-1"], "must be >= 0"),
+        (["--save", str(builtin_profile_dir() / "default.yaml")], "is a built-in profile"),
+        (["-k", "0"], "each value must be an integer in 1..64"),
+    ],
+)
 def test_bad_inputs(tiny, args, needle):
     assert_one_line_error(calibrate(tiny, *args), needle)
 
@@ -131,24 +153,41 @@ def test_a_fixed_k_replaces_the_profiles_k_auto_bound(tiny, tmp_path):
     from cactus_cli.app.profiles import load_profile, resolve_settings
 
     target = tmp_path / "auto.yaml"
-    target.write_text(f"verifier: {tiny['verifier']}\ndraft: {tiny['draft_close']}\nnum_draft_tokens: auto\n"
-                      "max_draft_tokens: 6\n")
-    row = {"delta": 1.0, "acceptance_rate": 0.5, "per_token_acceptance": 0.5, "realized_kl_mean": 0.1,
-           "loglik_vs_sps": 0.0}
-    doc = {"rule": "cactus", "chosen": {"delta": 1.0, "num_draft_tokens": 2, "reason": "fastest"},
-           "delta_sweep": {"rows": [row]}, "prompts": [1], "constraints": {},
-           "k_sweep": {"rows": [{"k": 2, "tokens_per_second": 9.0}], "cost_ratio": 0.3,
-                       "verifier_alone_tokens_per_second": 7.0}}
+    target.write_text(
+        f"verifier: {tiny['verifier']}\ndraft: {tiny['draft_close']}\nnum_draft_tokens: auto\nmax_draft_tokens: 6\n"
+    )
+    row = {
+        "delta": 1.0,
+        "acceptance_rate": 0.5,
+        "per_token_acceptance": 0.5,
+        "realized_kl_mean": 0.1,
+        "loglik_vs_sps": 0.0,
+    }
+    doc = {
+        "rule": "cactus",
+        "chosen": {"delta": 1.0, "num_draft_tokens": 2, "reason": "fastest"},
+        "delta_sweep": {"rows": [row]},
+        "prompts": [1],
+        "constraints": {},
+        "k_sweep": {
+            "rows": [{"k": 2, "tokens_per_second": 9.0}],
+            "cost_ratio": 0.3,
+            "verifier_alone_tokens_per_second": 7.0,
+        },
+    }
     save_profile(target, None, resolve_settings(str(target), {}), doc)
     data, _ = load_profile(str(target))  # loads: no error
     assert data["num_draft_tokens"] == 2 and "max_draft_tokens" not in data
 
 
-@pytest.mark.parametrize("where,needle", [
-    ("dir", "is a directory"),
-    ("missing", "does not exist"),
-    ("/proc/cactus-test.yaml", "cannot write in /proc"),
-])
+@pytest.mark.parametrize(
+    "where,needle",
+    [
+        ("dir", "is a directory"),
+        ("missing", "does not exist"),
+        ("/proc/cactus-test.yaml", "cannot write in /proc"),
+    ],
+)
 def test_calibrate_save_to_a_bad_place_fails_before_the_run(tiny, tmp_path, where, needle):
     target = {"dir": tmp_path, "missing": tmp_path / "no" / "such" / "x.yaml"}.get(where, where)
     r = invoke(*calibrate_args(tiny), "--save", target)
@@ -156,10 +195,13 @@ def test_calibrate_save_to_a_bad_place_fails_before_the_run(tiny, tmp_path, wher
     assert not (tmp_path / "no").exists()
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--delta", "0.5,nan"], "--delta: each value must be a number in 0..1e+06"),
-    (["--rule", "sps"], "calibrate tunes delta"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--delta", "0.5,nan"], "--delta: each value must be a number in 0..1e+06"),
+        (["--rule", "sps"], "calibrate tunes delta"),
+    ],
+)
 def test_calibrate_validates_before_loading(tmp_path, args, needle):
     r = invoke("calibrate", "--verifier", tmp_path / "missing", "--draft", tmp_path / "missing2", *args)
     assert_one_line_error(r, needle)

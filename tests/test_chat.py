@@ -20,17 +20,49 @@ runner = CliRunner()
 
 
 def chat(tiny, script: str, *extra, draft="draft_close"):
-    args = ["chat", "--verifier", tiny["verifier"], "--draft", tiny[draft], "--device", "cpu", "--dtype", "float32",
-            "-n", "10", "--seed", "1", *[str(e) for e in extra]]
+    args = [
+        "chat",
+        "--verifier",
+        tiny["verifier"],
+        "--draft",
+        tiny[draft],
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "-n",
+        "10",
+        "--seed",
+        "1",
+        *[str(e) for e in extra],
+    ]
     return runner.invoke(app, args, input=script)
 
 
 def test_multi_turn_and_every_slash_command(tiny, tmp_path):
     md, js = tmp_path / "t.md", tmp_path / "t.json"
-    script = "\n".join([
-        "/help", "the cat sat", "/set k=2", "/set temperature=0", "/set", "the dog ran", "/stats",
-        f"/save {md}", f"/save {js}", "/reset", "one two", "/profile default", "/nonsense", "/exit", "never read",
-    ]) + "\n"
+    script = (
+        "\n".join(
+            [
+                "/help",
+                "the cat sat",
+                "/set k=2",
+                "/set temperature=0",
+                "/set",
+                "the dog ran",
+                "/stats",
+                f"/save {md}",
+                f"/save {js}",
+                "/reset",
+                "one two",
+                "/profile default",
+                "/nonsense",
+                "/exit",
+                "never read",
+            ]
+        )
+        + "\n"
+    )
     r = chat(tiny, script)
     assert r.exit_code == 0, r.output
     out = r.output
@@ -47,15 +79,18 @@ def test_multi_turn_and_every_slash_command(tiny, tmp_path):
     assert "never read" not in out
 
 
-@pytest.mark.parametrize("line,needle", [
-    ("/set k=0", "/set k: must be an integer in 1..64"),
-    ("/set delta=-1", "/set delta: must be a number in 0..1e+06"),
-    ("/set rule=magic", "/set rule: must be one of"),
-    ("/set top_p=2", "/set top_p: must be a number in (0, 1]"),
-    ("/set colour=red", "/set expects KEY=VALUE"),
-    ("/save", "/save needs a path"),
-    ("/profile nope", "unknown profile 'nope'"),
-])
+@pytest.mark.parametrize(
+    "line,needle",
+    [
+        ("/set k=0", "/set k: must be an integer in 1..64"),
+        ("/set delta=-1", "/set delta: must be a number in 0..1e+06"),
+        ("/set rule=magic", "/set rule: must be one of"),
+        ("/set top_p=2", "/set top_p: must be a number in (0, 1]"),
+        ("/set colour=red", "/set expects KEY=VALUE"),
+        ("/save", "/save needs a path"),
+        ("/profile nope", "unknown profile 'nope'"),
+    ],
+)
 def test_invalid_commands_explain_and_the_session_goes_on(tiny, line, needle):
     r = chat(tiny, f"{line}\nthe cat sat\n/stats\n")
     assert r.exit_code == 0, r.output
@@ -98,8 +133,10 @@ def test_cache_reuse_gives_the_same_reply_as_a_fresh_prefill(tiny):
     engine = SpeculativeEngine(pair)
     msgs = [{"role": "user", "content": "the cat sat"}]
     first = [t for ev in engine.generate(encode(pair.tokenizer, msgs, None), params) for t in ev.emitted]
-    msgs += [{"role": "assistant", "content": pair.tokenizer.decode(first, skip_special_tokens=True)},
-             {"role": "user", "content": "the dog ran"}]
+    msgs += [
+        {"role": "assistant", "content": pair.tokenizer.decode(first, skip_special_tokens=True)},
+        {"role": "user", "content": "the dog ran"},
+    ]
     ids2 = encode(pair.tokenizer, msgs, None)
     reused = [t for ev in engine.generate(ids2, params, reuse_cache=True) for t in ev.emitted]
     assert engine.cache_lengths()["verifier"] == engine.cache_lengths()["sequence"] - 1
@@ -159,8 +196,22 @@ def test_context_overflow_explains_and_suggests_reset(tiny):
 
 
 def test_piped_subprocess(tiny):
-    cmd = [sys.executable, "-m", "cactus_cli", "chat", "--verifier", tiny["verifier"], "--draft", tiny["draft"],
-           "--device", "cpu", "-n", "6", "--seed", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cactus_cli",
+        "chat",
+        "--verifier",
+        tiny["verifier"],
+        "--draft",
+        tiny["draft"],
+        "--device",
+        "cpu",
+        "-n",
+        "6",
+        "--seed",
+        "3",
+    ]
     proc = subprocess.run(cmd, input="hi\n/stats\n/exit\n", capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -168,11 +219,14 @@ def test_piped_subprocess(tiny):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("script,turns", [
-    ('"""\nline one\nline two\n', ["line one\nline two"]),
-    ("first \\\nsecond \\\n", ["first \nsecond "]),
-    ("hello\n\"\"\"\n", ["hello"]),  # an empty unterminated block adds nothing
-])
+@pytest.mark.parametrize(
+    "script,turns",
+    [
+        ('"""\nline one\nline two\n', ["line one\nline two"]),
+        ("first \\\nsecond \\\n", ["first \nsecond "]),
+        ('hello\n"""\n', ["hello"]),  # an empty unterminated block adds nothing
+    ],
+)
 def test_chat_input_cut_off_at_the_end_keeps_the_turn(monkeypatch, script, turns):
     import io
 

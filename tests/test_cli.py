@@ -23,8 +23,23 @@ def test_version_and_help():
     out = invoke("--help").output
     assert "generate" in out and "profiles" in out
     gen_help = invoke("generate", "--help").output
-    for flag in ("--profile", "--verifier", "--draft", "--rule", "--delta", "--num-draft-tokens", "--temperature",
-                 "--top-k", "--top-p", "--max-tokens", "--seed", "--device", "--dtype", "--chat-template", "--json"):
+    for flag in (
+        "--profile",
+        "--verifier",
+        "--draft",
+        "--rule",
+        "--delta",
+        "--num-draft-tokens",
+        "--temperature",
+        "--top-k",
+        "--top-p",
+        "--max-tokens",
+        "--seed",
+        "--device",
+        "--dtype",
+        "--chat-template",
+        "--json",
+    ):
         assert flag in gen_help, flag
 
 
@@ -34,25 +49,61 @@ def test_help_does_not_import_torch():
 
 
 def test_generate_json(tiny):
-    r = invoke("generate", "the cat sat", *pair_args(tiny, "draft_close"), "-n", 12, "--seed", 3, "-k", 3,
-               "--rule", "cactus", "--delta", 0.5, "--json")
+    r = invoke(
+        "generate",
+        "the cat sat",
+        *pair_args(tiny, "draft_close"),
+        "-n",
+        12,
+        "--seed",
+        3,
+        "-k",
+        3,
+        "--rule",
+        "cactus",
+        "--delta",
+        0.5,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
     assert doc["settings"]["rule"] == "cactus" and doc["settings"]["delta"] == 0.5
     assert doc["settings"]["num_draft_tokens"] == 3 and doc["settings"]["seed"] == 3
     stats = doc["stats"]
     assert stats["num_output_tokens"] == 12 or stats["finish_reason"] in ("eos", "stop")
-    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "draft_acceptance_rate",
-                "mean_acceptance_length", "acceptance_histogram", "per_position_acceptance_rate",
-                "tokens_per_second", "verifier_forward_passes", "draft_forward_passes", "time_to_first_token"):
+    for key in (
+        "num_drafts",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "draft_acceptance_rate",
+        "mean_acceptance_length",
+        "acceptance_histogram",
+        "per_position_acceptance_rate",
+        "tokens_per_second",
+        "verifier_forward_passes",
+        "draft_forward_passes",
+        "time_to_first_token",
+    ):
         assert key in stats, key
     assert len(stats["acceptance_histogram"]) == 4
     assert isinstance(doc["text"], str) and doc["text"]
 
 
 def test_generate_auto_k_reports_the_cost_model(tiny):
-    r = invoke("generate", "the cat sat", *pair_args(tiny, "draft_close"), "-n", 12, "--seed", 3, "-k", "auto",
-               "--max-draft-tokens", 5, "--json")
+    r = invoke(
+        "generate",
+        "the cat sat",
+        *pair_args(tiny, "draft_close"),
+        "-n",
+        12,
+        "--seed",
+        3,
+        "-k",
+        "auto",
+        "--max-draft-tokens",
+        5,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
     assert doc["settings"]["num_draft_tokens"] == "auto" and doc["settings"]["max_draft_tokens"] == 5
@@ -74,18 +125,25 @@ def test_generate_plain_is_reproducible_and_reads_stdin(tiny):
 def test_profile_precedence(tiny, tmp_path):
     # defaults < profile < flags: the profile sets rule and k; a flag overrides k only
     profile = tmp_path / "mine.yaml"
-    profile.write_text(textwrap.dedent(f"""
-        verifier: {tiny['verifier']}
-        draft: {tiny['draft']}
+    profile.write_text(
+        textwrap.dedent(f"""
+        verifier: {tiny["verifier"]}
+        draft: {tiny["draft"]}
         rule: cactus-exact
         rule_params: {{divergence: chi2}}
         num_draft_tokens: 5
         max_tokens: 8
         dtype: float32
-    """))
+    """)
+    )
     doc = json.loads(invoke("generate", "hi", "--profile", profile, "-k", 2, "--json", "--seed", 1).output)
     s = doc["settings"]
-    assert (s["rule"], s["rule_params"], s["num_draft_tokens"], s["max_tokens"]) == ("cactus-exact", {"divergence": "chi2"}, 2, 8)
+    assert (s["rule"], s["rule_params"], s["num_draft_tokens"], s["max_tokens"]) == (
+        "cactus-exact",
+        {"divergence": "chi2"},
+        2,
+        8,
+    )
     assert s["temperature"] == 0.6  # built-in default, untouched by either
 
 
@@ -123,16 +181,25 @@ def test_bad_inputs_are_one_line_errors(tiny, extra, needle):
 
 def test_cross_vocab_flag_errors(tiny):
     # (a draft with another vocabulary drafts across vocabularies: tests/test_cross_vocab.py)
-    assert_one_line_error(invoke("generate", "hi", *pair_args(tiny), "--cross-vocab", "string"),
-                          "shares the verifier's vocabulary")
-    assert_one_line_error(invoke("generate", "hi", *pair_args(tiny, "odd_vocab"), "--cross-vocab", "letters"),
-                          "must be one of auto, string, intersection")
-    assert_one_line_error(invoke("generate", "hi", *pair_args(tiny, "odd_vocab"), "--cross-vocab", "string,intersection"),
-                          "got 'string,intersection' (a comma list is for bench and eval")
-    assert_one_line_error(invoke("generate", "hi", *pair_args(tiny), "--quantize", "w8a8,int4"),
-                          "got 'w8a8,int4' (a comma list is for bench and eval")
-    assert_one_line_error(invoke("generate", "hi", "--verifier", tiny["verifier"], "--draft", "none",
-                                 "--cross-vocab", "string"), "--cross-vocab applies to a draft model")
+    assert_one_line_error(
+        invoke("generate", "hi", *pair_args(tiny), "--cross-vocab", "string"), "shares the verifier's vocabulary"
+    )
+    assert_one_line_error(
+        invoke("generate", "hi", *pair_args(tiny, "odd_vocab"), "--cross-vocab", "letters"),
+        "must be one of auto, string, intersection",
+    )
+    assert_one_line_error(
+        invoke("generate", "hi", *pair_args(tiny, "odd_vocab"), "--cross-vocab", "string,intersection"),
+        "got 'string,intersection' (a comma list is for bench and eval",
+    )
+    assert_one_line_error(
+        invoke("generate", "hi", *pair_args(tiny), "--quantize", "w8a8,int4"),
+        "got 'w8a8,int4' (a comma list is for bench and eval",
+    )
+    assert_one_line_error(
+        invoke("generate", "hi", "--verifier", tiny["verifier"], "--draft", "none", "--cross-vocab", "string"),
+        "--cross-vocab applies to a draft model",
+    )
 
 
 def test_missing_model_one_line_error(tmp_path):
@@ -155,8 +222,11 @@ def test_empty_prompt_and_missing_template(tiny):
 
 
 def test_installed_entry_point_exits_2_without_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "cactus_cli", "generate", "hi", "--verifier", str(tmp_path / "x")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cactus_cli", "generate", "hi", "--verifier", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("error: ")
 
@@ -197,7 +267,9 @@ def test_non_utf8_stdin_argument_and_chat_line_are_replaced_with_one_warning(tin
 def test_non_utf8_files_are_errors_naming_file_and_line(tiny, tmp_path):
     profile = tmp_path / "bad.yaml"
     profile.write_bytes(b"rule: cactus\ndescription: caf\xe9\n")
-    assert_one_line_error(invoke("generate", "hi", "--profile", profile), f"{profile}:2:17: the profile is not valid UTF-8")
+    assert_one_line_error(
+        invoke("generate", "hi", "--profile", profile), f"{profile}:2:17: the profile is not valid UTF-8"
+    )
     prompts = tmp_path / "p.jsonl"
     prompts.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n')
     assert_one_line_error(invoke(*bench_args(tiny), "--prompts", prompts), f"{prompts}:2:")
@@ -215,14 +287,29 @@ def test_generate_dash_with_stdin_closed_or_empty(tiny):
 def test_clear_messages(tiny, tmp_path, monkeypatch):
     assert_one_line_error(invoke("generate", "hi", "--profile", tmp_path), "is a directory")
     assert_one_line_error(invoke(*bench_args(tiny), "--prompts", tmp_path), "is a directory; give a JSONL file")
-    assert_one_line_error(invoke("generate", "hi", *pair_args(tiny), "--param", "nonsense=1"),
-                          "--param has unknown parameter 'nonsense'")
+    assert_one_line_error(
+        invoke("generate", "hi", *pair_args(tiny), "--param", "nonsense=1"), "--param has unknown parameter 'nonsense'"
+    )
     empty = tmp_path / "empty_model"
     empty.mkdir()
     r = invoke("generate", "hi", "--verifier", empty, "--draft", "none", "--device", "cpu")
     assert_one_line_error(r, f"{empty} is a folder but not a model folder (it has no config.json)")
     long_prompt = tmp_path / "long.jsonl"
     long_prompt.write_text('{"prompt": "the cat"}\n{"id": "big", "prompt": "' + "the cat sat " * 10 + '"}\n')
-    r = invoke("bench", "--verifier", tiny["short_context"], "--draft", tiny["short_context"], "--device", "cpu",
-               "--prompts", long_prompt, "--no-chat-template", "-k", 2, "-n", 2)
+    r = invoke(
+        "bench",
+        "--verifier",
+        tiny["short_context"],
+        "--draft",
+        tiny["short_context"],
+        "--device",
+        "cpu",
+        "--prompts",
+        long_prompt,
+        "--no-chat-template",
+        "-k",
+        2,
+        "-n",
+        2,
+    )
     assert_one_line_error(r, f"{long_prompt}:2: prompt 'big' is")

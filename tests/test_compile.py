@@ -22,8 +22,10 @@ from cactus_cli.infer.runners.compiled import CompiledLM, compile_problem
 from cactus_cli.infer.runners.eager import CachedLM
 from tests.test_engine import GREEDY, hf_greedy, prompt_ids, run
 
-needs_compiler = pytest.mark.skipif(compile_problem(torch.device("cpu")) is not None,
-                                    reason=f"torch.compile cannot run here: {compile_problem(torch.device('cpu'))}")
+needs_compiler = pytest.mark.skipif(
+    compile_problem(torch.device("cpu")) is not None,
+    reason=f"torch.compile cannot run here: {compile_problem(torch.device('cpu'))}",
+)
 K_MAX = 8
 
 
@@ -42,8 +44,15 @@ def compiled(close_pair):
 
 
 def greedy(k, adaptive=False, n=40):
-    return GenerationParams(sampling=GREEDY, rule="cactus", rule_kwargs={"delta": 1.0}, num_draft_tokens=k,
-                            adaptive_k=adaptive, max_tokens=n, ignore_eos=True)
+    return GenerationParams(
+        sampling=GREEDY,
+        rule="cactus",
+        rule_kwargs={"delta": 1.0},
+        num_draft_tokens=k,
+        adaptive_k=adaptive,
+        max_tokens=n,
+        ignore_eos=True,
+    )
 
 
 @needs_compiler
@@ -103,8 +112,15 @@ def test_no_recompilation_after_warm_up(close_pair, compiled):
     from torch._dynamo.utils import counters
 
     ids = prompt_ids(close_pair)
-    sampled = GenerationParams(sampling=SamplingParams(0.8, 0, 1.0), rule="cactus", rule_kwargs={"delta": 0.5},
-                               num_draft_tokens=4, max_tokens=30, ignore_eos=True, seed=3)
+    sampled = GenerationParams(
+        sampling=SamplingParams(0.8, 0, 1.0),
+        rule="cactus",
+        rule_kwargs={"delta": 0.5},
+        num_draft_tokens=4,
+        max_tokens=30,
+        ignore_eos=True,
+        seed=3,
+    )
     run(compiled, ids, greedy(4))  # anything left to trace is traced here
     before = (dict(counters["stats"]), dict(counters["frames"]))
     for params in (greedy(1), greedy(4), greedy(K_MAX, True), sampled):
@@ -129,6 +145,7 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_line(close_pair, monkey
     def broken(*args, **kwargs):
         def step(*a, **k):
             raise RuntimeError("InductorError: no working C++ compiler\nlong traceback text")
+
         return step
 
     monkeypatch.setattr(torch, "compile", broken)
@@ -136,7 +153,10 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_line(close_pair, monkey
     lines = []
     engine.prepare(64, {5}, lines.append)
     assert not engine.compiled and isinstance(engine.verifier, CachedLM) and not isinstance(engine.verifier, CompiledLM)
-    assert engine.compile_note == "compiling failed (RuntimeError: InductorError: no working C++ compiler); running eagerly"
+    assert (
+        engine.compile_note
+        == "compiling failed (RuntimeError: InductorError: no working C++ compiler); running eagerly"
+    )
     assert lines[-1] == engine.compile_note
     ids = prompt_ids(close_pair)
     assert run(engine, ids, greedy(4))[0] == hf_greedy(close_pair, ids, 40)
@@ -159,9 +179,13 @@ def test_compile_auto_is_off_on_cpu_until_measured_faster(close_pair):
 def test_compile_on_without_a_compiler_warns_and_runs_eagerly(close_pair, monkeypatch):
     import cactus_cli.app.runtime as runtime
 
-    monkeypatch.setattr(runtime, "compile_problem", lambda device: "no C++ compiler (g++ or clang++) for torch.compile's CPU backend")
+    monkeypatch.setattr(
+        runtime, "compile_problem", lambda device: "no C++ compiler (g++ or clang++) for torch.compile's CPU backend"
+    )
     assert resolve_compile("on", close_pair) == (
-        False, "--compile on: no C++ compiler (g++ or clang++) for torch.compile's CPU backend; running eagerly")
+        False,
+        "--compile on: no C++ compiler (g++ or clang++) for torch.compile's CPU backend; running eagerly",
+    )
 
 
 # --------------------------------------------------------------------------- the CLI
@@ -175,25 +199,65 @@ def pair_args(tiny):
 
 @needs_compiler
 def test_generate_compile_on(tiny):
-    r = cli.invoke(app, ["generate", "the cat sat", *pair_args(tiny), "-k", "4", "-n", "12", "-t", "0",
-                         "--compile", "on", "--json"])
+    r = cli.invoke(
+        app,
+        ["generate", "the cat sat", *pair_args(tiny), "-k", "4", "-n", "12", "-t", "0", "--compile", "on", "--json"],
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["settings"]["compiled"] is True and doc["settings"]["compile_seconds"] > 0
-    off = json.loads(cli.invoke(app, ["generate", "the cat sat", *pair_args(tiny), "-k", "4", "-n", "12", "-t", "0",
-                                      "--compile", "off", "--json"]).stdout)
+    off = json.loads(
+        cli.invoke(
+            app,
+            [
+                "generate",
+                "the cat sat",
+                *pair_args(tiny),
+                "-k",
+                "4",
+                "-n",
+                "12",
+                "-t",
+                "0",
+                "--compile",
+                "off",
+                "--json",
+            ],
+        ).stdout
+    )
     assert off["settings"]["compiled"] is False and off["text"] == doc["text"]
 
 
 @needs_compiler
 def test_bench_times_eager_and_compiled_side_by_side(tiny):
-    r = cli.invoke(app, ["bench", *pair_args(tiny), "--compile", "off,on", "--rules", "sps", "-k", "2", "-t", "0",
-                         "--limit", "2", "-n", "8", "--json"])
+    r = cli.invoke(
+        app,
+        [
+            "bench",
+            *pair_args(tiny),
+            "--compile",
+            "off,on",
+            "--rules",
+            "sps",
+            "-k",
+            "2",
+            "-t",
+            "0",
+            "--limit",
+            "2",
+            "-n",
+            "8",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)["results"]
     assert [(row["config"], row["compiled"]) for row in rows] == [
-        ("verifier alone · eager", False), ("sps k=2 · eager", False),
-        ("verifier alone · compiled", True), ("sps k=2 · compiled", True)]
+        ("verifier alone · eager", False),
+        ("sps k=2 · eager", False),
+        ("verifier alone · compiled", True),
+        ("sps k=2 · compiled", True),
+    ]
     assert rows[1]["num_output_tokens"] == rows[3]["num_output_tokens"]
     assert rows[1]["acceptance_histogram"] == rows[3]["acceptance_histogram"]  # greedy: the same steps
 

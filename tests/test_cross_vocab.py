@@ -33,8 +33,9 @@ def word_tokenizer(folder, words):
     vocab = {w: i for i, w in enumerate(SPECIALS + list(words))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
     fast.save_pretrained(folder)
     return fast
 
@@ -46,10 +47,14 @@ def cross(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("cross") / "draft"
     words = list(WORDS[:-6]) + ["zebra", "yak", "ox"]
     random.Random(0).shuffle(words)
-    make_model(folder, "llama", 7, len(SPECIALS) + len(words))  # (a qwen2 config makes transformers swap in its own tokenizer class)
+    make_model(
+        folder, "llama", 7, len(SPECIALS) + len(words)
+    )  # (a qwen2 config makes transformers swap in its own tokenizer class)
     word_tokenizer(folder, words)
-    return {method: load_pair(tiny["verifier"], str(folder), None, "cpu", "float32", cross_vocab=method)
-            for method in ("string", "intersection")} | {"folder": str(folder)}
+    return {
+        method: load_pair(tiny["verifier"], str(folder), None, "cpu", "float32", cross_vocab=method)
+        for method in ("string", "intersection")
+    } | {"folder": str(folder)}
 
 
 def test_spellings_match_by_bytes_across_conventions():
@@ -66,7 +71,12 @@ def test_spellings_match_by_bytes_across_conventions():
     gpt2 = {"<eos>": 0, table[32] + "world": 1, "\u00e9".encode()[:1].decode("latin-1"): 2}
     sp = {"<eos>": 0, "\u2581world": 1, "<0x0A>": 2, "caf\u00e9": 3}
     assert spelling_scheme(Fake(gpt2, {"type": "ByteLevel"})) == "bytelevel"
-    assert spelling_scheme(Fake(sp, {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"}}]})) == "sentencepiece"
+    assert (
+        spelling_scheme(
+            Fake(sp, {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"}}]})
+        )
+        == "sentencepiece"
+    )
     g = token_bytes(Fake({"<eos>": 0, "\u0120world": 1, "\u00c3\u00a9": 2}, {"type": "ByteLevel"}))
     s = token_bytes(Fake(sp, {"type": "Metaspace"}))
     assert g[1] == s[1] == b" world"  # Ġworld and ▁world are the same text
@@ -92,8 +102,9 @@ def test_greedy_across_vocabularies_equals_the_verifier(cross, method, k):
     engine = SpeculativeEngine(pair)
     ids = pair.tokenizer(TEXT)["input_ids"]
     n = 30
-    params = GenerationParams(sampling=GREEDY, num_draft_tokens=8 if k == "auto" else k, adaptive_k=k == "auto",
-                              max_tokens=n, ignore_eos=True)
+    params = GenerationParams(
+        sampling=GREEDY, num_draft_tokens=8 if k == "auto" else k, adaptive_k=k == "auto", max_tokens=n, ignore_eos=True
+    )
     tokens, emitted, drafted = [], 0, 0
     drafter = engine.drafter
     for ev in engine.generate(ids, params):
@@ -131,8 +142,16 @@ def test_sps_across_vocabularies_reproduces_the_verifier_distribution(cross, met
 
 
 def realized_kl(pair, delta):
-    params = GenerationParams(sampling=SamplingParams(1.0, 0, 1.0), rule="cactus-exact", rule_kwargs={"delta": delta},
-                              num_draft_tokens=4, max_tokens=40, ignore_eos=True, measure=True, seed=3)
+    params = GenerationParams(
+        sampling=SamplingParams(1.0, 0, 1.0),
+        rule="cactus-exact",
+        rule_kwargs={"delta": delta},
+        num_draft_tokens=4,
+        max_tokens=40,
+        ignore_eos=True,
+        measure=True,
+        seed=3,
+    )
     _, stats, events = run(SpeculativeEngine(pair), pair.tokenizer(TEXT)["input_ids"], params)
     assert stats.num_draft_tokens > 0
     return [x for ev in events for x in ev.realized_kl]
@@ -206,8 +225,24 @@ def test_intersection_refuses_a_pair_that_shares_too_little(tiny, tmp_path):
 
 def test_cli_across_vocabularies(tiny, cross):
     runner = CliRunner()
-    args = ["--verifier", tiny["verifier"], "--draft", cross["folder"], "--device", "cpu", "--dtype", "float32",
-            "--no-chat-template", "-t", 0, "-n", 12, "-k", 3, "--json"]
+    args = [
+        "--verifier",
+        tiny["verifier"],
+        "--draft",
+        cross["folder"],
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--no-chat-template",
+        "-t",
+        0,
+        "-n",
+        12,
+        "-k",
+        3,
+        "--json",
+    ]
     for method in ("auto", "intersection"):
         r = runner.invoke(app, ["generate", TEXT, *args, "--cross-vocab", method])
         assert r.exit_code == 0, r.output
@@ -217,37 +252,131 @@ def test_cli_across_vocabularies(tiny, cross):
 
 
 def test_bench_compares_a_same_family_and_a_cross_family_draft_in_one_run(tiny, cross):
-    r = CliRunner().invoke(app, ["bench", "--verifier", tiny["verifier"], "--draft",
-                                 f"{tiny['draft_close']},{cross['folder']},suffix+{cross['folder']}", "--device", "cpu",
-                                 "--dtype", "float32", "--category", "grounded", "--limit", 1, "-n", 8, "--rules", "sps",
-                                 "-k", "2", "-t", 0, "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--verifier",
+            tiny["verifier"],
+            "--draft",
+            f"{tiny['draft_close']},{cross['folder']},suffix+{cross['folder']}",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--category",
+            "grounded",
+            "--limit",
+            1,
+            "-n",
+            8,
+            "--rules",
+            "sps",
+            "-k",
+            "2",
+            "-t",
+            0,
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)["results"]
     assert [row["draft"] for row in rows] == [None, tiny["draft_close"], cross["folder"], f"suffix+{cross['folder']}"]
     assert all(row["draft_sources"] for row in rows[1:])  # each drafted, in verifier tokens
     # --cross-vocab applies to the drafts of another vocabulary; the same-family one drafts as before
-    r = CliRunner().invoke(app, ["bench", "--verifier", tiny["verifier"], "--draft",
-                                 f"{tiny['draft_close']},{cross['folder']}", "--cross-vocab", "intersection",
-                                 "--device", "cpu", "--dtype", "float32", "--category", "grounded", "--limit", 1,
-                                 "-n", 8, "--rules", "sps", "-k", "2", "-t", 0, "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--verifier",
+            tiny["verifier"],
+            "--draft",
+            f"{tiny['draft_close']},{cross['folder']}",
+            "--cross-vocab",
+            "intersection",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--category",
+            "grounded",
+            "--limit",
+            1,
+            "-n",
+            8,
+            "--rules",
+            "sps",
+            "-k",
+            "2",
+            "-t",
+            0,
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert len(json.loads(r.stdout)["results"]) == 3  # (refused before: the same-family draft shares the vocabulary)
-    r = CliRunner().invoke(app, ["bench", "--verifier", tiny["verifier"], "--draft",
-                                 f"{tiny['draft_close']},{tiny['draft']}", "--cross-vocab", "string", "--device", "cpu",
-                                 "--dtype", "float32", "--limit", 1, "-n", 4, "--rules", "sps", "-k", "2"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--verifier",
+            tiny["verifier"],
+            "--draft",
+            f"{tiny['draft_close']},{tiny['draft']}",
+            "--cross-vocab",
+            "string",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--limit",
+            1,
+            "-n",
+            4,
+            "--rules",
+            "sps",
+            "-k",
+            "2",
+        ],
+    )
     assert r.exit_code != 0 and "every --draft model shares the verifier's vocabulary" in r.output
 
 
 def test_bench_times_each_cross_vocabulary_method_side_by_side(tiny, cross):
-    args = ["bench", "--verifier", tiny["verifier"], "--draft", f"{tiny['draft_close']},{cross['folder']}",
-            "--device", "cpu", "--dtype", "float32", "--category", "grounded", "--limit", 1, "-n", 8, "--rules", "sps",
-            "-k", "2", "-t", 0, "--json"]
+    args = [
+        "bench",
+        "--verifier",
+        tiny["verifier"],
+        "--draft",
+        f"{tiny['draft_close']},{cross['folder']}",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--category",
+        "grounded",
+        "--limit",
+        1,
+        "-n",
+        8,
+        "--rules",
+        "sps",
+        "-k",
+        "2",
+        "-t",
+        0,
+        "--json",
+    ]
     r = CliRunner().invoke(app, [*args, "--cross-vocab", "string,intersection"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     rows = doc["results"]
     assert [(row["draft"], row["cross_vocab"]) for row in rows] == [
-        (None, None), (tiny["draft_close"], None), (cross["folder"], "string"), (cross["folder"], "intersection")]
+        (None, None),
+        (tiny["draft_close"], None),
+        (cross["folder"], "string"),
+        (cross["folder"], "intersection"),
+    ]
     assert len({row["config"] for row in rows}) == 4  # the method is in the label
     # the settings name every method asked for, the environment every one that ran
     assert doc["settings"]["cross_vocab"] == doc["environment"]["cross_vocab"] == "string,intersection"
@@ -269,8 +398,13 @@ def byte_level_tokenizer(vocab_size=262):
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(["the cat sat on the mat"] * 50, vocab_size=vocab_size, min_frequency=2,
-                            special_tokens=["<eos>"], show_progress=False)
+    bpe.train_from_iterator(
+        ["the cat sat on the mat"] * 50,
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=["<eos>"],
+        show_progress=False,
+    )
     return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>")
 
 

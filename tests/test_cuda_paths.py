@@ -135,8 +135,14 @@ class _SyncCounter:
 @pytest.mark.parametrize("draft", ["model", "ngram+model"])
 def test_a_sampled_step_syncs_the_host_at_most_twice(pair, monkeypatch, draft):
     engine = SpeculativeEngine(pair, Lookup(NGRAM, 3, 1) if draft.startswith("ngram") else None)
-    params = GenerationParams(sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0), rule="cactus",
-                              rule_kwargs={"delta": 1.0}, num_draft_tokens=4, max_tokens=40, ignore_eos=True)
+    params = GenerationParams(
+        sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0),
+        rule="cactus",
+        rule_kwargs={"delta": 1.0},
+        num_draft_tokens=4,
+        max_tokens=40,
+        ignore_eos=True,
+    )
     gen = engine.generate(prompt_ids(pair) * 2, params)
     next(gen)  # the prefill is outside the count
     counter = _SyncCounter(monkeypatch)
@@ -191,8 +197,10 @@ def test_int4_shape_rule_on_cuda_needs_k_divisible_by_128():
 def test_int4_plan_keeps_layers_cuda_cannot_pack_in_int8_and_says_so(pair):
     model = pair.verifier.model  # hidden 64, intermediate 128: only down_proj (K = 128) fits CUDA's int4 packing
     plan = quantize.plan_layers(model, "int4", "cuda")
-    assert {name for name, kind in plan.items() if kind == "int4"} == {"model.layers.0.mlp.down_proj",
-                                                                       "model.layers.1.mlp.down_proj"}
+    assert {name for name, kind in plan.items() if kind == "int4"} == {
+        "model.layers.0.mlp.down_proj",
+        "model.layers.1.mlp.down_proj",
+    }
     assert quantize.plan_layers(model, "int4", "cpu")["model.layers.0.mlp.up_proj"] == "int4"
     text = quantize.describe_plan(plan, "int4", "cuda")
     assert f"{len(plan) - 2} in int8" in text and "CUDA" in text
@@ -311,8 +319,9 @@ def test_tp_names_its_gpu_placement(tiny, monkeypatch):
 def test_compiled_cuda_greedy_equals_eager_and_crops_outside_inference_mode(tiny):
     pair = load_pair(tiny["verifier"], tiny["draft_close"], None, "cuda", "float32")
     ids = prompt_ids(pair)
-    params = GenerationParams(sampling=SamplingParams(temperature=0.0), num_draft_tokens=4, max_tokens=24,
-                              ignore_eos=True)
+    params = GenerationParams(
+        sampling=SamplingParams(temperature=0.0), num_draft_tokens=4, max_tokens=24, ignore_eos=True
+    )
     eager = [t for ev in SpeculativeEngine(pair).generate(ids, params) for t in ev.emitted]
     engine = SpeculativeEngine(pair, compiled=True)
     engine.prepare(64, {5})

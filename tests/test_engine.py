@@ -25,8 +25,13 @@ def pairs(tiny):
     def load(draft):
         return load_pair(tiny["verifier"], tiny[draft] if draft else None, None, "cpu", "float32")
 
-    return {"disagree": load("draft"), "close": load("draft_close"), "padded": load("draft_padded"),
-            "self": load("verifier"), "alone": load(None)}
+    return {
+        "disagree": load("draft"),
+        "close": load("draft_close"),
+        "padded": load("draft_padded"),
+        "self": load("verifier"),
+        "alone": load(None),
+    }
 
 
 def prompt_ids(pair, text="the cat sat on the mat and then"):
@@ -43,9 +48,10 @@ def run(engine, ids, params):
 
 
 def hf_greedy(pair, ids, n):
-    out = pair.verifier.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                                       pad_token_id=3)
-    return out[0, len(ids):].tolist()
+    out = pair.verifier.model.generate(
+        torch.tensor([ids]), do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=3
+    )
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
@@ -54,8 +60,14 @@ def test_greedy_speculative_equals_verifier_generate(pairs, k, draft):
     pair = pairs[draft]
     ids = prompt_ids(pair)
     n = 40
-    params = GenerationParams(sampling=GREEDY, rule="cactus", rule_kwargs={"delta": 1.0},
-                              num_draft_tokens=k if pair.draft else 0, max_tokens=n, ignore_eos=True)
+    params = GenerationParams(
+        sampling=GREEDY,
+        rule="cactus",
+        rule_kwargs={"delta": 1.0},
+        num_draft_tokens=k if pair.draft else 0,
+        max_tokens=n,
+        ignore_eos=True,
+    )
     tokens, stats, _ = run(SpeculativeEngine(pair), ids, params)
     assert tokens == hf_greedy(pair, ids, n)
     assert stats.num_output_tokens == n
@@ -68,8 +80,9 @@ def test_draft_equal_to_verifier_accepts_every_draft(pairs):
     assert stats.draft_acceptance_rate == 1.0
     assert stats.mean_acceptance_length == 5.0
     # sampling: p and q agree up to float rounding, so acceptance is (almost surely) total
-    params = GenerationParams(sampling=SamplingParams(1.0, 0, 1.0), rule="sps", num_draft_tokens=4,
-                              max_tokens=41, ignore_eos=True, seed=5)
+    params = GenerationParams(
+        sampling=SamplingParams(1.0, 0, 1.0), rule="sps", num_draft_tokens=4, max_tokens=41, ignore_eos=True, seed=5
+    )
     _, stats, _ = run(SpeculativeEngine(pair), prompt_ids(pair), params)
     assert stats.draft_acceptance_rate >= 0.99
 
@@ -109,8 +122,15 @@ def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs
         monkeypatch.setattr(engine.auto_k, "choose", choose)
     samples, ks = [], set()
     for seed in range(1500):
-        params = GenerationParams(sampling=sp, rule="sps", num_draft_tokens=2, adaptive_k=adaptive,
-                                  max_tokens=3 if adaptive else 2, ignore_eos=True, seed=seed)
+        params = GenerationParams(
+            sampling=sp,
+            rule="sps",
+            num_draft_tokens=2,
+            adaptive_k=adaptive,
+            max_tokens=3 if adaptive else 2,
+            ignore_eos=True,
+            seed=seed,
+        )
         tokens, _, events = run(engine, ids, params)
         ks.update(ev.num_drafted for ev in events)
         samples.append(index[tuple(tokens[:2])])  # KeyError = a token the verifier cannot emit
@@ -135,8 +155,9 @@ def test_sps_compiled_emits_every_token_from_the_verifier_distribution(pairs):
     length, u, drafted = 30, [], set()
     uniform = torch.Generator().manual_seed(0)
     for seed in range(50):
-        params = GenerationParams(sampling=sp, rule="sps", num_draft_tokens=2, max_tokens=length, ignore_eos=True,
-                                  seed=seed)
+        params = GenerationParams(
+            sampling=sp, rule="sps", num_draft_tokens=2, max_tokens=length, ignore_eos=True, seed=seed
+        )
         tokens, _, events = run(engine, ids, params)
         drafted.update(len(ev.accepted) for ev in events if ev.num_drafted)
         with torch.no_grad():  # teacher-forced: q at every generated position, given the tokens before it
@@ -152,13 +173,23 @@ def test_sps_compiled_emits_every_token_from_the_verifier_distribution(pairs):
     assert_matches(bins, torch.full((10,), 0.1), false_failure_odds=1e-4)
 
 
-@pytest.mark.parametrize("draft,k,temperature", [("disagree", 3, 1.0), ("self", 4, 0.7), ("close", 4, 0.8), ("close", 3, 0.0), ("padded", 2, 0.0)])
+@pytest.mark.parametrize(
+    "draft,k,temperature",
+    [("disagree", 3, 1.0), ("self", 4, 0.7), ("close", 4, 0.8), ("close", 3, 0.0), ("padded", 2, 0.0)],
+)
 def test_caches_track_the_sequence_after_every_step(pairs, draft, k, temperature):
     pair = pairs[draft]
     engine = SpeculativeEngine(pair)
     ids = prompt_ids(pair)
-    params = GenerationParams(sampling=SamplingParams(temperature, 0, 1.0), rule="cactus", rule_kwargs={"delta": 0.5},
-                              num_draft_tokens=k, max_tokens=30, ignore_eos=True, seed=1)
+    params = GenerationParams(
+        sampling=SamplingParams(temperature, 0, 1.0),
+        rule="cactus",
+        rule_kwargs={"delta": 0.5},
+        num_draft_tokens=k,
+        max_tokens=30,
+        ignore_eos=True,
+        seed=1,
+    )
     emitted = 0
     for ev in engine.generate(ids, params):
         emitted += len(ev.emitted)
@@ -204,8 +235,9 @@ def test_context_limit(tiny):
     pair = load_pair(tiny["short_context"], tiny["draft"], None, "cpu", "float32")  # 16 positions
     engine = SpeculativeEngine(pair)
     ids = pair.tokenizer("the cat sat on the mat")["input_ids"]
-    tokens, stats, _ = run(engine, ids, GenerationParams(sampling=GREEDY, num_draft_tokens=4, max_tokens=100,
-                                                         ignore_eos=True))
+    tokens, stats, _ = run(
+        engine, ids, GenerationParams(sampling=GREEDY, num_draft_tokens=4, max_tokens=100, ignore_eos=True)
+    )
     assert stats.finish_reason == "context" and len(ids) + len(tokens) == 16
     with pytest.raises(ContextLimitError, match="context window is 16"):
         engine.generate(list(itertools.islice(itertools.cycle(ids), 16)), GenerationParams())
@@ -214,9 +246,15 @@ def test_context_limit(tiny):
 def test_same_seed_same_text(pairs):
     pair = pairs["disagree"]
     engine = SpeculativeEngine(pair)
-    params = GenerationParams(sampling=SamplingParams(1.0, 10, 0.9), rule="cactus-exact",
-                              rule_kwargs={"delta": 0.5, "divergence": "kl"}, num_draft_tokens=3, max_tokens=25,
-                              ignore_eos=True, seed=11)
+    params = GenerationParams(
+        sampling=SamplingParams(1.0, 10, 0.9),
+        rule="cactus-exact",
+        rule_kwargs={"delta": 0.5, "divergence": "kl"},
+        num_draft_tokens=3,
+        max_tokens=25,
+        ignore_eos=True,
+        seed=11,
+    )
     a, _, _ = run(engine, prompt_ids(pair), params)
     b, _, _ = run(engine, prompt_ids(pair), params)
     c, _, _ = run(engine, prompt_ids(pair), GenerationParams(**{**params.__dict__, "seed": 12}))
@@ -231,7 +269,9 @@ def test_another_vocabulary_drafts_across_vocabularies(tiny):
 def test_missing_models_are_clear_errors(tmp_path):
     with pytest.raises(ModelError, match="does not exist"):
         load_pair(str(tmp_path / "nope"), None, None, "cpu", "float32")
-    with pytest.raises(ModelError, match="no Hugging Face model someone/some-model-that-is-not-cached in the local cache"):
+    with pytest.raises(
+        ModelError, match="no Hugging Face model someone/some-model-that-is-not-cached in the local cache"
+    ):
         load_pair("someone/some-model-that-is-not-cached", None, None, "cpu", "float32")
 
 

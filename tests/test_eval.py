@@ -31,25 +31,38 @@ from cactus_cli.core.errors import ConfigError
 cli = CliRunner()
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("She has 5 + 3 = 8 apples.\n#### 8", "8"),
-    ("#### 1,234", "1,234"),
-    ("The total is $1,234.50.", "$1,234.50"),
-    ("It drops to -7 degrees.", "-7"),
-    ("so 12 x 3 = 36. The answer is 36.", "36"),
-    ("#### 42\nThen some chatter with 99 in it", "42"),
-    ("first #### 3 then #### 5", "5"),
-    ("no digits here", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("She has 5 + 3 = 8 apples.\n#### 8", "8"),
+        ("#### 1,234", "1,234"),
+        ("The total is $1,234.50.", "$1,234.50"),
+        ("It drops to -7 degrees.", "-7"),
+        ("so 12 x 3 = 36. The answer is 36.", "36"),
+        ("#### 42\nThen some chatter with 99 in it", "42"),
+        ("first #### 3 then #### 5", "5"),
+        ("no digits here", None),
+    ],
+)
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
 
-@pytest.mark.parametrize("given,answer,ok", [
-    ("$1,000", "1000", True), ("1000.", "1000", True), ("1,000.00", "1000", True), ("-3", "-3", True),
-    ("3", "-3", False), ("0.50", ".5", True), ("12%", "12", True), ("42 apples", "42", True),
-    ("The Mat.", "the mat", True), ("41", "42", False),
-])
+@pytest.mark.parametrize(
+    "given,answer,ok",
+    [
+        ("$1,000", "1000", True),
+        ("1000.", "1000", True),
+        ("1,000.00", "1000", True),
+        ("-3", "-3", True),
+        ("3", "-3", False),
+        ("0.50", ".5", True),
+        ("12%", "12", True),
+        ("42 apples", "42", True),
+        ("The Mat.", "the mat", True),
+        ("41", "42", False),
+    ],
+)
 def test_comparison_after_normalization(given, answer, ok):
     assert is_correct(Task("t", "c", "p", answer=answer), f"reasoning...\n#### {given}")[0] is ok
 
@@ -87,8 +100,18 @@ def test_builtin_tasks_have_checked_answers():
 
 
 def pair_args(tiny, draft="draft_close"):
-    return ["--verifier", tiny["verifier"], "--draft", tiny[draft], "--device", "cpu", "--dtype", "float32",
-            "--compile", "off"]
+    return [
+        "--verifier",
+        tiny["verifier"],
+        "--draft",
+        tiny[draft],
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--compile",
+        "off",
+    ]
 
 
 def test_eval_and_bench_share_one_grid_runner(tiny, monkeypatch):
@@ -100,19 +123,50 @@ def test_eval_and_bench_share_one_grid_runner(tiny, monkeypatch):
         return real(engines, grid, prompts, base, on_run, sink, grade, *rest)
 
     monkeypatch.setattr(bench_mod, "run_grid", record)
-    assert cli.invoke(app, ["bench", *pair_args(tiny), "--rules", "sps", "-k", "2", "--limit", "1", "-n", "4"]).exit_code == 0
-    assert cli.invoke(app, ["eval", *pair_args(tiny), "--rules", "sps", "-k", "2", "--limit", "1", "-n", "4"]).exit_code == 0
+    assert (
+        cli.invoke(app, ["bench", *pair_args(tiny), "--rules", "sps", "-k", "2", "--limit", "1", "-n", "4"]).exit_code
+        == 0
+    )
+    assert (
+        cli.invoke(app, ["eval", *pair_args(tiny), "--rules", "sps", "-k", "2", "--limit", "1", "-n", "4"]).exit_code
+        == 0
+    )
     assert calls == [False, True]
 
 
 def test_sps_with_the_verifier_as_draft_matches_the_verifier_alone(tiny, tmp_path):
     # greedy: identical answers, hence identical accuracy, problem by problem
     tasks = tmp_path / "tasks.jsonl"
-    rows = [{"prompt": p, "answer": a, "id": f"q{i}"} for i, (p, a) in enumerate(
-        [("one two three", "four"), ("the cat sat on the", "mat"), ("five six", "seven"), ("the sun and the", "moon")])]
+    rows = [
+        {"prompt": p, "answer": a, "id": f"q{i}"}
+        for i, (p, a) in enumerate(
+            [
+                ("one two three", "four"),
+                ("the cat sat on the", "mat"),
+                ("five six", "seven"),
+                ("the sun and the", "moon"),
+            ]
+        )
+    ]
     tasks.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    r = cli.invoke(app, ["eval", *pair_args(tiny, "verifier"), "--tasks", tasks, "--rules", "sps,cactus", "-k", "3",
-                         "-t", "0", "-n", "6", "--json"])
+    r = cli.invoke(
+        app,
+        [
+            "eval",
+            *pair_args(tiny, "verifier"),
+            "--tasks",
+            tasks,
+            "--rules",
+            "sps,cactus",
+            "-k",
+            "3",
+            "-t",
+            "0",
+            "-n",
+            "6",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)["results"]
     alone, sps, cactus = rows
@@ -124,8 +178,25 @@ def test_sps_with_the_verifier_as_draft_matches_the_verifier_alone(tiny, tmp_pat
 
 
 def test_eval_table_csv_and_out(tiny, tmp_path):
-    r = cli.invoke(app, ["eval", *pair_args(tiny), "--rules", "sps", "-k", "2", "--limit", "3", "-n", "4",
-                         "--csv", tmp_path / "e.csv", "--out", tmp_path / "o"])
+    r = cli.invoke(
+        app,
+        [
+            "eval",
+            *pair_args(tiny),
+            "--rules",
+            "sps",
+            "-k",
+            "2",
+            "--limit",
+            "3",
+            "-n",
+            "4",
+            "--csv",
+            tmp_path / "e.csv",
+            "--out",
+            tmp_path / "o",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "accuracy" in r.stdout and "95% interval" in r.stdout
     header = (tmp_path / "e.csv").read_text().splitlines()[0].split(",")
@@ -134,12 +205,15 @@ def test_eval_table_csv_and_out(tiny, tmp_path):
     assert [a["id"] for a in doc["results"][0]["answers"]] == doc["prompts"]
 
 
-@pytest.mark.parametrize("line,message", [
-    ('{"prompt": "hi"}', "each task needs an 'answer'"),
-    ('{"prompt": "hi", "answer": 3, "pattern": "no group"}', "'pattern' must be a regular expression with a group"),
-    ('{"prompt": "hi", "answer": 3, "pattern": "(unclosed"}', "'pattern' is not a valid regular expression"),
-    ('not json', "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"prompt": "hi"}', "each task needs an 'answer'"),
+        ('{"prompt": "hi", "answer": 3, "pattern": "no group"}', "'pattern' must be a regular expression with a group"),
+        ('{"prompt": "hi", "answer": 3, "pattern": "(unclosed"}', "'pattern' is not a valid regular expression"),
+        ("not json", "not valid JSON"),
+    ],
+)
 def test_bad_task_files_are_one_line_errors(tiny, tmp_path, line, message):
     f = tmp_path / "t.jsonl"
     f.write_text(line + "\n")
@@ -148,11 +222,14 @@ def test_bad_task_files_are_one_line_errors(tiny, tmp_path, line, message):
     assert r.stderr.startswith(f"error: {f}:1: ") and message in r.stderr and "Traceback" not in r.output
 
 
-@pytest.mark.parametrize("pattern,text,want", [
-    (r"answer:\s*(\d+)?", "answer: none", None),
-    (r"(\d+)|\S", "x 5 y", "5"),
-    (r"(\d+)|\S", "x y", None),
-])
+@pytest.mark.parametrize(
+    "pattern,text,want",
+    [
+        (r"answer:\s*(\d+)?", "answer: none", None),
+        (r"(\d+)|\S", "x 5 y", "5"),
+        (r"(\d+)|\S", "x y", None),
+    ],
+)
 def test_a_pattern_group_that_takes_no_part_is_no_answer(pattern, text, want):
     assert tasks.extract_answer(text, pattern) == want
 
@@ -163,9 +240,11 @@ def test_a_backtracking_pattern_gives_up_and_ctrl_c_still_works():
     assert time.monotonic() - t0 < tasks.PATTERN_SECONDS + 3
     # Ctrl-C as in a terminal: a suite started in the background (`pytest &`, nohup) hands its
     # children SIGINT ignored, and Python then never raises KeyboardInterrupt (what made this flaky)
-    code = ("import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
-            "from cactus_cli.app.tasks import extract_answer\nimport sys\nprint('ready', flush=True)\n"
-            "while True: extract_answer('x' * 40, r'((x|xx)+)+y(\\d)')")
+    code = (
+        "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "from cactus_cli.app.tasks import extract_answer\nimport sys\nprint('ready', flush=True)\n"
+        "while True: extract_answer('x' * 40, r'((x|xx)+)+y(\\d)')"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     time.sleep(0.5)
@@ -177,8 +256,15 @@ def test_a_backtracking_pattern_gives_up_and_ctrl_c_still_works():
     assert "KeyboardInterrupt" in proc.stderr.read()
 
 
-@pytest.mark.parametrize("answer,needle", [(float("nan"), "not a finite number"), (1e400, "not a finite number"),
-                                           ("  ", "is empty"), ("inf", "not a finite number")])
+@pytest.mark.parametrize(
+    "answer,needle",
+    [
+        (float("nan"), "not a finite number"),
+        (1e400, "not a finite number"),
+        ("  ", "is empty"),
+        ("inf", "not a finite number"),
+    ],
+)
 def test_task_answers_that_can_never_match(tmp_path, answer, needle):
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"prompt": "q", "answer": answer}) + "\n")

@@ -29,8 +29,14 @@ from cactus_cli.cli.main import app
 cli = CliRunner()
 GOOD = "def add(a, b):\n    return a + b\n"
 TEST = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
-TASK = Task("add", "code", "def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n", test=TEST, entry_point="add",
-            source="def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n")
+TASK = Task(
+    "add",
+    "code",
+    'def add(a, b):\n    """Add two numbers."""\n',
+    test=TEST,
+    entry_point="add",
+    source='def add(a, b):\n    """Add two numbers."""\n',
+)
 HOSTILE = {  # each one in the function the tests call (the grader keeps only a completion's definitions)
     "wrong": "def add(a, b):\n    return a - b\n",
     "crash": "def add(a, b):\n    raise RuntimeError('no')\n",
@@ -38,7 +44,7 @@ HOSTILE = {  # each one in the function the tests call (the grader keeps only a 
     "hang": "def add(a, b):\n    while True:\n        pass\n",
     "sleep": "def add(a, b):\n    import time\n    time.sleep(1000)\n",
     "fork bomb": "def add(a, b):\n    import os\n    while True:\n        try:\n            os.fork()\n        except OSError:\n"
-                 "            pass\n",
+    "            pass\n",
     "print forever": "def add(a, b):\n    while True:\n        print('spam' * 100)\n",
     "sys.exit(0)": "def add(a, b):\n    import sys\n    sys.exit(0)\n",
     "os._exit(0)": "def add(a, b):\n    import os\n    os._exit(0)\n",
@@ -66,8 +72,14 @@ def test_a_correct_solution_passes_and_hostile_ones_fail_within_their_limits(mon
 
 def test_the_sandbox_bounds_a_raw_program_too(monkeypatch):
     """The sandbox itself, on programs that misbehave at the top level (no sanitizing in front)."""
-    outcomes = sandbox.run_checks(["while True:\n    print('x' * 4096)\n", "import os\nwhile True:\n    os.fork()\n",
-                                   "import sys\nsys.exit(0)\n"], timeout=3)
+    outcomes = sandbox.run_checks(
+        [
+            "while True:\n    print('x' * 4096)\n",
+            "import os\nwhile True:\n    os.fork()\n",
+            "import sys\nsys.exit(0)\n",
+        ],
+        timeout=3,
+    )
     assert [o.status for o in outcomes] == ["timeout", "too many processes", "exited early"]
     assert len(outcomes[0].output) == sandbox.OUTPUT_BYTES  # the output kept is bounded
 
@@ -75,9 +87,11 @@ def test_the_sandbox_bounds_a_raw_program_too(monkeypatch):
 def test_a_check_inherits_no_secret_and_leaves_nothing_behind(monkeypatch, tmp_path):
     monkeypatch.setenv("CACTUS_TEST_SECRET", "hunter2")
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    spy = ("import os, sys\nassert 'CACTUS_TEST_SECRET' not in os.environ, 'leaked'\n"
-           "assert os.listdir('.') == ['check.py'], os.listdir('.')\n"
-           "if os.fork() == 0:\n    import time\n    time.sleep(60)\n") + GOOD
+    spy = (
+        "import os, sys\nassert 'CACTUS_TEST_SECRET' not in os.environ, 'leaked'\n"
+        "assert os.listdir('.') == ['check.py'], os.listdir('.')\n"
+        "if os.fork() == 0:\n    import time\n    time.sleep(60)\n"
+    ) + GOOD
     assert grade(TASK, [spy]) == [(True, "passed")]
     assert list(tmp_path.iterdir()) == []  # the folder is gone, and the forked sleeper was killed with its group
 
@@ -96,7 +110,9 @@ def test_humaneval_comes_from_the_package_and_its_canonical_solutions_pass():
 
 def test_the_prompt_protocol_is_the_same_for_every_rule_and_written_down():
     chat = TASK.protocol(chat=True)
-    assert chat.reply == CODE_REPLY and chat.reply.endswith(FENCE) and chat.stop[0] == "```" and "\nassert " in chat.stop
+    assert (
+        chat.reply == CODE_REPLY and chat.reply.endswith(FENCE) and chat.stop[0] == "```" and "\nassert " in chat.stop
+    )
     assert TASK.source.strip() in chat.prompt
     assert chat.prompt.startswith("Please provide a self-contained Python script")
     plain = TASK.protocol(chat=False)
@@ -106,26 +122,40 @@ def test_the_prompt_protocol_is_the_same_for_every_rule_and_written_down():
 
 
 def test_a_completion_keeps_its_definitions_and_drops_example_calls():
-    script = ("import math\n\n@decorate\ndef add(a, b):\n    return a + b\n\nprint(add(1, 2))\nassert add(1, 1) == 3\n"
-              "if __name__ == '__main__':\n    input()\nLIMIT = 3\n")
+    script = (
+        "import math\n\n@decorate\ndef add(a, b):\n    return a + b\n\nprint(add(1, 2))\nassert add(1, 1) == 3\n"
+        "if __name__ == '__main__':\n    input()\nLIMIT = 3\n"
+    )
     assert sanitize(script) == "import math\n@decorate\ndef add(a, b):\n    return a + b\nLIMIT = 3\n"
     assert sanitize("    return a + b\n") == "    return a + b\n"  # a body: kept for the prompt's function
     assert grade(TASK, [GOOD + "assert add(1, 1) == 3\nadd(1)\n"]) == [(True, "passed")]  # a wrong example is not run
 
 
-@pytest.mark.parametrize("rows,message", [
-    ([{"prompt": "def f():\n", "entry_point": "f"}], "a code task needs a non-empty string 'test'"),
-    ([{"prompt": "def f():\n", "test": "def check(c): pass"}], "a code task needs a non-empty string 'entry_point'"),
-    ([{"prompt": "def f():\n", "test": "x", "entry_point": "not a name"}], "'entry_point' must be a Python function name"),
-    ([{"prompt": "p", "answer": 1, "test": "x", "entry_point": "f"}], "not both"),
-    ([{"prompt": "def f():\n", "test": "x", "entry_point": "f"}, {"prompt": "2+2", "answer": 4}],
-     ":2: a answer task in a file of code tasks; give one kind per file"),
-])
+@pytest.mark.parametrize(
+    "rows,message",
+    [
+        ([{"prompt": "def f():\n", "entry_point": "f"}], "a code task needs a non-empty string 'test'"),
+        (
+            [{"prompt": "def f():\n", "test": "def check(c): pass"}],
+            "a code task needs a non-empty string 'entry_point'",
+        ),
+        (
+            [{"prompt": "def f():\n", "test": "x", "entry_point": "not a name"}],
+            "'entry_point' must be a Python function name",
+        ),
+        ([{"prompt": "p", "answer": 1, "test": "x", "entry_point": "f"}], "not both"),
+        (
+            [{"prompt": "def f():\n", "test": "x", "entry_point": "f"}, {"prompt": "2+2", "answer": 4}],
+            ":2: a answer task in a file of code tasks; give one kind per file",
+        ),
+    ],
+)
 def test_bad_code_task_files_are_one_line_errors(tiny, tmp_path, rows, message):
     f = tmp_path / "t.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    r = cli.invoke(app, ["eval", "--verifier", tiny["verifier"], "--draft", tiny["draft"], "--device", "cpu",
-                         "--tasks", f])
+    r = cli.invoke(
+        app, ["eval", "--verifier", tiny["verifier"], "--draft", tiny["draft"], "--device", "cpu", "--tasks", f]
+    )
     assert r.exit_code == 2 and message in r.stderr and "Traceback" not in r.output, r.output
 
 
@@ -154,15 +184,40 @@ def code_tasks(tmp_path, always: bool):
     source = "def the(cat):\n    return 1\n\n\nNOTE = '''"
     test = "'''\ndef check(candidate):\n    assert " + ("candidate(0) == 1" if always else "False") + "\n"
     f = tmp_path / f"code-{always}.jsonl"
-    f.write_text("".join(json.dumps({"prompt": source, "test": test, "entry_point": "the", "id": f"c{i}"}) + "\n"
-                         for i in range(3)))
+    f.write_text(
+        "".join(
+            json.dumps({"prompt": source, "test": test, "entry_point": "the", "id": f"c{i}"}) + "\n" for i in range(3)
+        )
+    )
     return f
 
 
 def eval_args(tiny, tasks, *extra):
-    return ["eval", "--verifier", tiny["verifier"], "--draft", tiny["draft_close"], "--device", "cpu", "--dtype",
-            "float32", "--quantize", "none", "--compile", "off", "--tasks", str(tasks), "--rules", "sps", "-k", "2",
-            "-n", "6", "--json", *extra]
+    return [
+        "eval",
+        "--verifier",
+        tiny["verifier"],
+        "--draft",
+        tiny["draft_close"],
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--quantize",
+        "none",
+        "--compile",
+        "off",
+        "--tasks",
+        str(tasks),
+        "--rules",
+        "sps",
+        "-k",
+        "2",
+        "-n",
+        "6",
+        "--json",
+        *extra,
+    ]
 
 
 def test_code_tasks_end_to_end_with_samples_and_paired_rows(tiny, tmp_path):

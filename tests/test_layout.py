@@ -43,8 +43,13 @@ def imports(name: str) -> list[tuple[str, int, bool]]:
     path = MODULES[name]
     tree = ast.parse(path.read_text(encoding="utf-8"))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    inner = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-             for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    inner = {
+        id(n)
+        for f in ast.walk(tree)
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for n in ast.walk(f)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+    }
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -68,9 +73,12 @@ GRAPH = {name: imports(name) for name in MODULES}
 
 
 def test_every_import_goes_down_the_layers():
-    upward = [f"{name}:{line} imports {target} ({LAYERS[layer(target) - 1]} is above {LAYERS[layer(name) - 1]})"
-              for name, edges in GRAPH.items() for target, line, _ in edges
-              if 0 < layer(name) <= len(LAYERS) and layer(target) > layer(name)]
+    upward = [
+        f"{name}:{line} imports {target} ({LAYERS[layer(target) - 1]} is above {LAYERS[layer(name) - 1]})"
+        for name, edges in GRAPH.items()
+        for target, line, _ in edges
+        if 0 < layer(name) <= len(LAYERS) and layer(target) > layer(name)
+    ]
     assert not upward, "\n".join(upward)
 
 
@@ -84,7 +92,7 @@ def test_no_import_cycle():
         path.append(node)
         for nxt in sorted(edges[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         path.pop()
@@ -114,9 +122,12 @@ HEAVY = ("torch", "transformers")
 def test_the_project_imports_itself_at_the_top():
     """Inside a function only where it keeps `cactus --help` light: a CLI module importing a
     module that pulls in torch."""
-    lazy = [f"{name}:{line} imports {target} inside a function; import it at the top"
-            for name, edges in GRAPH.items() for target, line, inner in edges
-            if inner and not (name.startswith(LAZY_OK) and heavy(target))]
+    lazy = [
+        f"{name}:{line} imports {target} inside a function; import it at the top"
+        for name, edges in GRAPH.items()
+        for target, line, inner in edges
+        if inner and not (name.startswith(LAZY_OK) and heavy(target))
+    ]
     assert not lazy, "\n".join(lazy)
 
 
@@ -157,10 +168,13 @@ def test_the_length_check_counts_statements_not_lines(tmp_path, monkeypatch):
         test_modules_and_functions_are_short_or_say_why()
 
 
-@pytest.mark.parametrize("bad, expected", [
-    ("from cactus_cli.app import runtime\n", "imports cactus_cli.app.runtime"),
-    ("def f():\n    from cactus_cli.cli import options\n", "imports cactus_cli.cli.options"),
-])
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        ("from cactus_cli.app import runtime\n", "imports cactus_cli.app.runtime"),
+        ("def f():\n    from cactus_cli.cli import options\n", "imports cactus_cli.cli.options"),
+    ],
+)
 def test_the_checks_see_upward_imports_even_inside_functions(tmp_path, monkeypatch, bad, expected):
     """The checks above can fail: an upward import in core, at the top or in a function, is found."""
     fake = "cactus_cli.core._probe"
@@ -179,8 +193,9 @@ def test_the_tree_is_formatted_and_clean():
 
     root = ROOT.parent
     paths = ["cactus_cli", "tests", "benchmarks"]
-    fmt = subprocess.run([sys.executable, "-m", "ruff", "format", "--check", *paths], cwd=root, capture_output=True,
-                         text=True)
+    fmt = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", *paths], cwd=root, capture_output=True, text=True
+    )
     assert fmt.returncode == 0, fmt.stdout[-2000:] + fmt.stderr[-500:]
     lint = subprocess.run([sys.executable, "-m", "ruff", "check", *paths], cwd=root, capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout[-2000:] + lint.stderr[-500:]

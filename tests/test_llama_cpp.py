@@ -40,10 +40,12 @@ PROMPT = "the cat sat on the mat and then the cat sat"
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("gguf")
-    return {"verifier": str(write_tiny_gguf(root / "verifier.gguf", seed=0)),
-            "close": str(write_tiny_gguf(root / "close.gguf", seed=0, noise=0.05)),
-            "other": str(write_tiny_gguf(root / "other.gguf", seed=7)),
-            "short": str(write_tiny_gguf(root / "short.gguf", seed=0, context=32))}
+    return {
+        "verifier": str(write_tiny_gguf(root / "verifier.gguf", seed=0)),
+        "close": str(write_tiny_gguf(root / "close.gguf", seed=0, noise=0.05)),
+        "other": str(write_tiny_gguf(root / "other.gguf", seed=7)),
+        "short": str(write_tiny_gguf(root / "short.gguf", seed=0, context=32)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +101,9 @@ def test_forward_crop_reset_and_prefill_agree_with_one_full_forward(pairs):
     longer = ids + encode(pair, " and the dog")
     kept = runner.prefill(longer, ids, reuse=True)
     assert kept == len(ids) and runner.cache_len == len(longer) - 1
-    torch.testing.assert_close(runner.forward(longer[-1:], keep=1), full_logits(pair, longer)[-1:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        runner.forward(longer[-1:], keep=1), full_logits(pair, longer)[-1:], atol=1e-4, rtol=1e-4
+    )
     assert runner.prefill(longer, ids, reuse=False) == 0 and runner.cache_len == len(longer) - 1
 
 
@@ -131,8 +135,9 @@ def test_greedy_speculative_equals_greedy_plain_decoding(pairs, draft, k):
     plain = SpeculativeEngine(pairs["alone"])
     ids = encode(model)
     n = 40
-    params = GenerationParams(sampling=GREEDY, num_draft_tokens=8 if k == "auto" else k, adaptive_k=k == "auto",
-                              max_tokens=n, ignore_eos=True)
+    params = GenerationParams(
+        sampling=GREEDY, num_draft_tokens=8 if k == "auto" else k, adaptive_k=k == "auto", max_tokens=n, ignore_eos=True
+    )
     expected, _ = run(plain, ids, GenerationParams(sampling=GREEDY, num_draft_tokens=0, max_tokens=n, ignore_eos=True))
     for _ in range(2):  # twice: the second run of the suffix drafter drafts from the first's answer
         tokens, stats = run(engine, ids, params)
@@ -188,10 +193,19 @@ def test_auto_picks_llama_cpp_for_gguf_on_a_cpu_and_torch_otherwise(files, tiny,
     assert plan.choose_backend("auto", [("v", g)], cpu, "none", "auto", "auto", 1)[0] == "llama.cpp"
     folder = Source("folder", tiny["verifier"])
     assert plan.choose_backend("auto", [("v", g), ("d", folder)], cpu, "auto", "auto", "auto", 1) == (
-        "torch", "backend auto: torch (d is a folder, not a GGUF file)")
-    for args, flag in (((cpu, "int8", "auto", "auto", 1), "--quantize int8"), ((cpu, "auto", "float32", "auto", 1), "--dtype float32"),
-                       ((cpu, "auto", "auto", "on", 1), "--compile on"), ((cpu, "auto", "auto", "auto", 2), "--tp 2")):
-        assert plan.choose_backend("auto", [("v", g)], *args) == ("torch", f"backend auto: torch ({flag} is a torch setting)")
+        "torch",
+        "backend auto: torch (d is a folder, not a GGUF file)",
+    )
+    for args, flag in (
+        ((cpu, "int8", "auto", "auto", 1), "--quantize int8"),
+        ((cpu, "auto", "float32", "auto", 1), "--dtype float32"),
+        ((cpu, "auto", "auto", "on", 1), "--compile on"),
+        ((cpu, "auto", "auto", "auto", 2), "--tp 2"),
+    ):
+        assert plan.choose_backend("auto", [("v", g)], *args) == (
+            "torch",
+            f"backend auto: torch ({flag} is a torch setting)",
+        )
         with pytest.raises(ModelError, match=f"^{flag} does not apply to the llama.cpp backend"):
             plan.choose_backend("llama.cpp", [("v", g)], *args)
     with pytest.raises(ModelError, match="runs GGUF files .* is a folder; use --backend torch"):
@@ -209,19 +223,42 @@ def test_a_tokenizer_that_gives_other_ids_is_refused_at_load(files, tiny, monkey
     # the same vocabulary, other ids for the probe text (llama.cpp's tokenizer would split it otherwise)
     real = gguf.GGUFModel.tokenize
     monkeypatch.setattr(gguf.GGUFModel, "tokenize", lambda self, text: real(self, text)[:-2] + real(self, text)[-1:])
-    with pytest.raises(ModelError, match=r"verifier .*: llama.cpp's vocabulary and the tokenizer give different token "
-                                         r"ids for the same text \(first at token \d+"):
+    with pytest.raises(
+        ModelError,
+        match=r"verifier .*: llama.cpp's vocabulary and the tokenizer give different token "
+        r"ids for the same text \(first at token \d+",
+    ):
         load_pair(files["verifier"], None, None, "cpu", "auto", backend="llama.cpp")
 
 
 def cactus(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cactus_cli", *args], capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    return subprocess.run(
+        [sys.executable, "-m", "cactus_cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
 
 
 def test_generate_json_says_which_backend_ran_and_why(files):
-    r = cactus("generate", PROMPT, "--verifier", files["verifier"], "--draft", files["close"], "-n", "12", "-t", "0",
-               "-k", "4", "--json", "--threads", "1")
+    r = cactus(
+        "generate",
+        PROMPT,
+        "--verifier",
+        files["verifier"],
+        "--draft",
+        files["close"],
+        "-n",
+        "12",
+        "-t",
+        "0",
+        "-k",
+        "4",
+        "--json",
+        "--threads",
+        "1",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(r.stdout)["settings"]
     assert (s["backend"], s["backend_resolved"], s["threads"]) == ("auto", "llama.cpp", 1)
@@ -229,16 +266,40 @@ def test_generate_json_says_which_backend_ran_and_why(files):
     r = cactus("generate", PROMPT, "--verifier", files["verifier"], "--backend", "llama.cpp", "--quantize", "w8a8")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
         "error: --quantize w8a8 does not apply to the llama.cpp backend (it runs the GGUF's own quantization on the CPU); "
-        "drop it, or use --backend torch")
+        "drop it, or use --backend torch"
+    )
 
 
 def test_bench_runs_both_backends_side_by_side_each_with_its_own_baseline(files):
-    r = cactus("bench", "--verifier", files["verifier"], "--draft", files["close"], "--backend", "torch,llama.cpp",
-               "--rules", "sps", "-k", "2", "--limit", "1", "-n", "8", "--json", "--dtype", "auto", timeout=600)
+    r = cactus(
+        "bench",
+        "--verifier",
+        files["verifier"],
+        "--draft",
+        files["close"],
+        "--backend",
+        "torch,llama.cpp",
+        "--rules",
+        "sps",
+        "-k",
+        "2",
+        "--limit",
+        "1",
+        "-n",
+        "8",
+        "--json",
+        "--dtype",
+        "auto",
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(r.stdout)["results"]
     assert [(row["backend"], row["kind"]) for row in rows] == [
-        ("torch", "autoregressive"), ("torch", "speculative"), ("llama.cpp", "autoregressive"), ("llama.cpp", "speculative")]
+        ("torch", "autoregressive"),
+        ("torch", "speculative"),
+        ("llama.cpp", "autoregressive"),
+        ("llama.cpp", "speculative"),
+    ]
     assert len({row["config"] for row in rows}) == 4
 
 
@@ -258,7 +319,9 @@ def test_a_bad_gguf_is_one_line(files, tmp_path, damage):
 
 
 def test_a_prompt_longer_than_the_context_is_one_line(files):
-    r = cactus("generate", "the cat sat on the mat " * 20, "--verifier", files["short"], "--backend", "llama.cpp", "-n", "4")
+    r = cactus(
+        "generate", "the cat sat on the mat " * 20, "--verifier", files["short"], "--backend", "llama.cpp", "-n", "4"
+    )
     assert r.returncode == 2 and "context window is 32" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
 
 

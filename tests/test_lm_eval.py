@@ -78,10 +78,22 @@ def evaluate(tiny, task_dir, tasks, **args):
 
     import cactus_cli.app.lm_eval_adapter  # noqa: F401  registers "cactus"
 
-    model_args = {"verifier": tiny["verifier"], "draft": tiny["draft_close"], "device": "cpu", "dtype": "float32",
-                  "compile": "off", **args}
-    return lm_eval.simple_evaluate(model="cactus", model_args=model_args, tasks=tasks,
-                                   task_manager=TaskManager(include_path=str(task_dir)), limit=4, log_samples=True)
+    model_args = {
+        "verifier": tiny["verifier"],
+        "draft": tiny["draft_close"],
+        "device": "cpu",
+        "dtype": "float32",
+        "compile": "off",
+        **args,
+    }
+    return lm_eval.simple_evaluate(
+        model="cactus",
+        model_args=model_args,
+        tasks=tasks,
+        task_manager=TaskManager(include_path=str(task_dir)),
+        limit=4,
+        log_samples=True,
+    )
 
 
 def test_generation_goes_through_the_engine_and_greedy_equals_the_verifier(tiny, task_dir, tmp_path):
@@ -119,12 +131,33 @@ def test_loglikelihood_is_the_verifiers_own(tiny, task_dir):
 
 def test_cactus_lm_eval_command_line(tiny, task_dir, tmp_path):
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
-    args = (f"verifier={tiny['verifier']},draft={tiny['draft_close']},device=cpu,dtype=float32,compile=off,"
-            f"rule=cactus,delta=1.0,k=2")
-    proc = subprocess.run([sys.executable, "-m", "cactus_cli.app.lm_eval_adapter", "--model", "cactus", "--model_args",
-                           args, "--tasks", "tiny_gen", "--include_path", str(task_dir), "--limit", "2",
-                           "--output_path", str(tmp_path / "out")],
-                          capture_output=True, text=True, env=env, timeout=600)
+    args = (
+        f"verifier={tiny['verifier']},draft={tiny['draft_close']},device=cpu,dtype=float32,compile=off,"
+        f"rule=cactus,delta=1.0,k=2"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cactus_cli.app.lm_eval_adapter",
+            "--model",
+            "cactus",
+            "--model_args",
+            args,
+            "--tasks",
+            "tiny_gen",
+            "--include_path",
+            str(task_dir),
+            "--limit",
+            "2",
+            "--output_path",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tiny_gen" in proc.stdout and "exact_match" in proc.stdout
     assert "cactus: 2 generations" in proc.stderr  # per-run acceptance and speed in the log
@@ -141,8 +174,15 @@ def test_lm_eval_stats_file_in_a_missing_folder_fails_at_creation(tiny, tmp_path
     from cactus_cli.app.lm_eval_adapter import CactusLM
 
     with pytest.raises(ConfigError, match="folder .* does not exist"):
-        CactusLM(verifier=tiny["verifier"], draft=tiny["draft"], device="cpu", compile="off", quantize="none",
-                 dtype="float32", stats_file=str(tmp_path / "no" / "stats.jsonl"))
+        CactusLM(
+            verifier=tiny["verifier"],
+            draft=tiny["draft"],
+            device="cpu",
+            compile="off",
+            quantize="none",
+            dtype="float32",
+            stats_file=str(tmp_path / "no" / "stats.jsonl"),
+        )
 
 
 def test_lm_eval_continuation_longer_than_the_context(tiny):
@@ -150,8 +190,9 @@ def test_lm_eval_continuation_longer_than_the_context(tiny):
     from cactus_cli.app.lm_eval_adapter import CactusLM
     from cactus_cli.core.errors import ContextLimitError
 
-    lm = CactusLM(verifier=tiny["short_context"], draft="none", device="cpu", compile="off", quantize="none",
-                  dtype="float32")
+    lm = CactusLM(
+        verifier=tiny["short_context"], draft="none", device="cpu", compile="off", quantize="none", dtype="float32"
+    )
     with pytest.raises(ContextLimitError, match="does not fit the verifier's context window of 16"):
         lm._score([5, 6], list(range(5, 30)))  # size mismatch RuntimeError before
     assert math.isfinite(lm._score([5, 6], [7, 8])[0])

@@ -11,8 +11,12 @@ def test_truncated_gguf_is_a_one_line_error(tmp_path, tiny):
     gguf = tmp_path / "broken.gguf"
     gguf.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 10, 5) + b"\x05\x00")  # valid header start, then nothing
     assert_one_line_error(invoke("models", "prepare", gguf), "not a readable GGUF file")
-    assert_one_line_error(invoke("generate", "hi", "--verifier", gguf, "--tokenizer", tiny["verifier"],
-                                 "--draft", "none", "--device", "cpu"), "not a readable GGUF file")
+    assert_one_line_error(
+        invoke(
+            "generate", "hi", "--verifier", gguf, "--tokenizer", tiny["verifier"], "--draft", "none", "--device", "cpu"
+        ),
+        "not a readable GGUF file",
+    )
 
 
 def test_tokenizer_from_another_model_is_rejected(tiny):

@@ -61,8 +61,10 @@ def test_parse_draft():
 
 @pytest.fixture(scope="module")
 def pairs(tiny):
-    return {"alone": load_pair(tiny["verifier"], None, None, "cpu", "float32"),
-            "close": load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32")}
+    return {
+        "alone": load_pair(tiny["verifier"], None, None, "cpu", "float32"),
+        "close": load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32"),
+    }
 
 
 @pytest.mark.parametrize("which", ["alone", "close"])
@@ -112,19 +114,55 @@ def test_sps_with_lookup_drafts_reproduces_the_verifier_distribution(pairs):
 def test_cli_lookup_drafting(tiny):
     runner = CliRunner()
     args = ["--verifier", tiny["verifier"], "--device", "cpu", "--dtype", "float32"]
-    r = runner.invoke(app, ["generate", REPEATS, *args, "--draft", "ngram", "-n", 16, "-k", "auto",
-                            "--temperature", 0, "--no-chat-template", "--json"])
+    r = runner.invoke(
+        app,
+        [
+            "generate",
+            REPEATS,
+            *args,
+            "--draft",
+            "ngram",
+            "-n",
+            16,
+            "-k",
+            "auto",
+            "--temperature",
+            0,
+            "--no-chat-template",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["stats"]["draft_sources"]["ngram"]["drafted"] > 0
     assert doc["stats"]["draft_forward_passes"] == 0  # no draft model at all
     assert doc["cost_model"]["draft_source"] == "ngram"
-    r = runner.invoke(app, ["bench", *pair_args(tiny, "draft_close"), "--draft", f"ngram+{tiny['draft_close']}",
-                            "--category", "grounded", "--limit", 1, "-n", 8, "--rules", "sps,cactus", "-k", "2,auto",
-                            "--json"])
+    r = runner.invoke(
+        app,
+        [
+            "bench",
+            *pair_args(tiny, "draft_close"),
+            "--draft",
+            f"ngram+{tiny['draft_close']}",
+            "--category",
+            "grounded",
+            "--limit",
+            1,
+            "-n",
+            8,
+            "--rules",
+            "sps,cactus",
+            "-k",
+            "2,auto",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)["results"]
     assert {row["config"] for row in rows} >= {"verifier alone", "sps k=2", "cactus δ=1 k=auto"}
-    assert_one_line_error(runner.invoke(app, ["generate", "hi", *args, "--draft", "ngram+"]), "ngram+MODEL needs a model")
-    assert_one_line_error(runner.invoke(app, ["bench", *args, "--draft", "ngram", "--category", "poems"]),
-                          "nothing in category 'poems'")
+    assert_one_line_error(
+        runner.invoke(app, ["generate", "hi", *args, "--draft", "ngram+"]), "ngram+MODEL needs a model"
+    )
+    assert_one_line_error(
+        runner.invoke(app, ["bench", *args, "--draft", "ngram", "--category", "poems"]), "nothing in category 'poems'"
+    )

@@ -89,6 +89,7 @@ def test_a_convex_cost_curve_is_read_per_width_not_through_a_line():
     pts = [(w, t, 1) for w, t in verify.items()]
     slope = costs_slope(pts)
     intercept = sum(verify.values()) / 5 - slope * sum(verify) / 5
+
     def line(w):
         return max(intercept + slope * w, 1e-9)
 
@@ -266,7 +267,9 @@ def test_catch_up_after_plain_steps_keeps_caches_exact(close_pair, monkeypatch):
     pair = close_pair
     engine = SpeculativeEngine(pair)
     script = iter([2, 0, 0, 0, 3, 0, 1, 4, 0, 0, 2] * 10)
-    monkeypatch.setattr(engine.auto_k, "choose", lambda akey, k_max, source="model", confidence=None: min(next(script), k_max))
+    monkeypatch.setattr(
+        engine.auto_k, "choose", lambda akey, k_max, source="model", confidence=None: min(next(script), k_max)
+    )
     ids = prompt_ids(pair)
     n = 40
     params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=True, max_tokens=n, ignore_eos=True)
@@ -294,6 +297,7 @@ def test_a_new_prompt_starts_the_catch_up_count_over(close_pair, monkeypatch):
     def plain(akey, k_max, source="model", confidence=None):
         seen.append(engine.auto_k.behind)
         return 0
+
     monkeypatch.setattr(engine.auto_k, "choose", plain)
     params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=True, max_tokens=5, ignore_eos=True)
     for _ in range(2):
@@ -306,9 +310,23 @@ def test_adaptive_k_learns_and_reports(close_pair):
     engine = SpeculativeEngine(close_pair)
     assert engine.probe_costs(4)
     assert engine.costs.costs.knows("model") and engine.costs.costs.source == "probe"
-    assert set(engine.costs.costs.verify) == {1, 2, 3, 4, 5}  # every width to k_max + 1 (costs step where kernels change)
-    params = GenerationParams(sampling=SamplingParams(0.8, 0, 1.0), rule="cactus", rule_kwargs={"delta": 1.0},
-                              num_draft_tokens=4, adaptive_k=True, max_tokens=30, ignore_eos=True, seed=2)
+    assert set(engine.costs.costs.verify) == {
+        1,
+        2,
+        3,
+        4,
+        5,
+    }  # every width to k_max + 1 (costs step where kernels change)
+    params = GenerationParams(
+        sampling=SamplingParams(0.8, 0, 1.0),
+        rule="cactus",
+        rule_kwargs={"delta": 1.0},
+        num_draft_tokens=4,
+        adaptive_k=True,
+        max_tokens=30,
+        ignore_eos=True,
+        seed=2,
+    )
     ks = [ev.num_drafted for ev in engine.generate(prompt_ids(close_pair), params)]
     assert all(0 <= k <= 4 for k in ks)
     summary = engine.cost_summary(params)
@@ -357,12 +375,15 @@ def test_a_full_disk_does_not_stop_the_run(tiny, monkeypatch):
     assert path.exists()
 
 
-@pytest.mark.parametrize("costs,acceptance", [
-    ({"verify": {"1": [0.1]}}, {"greedy": [[-5.0], [-5.0]]}),  # a negative count: ZeroDivisionError before
-    ({"verify": {"1": [0.1]}}, {"greedy": [[float("nan")], [1.0]]}),  # NaN: k = 0 forever, written back
-    ({"verify": {"-3": [0.1], "0": [0.1], "1000000": [0.1], "1": [0.1]}}, {}),  # impossible widths
-    ({"verify": {"1": [1e308, 0.1], "2": [-1, 0.2]}, "draft": {"model": [float("nan"), 0.01]}}, {}),
-])
+@pytest.mark.parametrize(
+    "costs,acceptance",
+    [
+        ({"verify": {"1": [0.1]}}, {"greedy": [[-5.0], [-5.0]]}),  # a negative count: ZeroDivisionError before
+        ({"verify": {"1": [0.1]}}, {"greedy": [[float("nan")], [1.0]]}),  # NaN: k = 0 forever, written back
+        ({"verify": {"-3": [0.1], "0": [0.1], "1000000": [0.1], "1": [0.1]}}, {}),  # impossible widths
+        ({"verify": {"1": [1e308, 0.1], "2": [-1, 0.2]}, "draft": {"model": [float("nan"), 0.01]}}, {}),
+    ],
+)
 def test_invalid_cost_entries_are_dropped_said_and_never_written_back(tmp_path, costs, acceptance):
     path = tmp_path / "costs.json"
     write_costs(path, costs, acceptance)
@@ -385,13 +406,19 @@ def test_deeply_nested_or_garbage_cost_cache(tmp_path):
     assert p.notes and "unreadable" in p.notes[0]
 
 
-@pytest.mark.parametrize("seconds", [{"float32": 0, "bfloat16": 0}, {"float32": -0.2, "bfloat16": 0.1},
-                                     {"float32": float("nan"), "bfloat16": 0.1}])
+@pytest.mark.parametrize(
+    "seconds",
+    [{"float32": 0, "bfloat16": 0}, {"float32": -0.2, "bfloat16": 0.1}, {"float32": float("nan"), "bfloat16": 0.1}],
+)
 def test_a_corrupt_dtype_cache_is_measured_again(monkeypatch, seconds):
     from cactus_cli.infer import devices as models
 
-    key = {"cpu": models.device_name(torch.device("cpu")), "threads": torch.get_num_threads(),
-           "torch": torch.__version__, "shape": [64, 128]}
+    key = {
+        "cpu": models.device_name(torch.device("cpu")),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "shape": [64, 128],
+    }
     path = cache_path(key, "dtype-")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"key": key, "seconds": seconds}))

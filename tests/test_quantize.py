@@ -129,8 +129,10 @@ def test_stacked_layers_give_each_layer_its_own_output_bit_for_bit():
 
 @pytest.fixture(scope="module")
 def quantized_pairs(tiny):
-    return {m: load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "auto", quantize=m)
-            for m in ("int8", "int4", "w8a8")}
+    return {
+        m: load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "auto", quantize=m)
+        for m in ("int8", "int4", "w8a8")
+    }
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "w8a8"])
@@ -143,16 +145,29 @@ def test_quantized_pair_greedy_speculative_equals_its_verifier_alone(quantized_p
     if method == "w8a8":  # int8 x int8 everywhere; q/k/v and gate/up as one matmul each
         layer = pair.verifier.model.model.layers[0]
         assert all(isinstance(m, qz.Int8DynamicLinear) for m in (layer.self_attn.o_proj, layer.mlp.down_proj))
-        assert all(isinstance(m, qz.SharedInputSlice) for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                                                layer.self_attn.v_proj, layer.mlp.gate_proj,
-                                                                layer.mlp.up_proj))
+        assert all(
+            isinstance(m, qz.SharedInputSlice)
+            for m in (
+                layer.self_attn.q_proj,
+                layer.self_attn.k_proj,
+                layer.self_attn.v_proj,
+                layer.mlp.gate_proj,
+                layer.mlp.up_proj,
+            )
+        )
         assert layer.self_attn.q_proj.shared is layer.self_attn.v_proj.shared
     ids = prompt_ids(pair)
     n = 40
-    alone, _, _ = run(SpeculativeEngine(pair), ids, GenerationParams(sampling=GREEDY, num_draft_tokens=0,
-                                                                      max_tokens=n, ignore_eos=True))
-    spec, stats, _ = run(SpeculativeEngine(pair), ids, GenerationParams(sampling=GREEDY, num_draft_tokens=k,
-                                                                        max_tokens=n, ignore_eos=True))
+    alone, _, _ = run(
+        SpeculativeEngine(pair),
+        ids,
+        GenerationParams(sampling=GREEDY, num_draft_tokens=0, max_tokens=n, ignore_eos=True),
+    )
+    spec, stats, _ = run(
+        SpeculativeEngine(pair),
+        ids,
+        GenerationParams(sampling=GREEDY, num_draft_tokens=k, max_tokens=n, ignore_eos=True),
+    )
     assert spec == alone
     assert 0 < stats.draft_acceptance_rate < 1
 
@@ -172,8 +187,10 @@ def test_smoothing_leaves_the_function_unchanged_and_is_cached(tiny, isolated_ho
         found = smooth.groups(model)
         assert len(found) == 3 * len(model.model.layers)  # attention input, MLP input, down_proj input
         factors = smooth.factors(model, found, ids[0].tolist())
-        assert all((s > 0).all() and s.shape == (model.get_submodule(g.readers[0]).in_features,)
-                   for g, s in zip(found, factors.values()))
+        assert all(
+            (s > 0).all() and s.shape == (model.get_submodule(g.readers[0]).in_features,)
+            for g, s in zip(found, factors.values())
+        )
         smooth.apply(model, found, factors)
         torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=1e-4, atol=1e-4)
     first = load_pair(tiny["verifier"], None, None, "cpu", "auto", quantize="w8a8")
@@ -200,8 +217,12 @@ def test_layer_by_layer_gives_the_whole_model_numbers(tiny, isolated_home, monke
         for i, layer in enumerate(model.model.layers):
             layer.register_forward_pre_hook(lambda m, a, i=i: seen.append(i))
         if cached:  # a cache written by the other path first: its factors are applied, not measured
-            qz.quantize_model(AutoModelForCausalLM.from_pretrained(tiny["verifier"], dtype=torch.bfloat16).eval(),
-                              "w8a8", tiny["verifier"], calibration=calibration)
+            qz.quantize_model(
+                AutoModelForCausalLM.from_pretrained(tiny["verifier"], dtype=torch.bfloat16).eval(),
+                "w8a8",
+                tiny["verifier"],
+                calibration=calibration,
+            )
         with monkeypatch.context() as m:
             if whole:
                 m.setattr(layerwise, "decoder_layers", lambda model, found: None)
@@ -251,18 +272,51 @@ def test_quantized_weights_are_cached_and_reused(tiny, monkeypatch, isolated_hom
 
 
 def test_quantize_needs_bfloat16_activations_on_cpu(tiny):
-    r = cli.invoke(app, ["generate", "hi", "--verifier", tiny["verifier"], "--draft", "none", "--device", "cpu",
-                         "--dtype", "float32", "--quantize", "int8"])
+    r = cli.invoke(
+        app,
+        [
+            "generate",
+            "hi",
+            "--verifier",
+            tiny["verifier"],
+            "--draft",
+            "none",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--quantize",
+            "int8",
+        ],
+    )
     assert r.exit_code == 2
-    assert r.stderr.strip() == ("error: --quantize int8 runs on bfloat16 activations; use --dtype bfloat16 (or auto), "
-                                "or --quantize none to run in float32")
+    assert r.stderr.strip() == (
+        "error: --quantize int8 runs on bfloat16 activations; use --dtype bfloat16 (or auto), "
+        "or --quantize none to run in float32"
+    )
     r = cli.invoke(app, ["generate", "hi", "--verifier", tiny["verifier"], "--quantize", "int3"])
     assert r.exit_code == 2 and "--quantize must be one of auto, none, int8, int4" in r.stderr
 
 
 def test_quantize_auto_on_cpu_is_measured_and_says_why(tiny):
-    r = cli.invoke(app, ["generate", "the cat", "--verifier", tiny["verifier"], "--draft", tiny["draft_close"],
-                         "--device", "cpu", "--quantize", "auto", "-n", "4", "--json"])
+    r = cli.invoke(
+        app,
+        [
+            "generate",
+            "the cat",
+            "--verifier",
+            tiny["verifier"],
+            "--draft",
+            tiny["draft_close"],
+            "--device",
+            "cpu",
+            "--quantize",
+            "auto",
+            "-n",
+            "4",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["settings"]["dtype_resolved"] == "bfloat16"
@@ -270,8 +324,24 @@ def test_quantize_auto_on_cpu_is_measured_and_says_why(tiny):
     assert reason.startswith("quantize auto: ") and "measured" in reason, reason
     picked = reason.split(",")[0].removeprefix("quantize auto: ")
     assert picked in ("int8", "w8a8") and doc["settings"]["quantized"]["verifier"].startswith(picked)
-    r = cli.invoke(app, ["generate", "the cat", "--verifier", tiny["verifier"], "--draft", "none", "--device", "cpu",
-                         "--quantize", "int8", "-n", "2", "--json"])
+    r = cli.invoke(
+        app,
+        [
+            "generate",
+            "the cat",
+            "--verifier",
+            tiny["verifier"],
+            "--draft",
+            "none",
+            "--device",
+            "cpu",
+            "--quantize",
+            "int8",
+            "-n",
+            "2",
+            "--json",
+        ],
+    )
     assert json.loads(r.stdout)["settings"]["dtype_reason"] == "int8 weights run on bfloat16 activations"
 
 
@@ -282,8 +352,11 @@ def test_quantize_auto_gates_w8a8_on_its_measured_quality(tiny, isolated_home, m
     cpu = torch.device("cpu")
     monkeypatch.setattr(plan, "fastest_cpu_quantization", lambda hidden, inter: ("w8a8", "measured w8a8 3x faster"))
     src = models.Source("folder", tiny["verifier"])
-    assert plan.choose_quantize("auto", cpu, "auto", src) == ("w8a8", "quantize auto: w8a8, measured w8a8 3x faster",
-                                                              defaults.QUALITY_TOLERANCE)
+    assert plan.choose_quantize("auto", cpu, "auto", src) == (
+        "w8a8",
+        "quantize auto: w8a8, measured w8a8 3x faster",
+        defaults.QUALITY_TOLERANCE,
+    )
     assert plan.choose_quantize("int8", cpu, "auto", src) == ("int8", "", None)  # asked for by name: no probe
     calibration = [5, 9, 12, 7, 30, 11, 8, 14] * 4
     # a gate no model passes: w8a8 is measured, kept, and the model loaded again in int8
@@ -303,7 +376,9 @@ def test_quantize_auto_gates_w8a8_on_its_measured_quality(tiny, isolated_home, m
 
 
 def test_models_quality_reports_nll_and_agreement(tiny):
-    r = cli.invoke(app, ["models", "quality", "--verifier", tiny["verifier"], "--device", "cpu", "--limit", "6", "--json"])
+    r = cli.invoke(
+        app, ["models", "quality", "--verifier", tiny["verifier"], "--device", "cpu", "--limit", "6", "--json"]
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     rows = {row["quantize"]: row for row in doc["results"]}
@@ -319,20 +394,65 @@ def test_models_quality_reports_nll_and_agreement(tiny):
 
 
 def test_bench_times_quantizations_side_by_side(tiny):
-    r = cli.invoke(app, ["bench", "--verifier", tiny["verifier"], "--draft", tiny["draft_close"], "--device", "cpu",
-                         "--dtype", "bfloat16", "--compile", "off", "--quantize", "none,int8", "--rules", "sps",
-                         "-k", "2", "-t", "0", "--limit", "2", "-n", "8", "--json"])
+    r = cli.invoke(
+        app,
+        [
+            "bench",
+            "--verifier",
+            tiny["verifier"],
+            "--draft",
+            tiny["draft_close"],
+            "--device",
+            "cpu",
+            "--dtype",
+            "bfloat16",
+            "--compile",
+            "off",
+            "--quantize",
+            "none,int8",
+            "--rules",
+            "sps",
+            "-k",
+            "2",
+            "-t",
+            "0",
+            "--limit",
+            "2",
+            "-n",
+            "8",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)["results"]
     assert [(row["config"], row["quantize"]) for row in rows] == [
-        ("verifier alone · none", "none"), ("sps k=2 · none", "none"),
-        ("verifier alone · int8", "int8"), ("sps k=2 · int8", "int8")]
+        ("verifier alone · none", "none"),
+        ("sps k=2 · none", "none"),
+        ("verifier alone · int8", "int8"),
+        ("sps k=2 · int8", "int8"),
+    ]
 
 
 def test_quantize_auto_yields_to_an_explicit_float32(tiny):
     # the default profile says quantize: auto; asking for float32 runs unquantized, no error
-    r = cli.invoke(app, ["generate", "the cat", "--verifier", tiny["verifier"], "--draft", "none", "--device", "cpu",
-                         "--dtype", "float32", "-n", "2", "--json"])
+    r = cli.invoke(
+        app,
+        [
+            "generate",
+            "the cat",
+            "--verifier",
+            tiny["verifier"],
+            "--draft",
+            "none",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "-n",
+            "2",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["settings"]["dtype_resolved"] == "float32"
 
@@ -372,8 +492,19 @@ def test_int4_says_what_ran(tiny):
 def test_models_quality_cuts_texts_longer_than_the_context(tiny, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": " ".join(["the cat sat on the mat"] * 10)}) + "\n")
-    r = invoke("models", "quality", "--verifier", tiny["short_context"], "--device", "cpu", "--quantize", "int8",
-            "--prompts", prompts, "--json")
+    r = invoke(
+        "models",
+        "quality",
+        "--verifier",
+        tiny["short_context"],
+        "--device",
+        "cpu",
+        "--quantize",
+        "int8",
+        "--prompts",
+        prompts,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     assert "scored on their first 16 tokens" in " ".join(r.output.split())
 
@@ -381,8 +512,9 @@ def test_models_quality_cuts_texts_longer_than_the_context(tiny, tmp_path):
 def test_stale_temp_files_of_dead_writers_are_removed(tiny):
     folder = quantize.cache_file(quantize.weights_key(tiny["verifier"]), "int8").parent
     folder.mkdir(parents=True, exist_ok=True)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     stale = folder / f".int8-abc.safetensors.{dead}.x1y2.tmp"
     live = folder / f".int8-abc.safetensors.{os.getpid()}.x1y2.tmp"
     stale.write_bytes(b"0" * 1000)
@@ -397,8 +529,12 @@ def test_the_quantized_cache_streams_tensor_by_tensor_in_the_safetensors_format(
 
     from cactus_cli.infer.quant.qcache import CacheReader, CacheWriter, checksum
 
-    tensors = {"a.q": torch.randint(-127, 127, (5, 8), dtype=torch.int8), "a.scales": torch.rand(5),
-               "b.q": torch.randint(0, 255, (3, 4), dtype=torch.uint8), "s": torch.rand(8)}
+    tensors = {
+        "a.q": torch.randint(-127, 127, (5, 8), dtype=torch.int8),
+        "a.scales": torch.rand(5),
+        "b.q": torch.randint(0, 255, (3, 4), dtype=torch.uint8),
+        "s": torch.rand(8),
+    }
     specs = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
     path = tmp_path / "int8-x-y.safetensors"
     w = CacheWriter(path, specs)

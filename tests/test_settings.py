@@ -18,13 +18,16 @@ from tests.helpers import (
 )
 
 
-@pytest.mark.parametrize("flag,value,needle", [
-    ("--seed", 2**64, "--seed must be an integer in 0..2^63-1"),
-    ("--seed", -1, "--seed must be an integer in 0..2^63-1"),
-    ("--device", "cuda:abc", "cuda:N (N a GPU index)"),
-    ("--temperature", 1e-38, "--temperature must be 0 (greedy) or a number in 0.001..1e4"),
-    ("--delta", 1e39, "--delta must be a number in 0..1e+06"),
-])
+@pytest.mark.parametrize(
+    "flag,value,needle",
+    [
+        ("--seed", 2**64, "--seed must be an integer in 0..2^63-1"),
+        ("--seed", -1, "--seed must be an integer in 0..2^63-1"),
+        ("--device", "cuda:abc", "cuda:N (N a GPU index)"),
+        ("--temperature", 1e-38, "--temperature must be 0 (greedy) or a number in 0.001..1e4"),
+        ("--delta", 1e39, "--delta must be a number in 0..1e+06"),
+    ],
+)
 def test_out_of_range_values(tiny, flag, value, needle):
     assert_one_line_error(invoke("generate", "hi", *pair_args(tiny), flag, value), needle)
 
@@ -61,15 +64,19 @@ def test_settings_that_do_nothing_are_errors(tiny, tmp_path):
     one_line_error(invoke("bench", *base, "-k", "2", "--max-draft-tokens", "50"), "--max-draft-tokens only applies")
     one_line_error(invoke("eval", *base, "--rules", "sps", "--delta", "0.5"), "--delta has no effect")
     none = [a for a in tiny_args(tiny) if a != tiny["draft_close"] and a != "--draft"]
-    one_line_error(invoke("generate", "hi", *none, "--draft", "none", "--max-draft-tokens", "5"),
-                   "--max-draft-tokens has no effect without a draft")
+    one_line_error(
+        invoke("generate", "hi", *none, "--draft", "none", "--max-draft-tokens", "5"),
+        "--max-draft-tokens has no effect without a draft",
+    )
     settings = flags_to_settings(rule="sps", delta=0.5, ngram_max=2, verifier=tiny["verifier"], draft=tiny["draft"])
     from cactus_cli.app.profiles import resolve_settings
 
     with pytest.raises(ConfigError, match="--delta has no effect"):
         check_flags_apply(resolve_settings(None, settings), settings)
-    for body, needle in (("draft: some/model\nngram_max: 3\n", "ngram_max applies only to prompt lookup"),
-                         ("num_draft_tokens: 4\nmax_draft_tokens: 3\n", "max_draft_tokens applies only with")):
+    for body, needle in (
+        ("draft: some/model\nngram_max: 3\n", "ngram_max applies only to prompt lookup"),
+        ("num_draft_tokens: 4\nmax_draft_tokens: 3\n", "max_draft_tokens applies only with"),
+    ):
         path = tmp_path / "p.yaml"
         path.write_text(f"verifier: {tiny['verifier']}\n" + body)
         one_line_error(invoke("profiles", "show", path), needle)

@@ -21,10 +21,22 @@ def make_gemma(folder, seed: int, noise: float = 0.0):
 
     torch.manual_seed(seed)
     config = Gemma3TextConfig(
-        vocab_size=len(SPECIALS) + len(WORDS), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        sliding_window=WINDOW, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False, initializer_range=0.3)
+        vocab_size=len(SPECIALS) + len(WORDS),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+    )
     model = Gemma3ForCausalLM(config)
     with torch.no_grad():
         if noise:  # a perturbed copy: agrees with the original often, not always
@@ -53,8 +65,13 @@ def test_greedy_speculation_past_the_window_equals_the_verifier_alone(gemmas, k)
     ids = prompt_ids(pair)
     alone = GenerationParams(sampling=GREEDY, num_draft_tokens=0, max_tokens=40, ignore_eos=True)
     want, _, _ = run(SpeculativeEngine(pair), ids, alone)
-    params = GenerationParams(sampling=GREEDY, num_draft_tokens=8 if k == "auto" else k, adaptive_k=k == "auto",
-                              max_tokens=40, ignore_eos=True)
+    params = GenerationParams(
+        sampling=GREEDY,
+        num_draft_tokens=8 if k == "auto" else k,
+        adaptive_k=k == "auto",
+        max_tokens=40,
+        ignore_eos=True,
+    )
     got, stats, _ = run(SpeculativeEngine(pair), ids, params)
     assert got == want
     if k != "auto":  # (auto drafts when its costs say so: how often depends on the machine)

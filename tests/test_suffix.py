@@ -112,11 +112,14 @@ def test_a_remembered_history_round_trips_and_a_bad_file_is_a_warning(tmp_path):
     assert again.tree.best([1, 2], 2, 0.1).tokens == [3, 4]
     assert oct(path.stat().st_mode & 0o777) == "0o600"  # what the user typed is theirs alone
     good = path.read_text()
-    for text, needle in ((good[: len(good) // 2], "cannot be read"), ('{"format": "other"}', "not a cactus"),
-                         (good.replace('"schema":1', '"schema":99'), "another version"),
-                         (good.replace("[7,8,9]", "[7,8,900]"), "outside this vocabulary"),
-                         (good.replace("[7,8,9]", '[7,"x",9]'), "outside this vocabulary"),
-                         (b"\xff\xfe".decode("latin-1"), "cannot be read")):
+    for text, needle in (
+        (good[: len(good) // 2], "cannot be read"),
+        ('{"format": "other"}', "not a cactus"),
+        (good.replace('"schema":1', '"schema":99'), "another version"),
+        (good.replace("[7,8,9]", "[7,8,900]"), "outside this vocabulary"),
+        (good.replace("[7,8,9]", '[7,"x",9]'), "outside this vocabulary"),
+        (b"\xff\xfe".decode("latin-1"), "cannot be read"),
+    ):
         path.write_text(text, encoding="latin-1" if "\xff" in text else "utf-8")
         empty, note = History.load(path, "vocab-A", 100)
         assert empty.tokens == 0 and needle in note and "empty history" in note, (needle, note)
@@ -147,8 +150,10 @@ def fixed_costs(engine, verify):
 
 @pytest.fixture(scope="module")
 def pairs(tiny):
-    return {"alone": load_pair(tiny["verifier"], None, None, "cpu", "float32"),
-            "close": load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32")}
+    return {
+        "alone": load_pair(tiny["verifier"], None, None, "cpu", "float32"),
+        "close": load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32"),
+    }
 
 
 @pytest.mark.parametrize("which", ["alone", "close"])
@@ -215,8 +220,9 @@ def test_sps_with_suffix_drafts_reproduces_the_verifier_distribution(pairs, samp
     if adaptive:  # a draft pays where its acceptance, as calibrated, is over 5% (not this machine's timings)
         fixed_costs(engine, {1: 0.1, 2: 0.105})
     for seed in range(1500):
-        params = GenerationParams(sampling=sp, rule="sps", num_draft_tokens=2, max_tokens=2, ignore_eos=True, seed=seed,
-                                  adaptive_k=adaptive)
+        params = GenerationParams(
+            sampling=sp, rule="sps", num_draft_tokens=2, max_tokens=2, ignore_eos=True, seed=seed, adaptive_k=adaptive
+        )
         tokens, stats, events = run(engine, ids, params)
         drafted += stats.num_draft_tokens
         ks.add(events[0].num_drafted)
@@ -253,8 +259,25 @@ def test_cli_suffix_drafting_and_remember(tiny, tmp_path):
     path = tmp_path / "history.json"
     docs = []
     for _ in range(2):
-        r = runner.invoke(app, ["generate", prompt, *args, "--draft", "suffix", "-n", 16, "-k", "4", "-t", 0,
-                                "--json", "--remember", str(path)])
+        r = runner.invoke(
+            app,
+            [
+                "generate",
+                prompt,
+                *args,
+                "--draft",
+                "suffix",
+                "-n",
+                16,
+                "-k",
+                "4",
+                "-t",
+                0,
+                "--json",
+                "--remember",
+                str(path),
+            ],
+        )
         assert r.exit_code == 0, r.output
         docs.append(json.loads(r.stdout))
     assert docs[0]["settings"]["remember"] == str(path)
@@ -265,24 +288,57 @@ def test_cli_suffix_drafting_and_remember(tiny, tmp_path):
     r = runner.invoke(app, ["generate", prompt, *args, "--draft", "suffix", "-n", 4, "--json", "--remember", str(path)])
     assert r.exit_code == 0 and "cannot be read" in r.stderr and "Traceback" not in r.output
     assert json.loads(path.read_text())["format"] == "cactus-suffix-history"  # replaced by a good one
-    assert_one_line_error(runner.invoke(app, ["generate", "hi", *args, "--draft", "ngram", "--remember", str(path)]),
-                          "--remember applies only to the suffix drafter")
-    assert_one_line_error(runner.invoke(app, ["generate", "hi", *args, "--draft", "suffix+"]),
-                          "suffix+MODEL needs a model")
-    assert_one_line_error(runner.invoke(app, ["generate", "hi", *args, "--draft", "suffix", "--remember",
-                                              str(tmp_path / "no" / "h.json")]), "does not exist")
+    assert_one_line_error(
+        runner.invoke(app, ["generate", "hi", *args, "--draft", "ngram", "--remember", str(path)]),
+        "--remember applies only to the suffix drafter",
+    )
+    assert_one_line_error(
+        runner.invoke(app, ["generate", "hi", *args, "--draft", "suffix+"]), "suffix+MODEL needs a model"
+    )
+    assert_one_line_error(
+        runner.invoke(
+            app, ["generate", "hi", *args, "--draft", "suffix", "--remember", str(tmp_path / "no" / "h.json")]
+        ),
+        "does not exist",
+    )
 
 
 def test_bench_takes_drafts_as_grid_values(tiny):
     runner = CliRunner()
-    r = runner.invoke(app, ["bench", *pair_args(tiny, "draft_close")[:2], "--draft",
-                            f"ngram,suffix,{tiny['draft_close']}", "--device", "cpu", "--dtype", "float32",
-                            "--category", "grounded", "--limit", 2, "-n", 8, "--rules", "sps", "-k", "2", "--json"])
+    r = runner.invoke(
+        app,
+        [
+            "bench",
+            *pair_args(tiny, "draft_close")[:2],
+            "--draft",
+            f"ngram,suffix,{tiny['draft_close']}",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--category",
+            "grounded",
+            "--limit",
+            2,
+            "-n",
+            8,
+            "--rules",
+            "sps",
+            "-k",
+            "2",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)["results"]
-    assert [row["config"] for row in rows] == ["verifier alone", "sps k=2 · ngram", "sps k=2 · suffix",
-                                               f"sps k=2 · {tiny['draft_close']}"]
+    assert [row["config"] for row in rows] == [
+        "verifier alone",
+        "sps k=2 · ngram",
+        "sps k=2 · suffix",
+        f"sps k=2 · {tiny['draft_close']}",
+    ]
     assert [row["draft"] for row in rows] == [None, "ngram", "suffix", tiny["draft_close"]]
     assert set(rows[2]["draft_sources"]) == {"suffix"} and set(rows[3]["draft_sources"]) == {"model"}
-    assert_one_line_error(runner.invoke(app, ["bench", *pair_args(tiny), "--draft", "ngram,suffix+"]),
-                          "suffix+MODEL needs a model")
+    assert_one_line_error(
+        runner.invoke(app, ["bench", *pair_args(tiny), "--draft", "ngram,suffix+"]), "suffix+MODEL needs a model"
+    )

@@ -62,9 +62,18 @@ def test_a_rule_defined_here_runs_through_verify_exactness_and_the_meter(geo):
 
 def test_a_rule_defined_here_runs_in_the_engine(geo, tiny):
     pair = load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32")
-    params = GenerationParams(sampling=SamplingParams(1.0, 0, 1.0), rule="geo", rule_kwargs={"w": 0.5},
-                              num_draft_tokens=3, max_tokens=24, ignore_eos=True, measure=True)
+    params = GenerationParams(
+        sampling=SamplingParams(1.0, 0, 1.0),
+        rule="geo",
+        rule_kwargs={"w": 0.5},
+        num_draft_tokens=3,
+        max_tokens=24,
+        ignore_eos=True,
+        measure=True,
+    )
     events = list(SpeculativeEngine(pair).generate(pair.tokenizer("the cat sat")["input_ids"], params))
     assert sum(len(ev.emitted) for ev in events) == 24
     assert sum(len(ev.accepted) for ev in events) > 0
-    assert all(kl >= 0 for ev in events for kl in ev.realized_kl) and any(kl > 0 for ev in events for kl in ev.realized_kl)
+    assert all(kl >= 0 for ev in events for kl in ev.realized_kl) and any(
+        kl > 0 for ev in events for kl in ev.realized_kl
+    )

@@ -24,15 +24,39 @@ from tests.helpers import cactus_run, decoding, listening_addresses, tiny_args, 
 
 
 def cactus(tiny, *args, **kwargs) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "cactus_cli", *args, "--verifier", tiny["verifier"], "--draft", tiny["draft_close"],
-           "--device", "cpu", "--compile", "off"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"),
-                          **kwargs)
+    cmd = [
+        sys.executable,
+        "-m",
+        "cactus_cli",
+        *args,
+        "--verifier",
+        tiny["verifier"],
+        "--draft",
+        tiny["draft_close"],
+        "--device",
+        "cpu",
+        "--compile",
+        "off",
+    ]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"), **kwargs
+    )
 
 
 def text(tiny, tp, *args) -> str:
-    r = cactus(tiny, "generate", "the cat sat on the mat and then", "--tp", str(tp), "-n", "24", "--json",
-               "--dtype", "float32", *args)
+    r = cactus(
+        tiny,
+        "generate",
+        "the cat sat on the mat and then",
+        "--tp",
+        str(tp),
+        "-n",
+        "24",
+        "--json",
+        "--dtype",
+        "float32",
+        *args,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(r.stdout)
     assert doc["settings"]["dtype_resolved"] == "float32"
@@ -54,8 +78,9 @@ def test_tp2_seeded_sampling_gives_the_same_text(tiny):
 def test_bad_n_is_one_line(tiny):
     r = cactus(tiny, "generate", "hi", "--tp", "3")
     assert r.returncode == 2
-    assert r.stderr.strip() == ("error: --tp 3: the verifier has 4 attention heads and 2 key/value heads; "
-                                "N must divide both (e.g. --tp 2)")
+    assert r.stderr.strip() == (
+        "error: --tp 3: the verifier has 4 attention heads and 2 key/value heads; N must divide both (e.g. --tp 2)"
+    )
     r = cactus(tiny, "generate", "hi", "--tp", "2", "--dtype", "bfloat16")
     assert r.returncode == 2 and "gloo in float32" in r.stderr
     r = cactus(tiny, "bench", "--tp", "2", "--compare-hf")
@@ -63,12 +88,14 @@ def test_bad_n_is_one_line(tiny):
 
 
 def test_check_tp_names_the_problem(monkeypatch):
-    no_plan = types.SimpleNamespace(architectures=["ToyForCausalLM"], base_model_tp_plan=None,
-                                    num_attention_heads=8, num_key_value_heads=8)
+    no_plan = types.SimpleNamespace(
+        architectures=["ToyForCausalLM"], base_model_tp_plan=None, num_attention_heads=8, num_key_value_heads=8
+    )
     with pytest.raises(ConfigError, match="no tensor-parallel plan for ToyForCausalLM"):
         check_tp(2, no_plan, torch.device("cpu"), "toy")
-    ok = types.SimpleNamespace(base_model_tp_plan={"layers.*.self_attn.q_proj": "colwise"},
-                               num_attention_heads=8, num_key_value_heads=8)
+    ok = types.SimpleNamespace(
+        base_model_tp_plan={"layers.*.self_attn.q_proj": "colwise"}, num_attention_heads=8, num_key_value_heads=8
+    )
     check_tp(8, ok, torch.device("cpu"), "toy")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match=r"--tp 2: only 1 GPU visible; use --tp 1 or fewer"):
@@ -77,11 +104,31 @@ def test_check_tp_names_the_problem(monkeypatch):
 
 def _start_long_run(tiny):
     # a bench over every built-in prompt: minutes of decoding (one generate fills the tiny context in seconds)
-    cmd = [sys.executable, "-m", "cactus_cli", "bench", "--verifier", tiny["verifier"], "--draft",
-           tiny["draft_close"], "--device", "cpu", "--compile", "off", "--tp", "2", "--rules", "sps", "-k", "4",
-           "-n", "400"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "cactus_cli",
+        "bench",
+        "--verifier",
+        tiny["verifier"],
+        "--draft",
+        tiny["draft_close"],
+        "--device",
+        "cpu",
+        "--compile",
+        "off",
+        "--tp",
+        "2",
+        "--rules",
+        "sps",
+        "-k",
+        "4",
+        "-n",
+        "400",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1")
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # until the follower is up and the run is decoding
         children = _children(proc.pid)
@@ -120,7 +167,8 @@ def test_a_killed_follower_ends_the_run_within_seconds(tiny):
     assert time.monotonic() - t0 < 10
     assert proc.returncode == 1
     assert proc.stderr.read().strip().splitlines()[-1] == (
-        "error: tensor-parallel rank 1 exited with code -9; stopping every rank")
+        "error: tensor-parallel rank 1 exited with code -9; stopping every rank"
+    )
 
 
 def test_a_killed_rank0_ends_the_follower_and_ctrl_c_stops_every_rank(tiny):
@@ -142,10 +190,36 @@ def test_a_killed_rank0_ends_the_follower_and_ctrl_c_stops_every_rank(tiny):
 
 def test_under_torchrun(tiny):
     # every rank runs the command; ranks > 0 turn into followers and print nothing
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "cactus_cli", "generate",
-           "the cat sat on the mat and then", "--verifier", tiny["verifier"], "--draft", tiny["draft_close"],
-           "--device", "cpu", "--compile", "off", "--dtype", "float32", "--tp", "2", "-n", "24", "-t", "0", "-k", "4",
-           "--plain"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "cactus_cli",
+        "generate",
+        "the cat sat on the mat and then",
+        "--verifier",
+        tiny["verifier"],
+        "--draft",
+        tiny["draft_close"],
+        "--device",
+        "cpu",
+        "--compile",
+        "off",
+        "--dtype",
+        "float32",
+        "--tp",
+        "2",
+        "-n",
+        "24",
+        "-t",
+        "0",
+        "-k",
+        "4",
+        "--plain",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == text(tiny, 1, "-t", "0", "-k", "4").strip()
@@ -163,11 +237,13 @@ def test_a_follower_whose_rank0_pipe_ends_cleans_up_at_once_whatever_its_main_th
     store.write_text("")
     log = tmp_path / "cactus-tp-rank1-x.log"
     log.write_text("")
-    busy = ("import threading, time\n"
-            "from cactus_cli.app import follower\n"
-            "threading.Thread(target=follower._watch_rank0, daemon=True).start()\n"
-            "print('ready', flush=True)\n"
-            "sum(i * i for i in range(10**10))\n")  # the main thread busy in Python, holding the GIL often
+    busy = (
+        "import threading, time\n"
+        "from cactus_cli.app import follower\n"
+        "threading.Thread(target=follower._watch_rank0, daemon=True).start()\n"
+        "print('ready', flush=True)\n"
+        "sum(i * i for i in range(10**10))\n"
+    )  # the main thread busy in Python, holding the GIL often
     env = dict(os.environ, **{group.LOG_ENV: str(log), group.STORE_ENV: str(store)})
     proc = subprocess.Popen([sys.executable, "-c", busy], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     try:
@@ -190,9 +266,16 @@ def test_a_group_environment_without_a_peer(tiny):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     t0 = time.monotonic()
-    r = cactus_run(["generate", "hi", "--tp", "2", "-n", "4", *tiny_args(tiny)],
-                env={"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                     "CACTUS_TP_RENDEZVOUS_SECONDS": "3"})
+    r = cactus_run(
+        ["generate", "hi", "--tp", "2", "-n", "4", *tiny_args(tiny)],
+        env={
+            "WORLD_SIZE": "2",
+            "RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "CACTUS_TP_RENDEZVOUS_SECONDS": "3",
+        },
+    )
     assert time.monotonic() - t0 < 60  # waited for 7 days before
     assert r.returncode == 2, r.stderr
     assert "waiting up to 3 s for 2 tensor-parallel ranks" in r.stderr
@@ -202,8 +285,23 @@ def test_a_group_environment_without_a_peer(tiny):
 def test_tp_listens_on_loopback_only_and_leaves_nothing_behind(tiny, tmp_path, isolated_home):
     pytest.importorskip("psutil")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
-    cmd = [sys.executable, "-m", "cactus_cli", "bench", *tiny_args(tiny), "--dtype", "float32", "--tp", "2",
-           "--rules", "sps", "-k", "4", "-n", "400"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cactus_cli",
+        "bench",
+        *tiny_args(tiny),
+        "--dtype",
+        "float32",
+        "--tp",
+        "2",
+        "--rules",
+        "sps",
+        "-k",
+        "4",
+        "-n",
+        "400",
+    ]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         shutil.rmtree(isolated_home / "costs", ignore_errors=True)
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)

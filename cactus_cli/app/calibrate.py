@@ -43,11 +43,13 @@ DEFAULT_MAX_DIVERGENCE = 0.05
 KEEP_K = 3  # how many k the cost model lets through to be timed
 SWEEP_K = 4  # the delta sweep's k when the profile's k is auto
 
+
 def measured_speedup(costs: CostModel, a: float, k: int) -> float:
     """Expected tokens per second at k over plain decoding's 1 / t_v(1), with the verifier's cost
     measured per width (Leviathan et al.'s (1 - a^(k+1)) / ((1 - a)(1 + k c)) assumes t_v(k+1) =
     t_v(1), which is false by 4-8x on an AVX2 CPU)."""
     return tokens_per_second(costs, a, k) * costs.t_v(1)
+
 
 @dataclass
 class DeltaPoint:
@@ -60,15 +62,26 @@ class DeltaPoint:
         graded = {}
         if self.result.graded:  # --tasks: accuracy, and its change from delta = 0 over the same problems
             d, lo, hi, n = paired_difference(self.result.pass_rates(), ref.pass_rates())
-            graded = {"accuracy": self.result.correct / self.result.graded, "accuracy_vs_sps": d,
-                      "accuracy_vs_sps_ci95": [lo, hi], "problems": n}
-        return {**graded, "delta": self.delta, "acceptance_rate": m["draft_acceptance_rate"],
-                "per_token_acceptance": m["per_token_acceptance"],
-                "mean_accepted_tokens_per_step": m["mean_accepted_tokens_per_step"],
-                "tokens_per_second_metered": m["tokens_per_second"], "realized_kl_mean": m["realized_kl_mean"],
-                "realized_kl_p90": m["realized_kl_p90"], "realized_tv_mean": m["realized_tv_mean"],
-                "mean_verifier_loglik": ll,
-                "loglik_vs_sps": (ll - ref_loglik) if ll is not None and ref_loglik is not None else None}
+            graded = {
+                "accuracy": self.result.correct / self.result.graded,
+                "accuracy_vs_sps": d,
+                "accuracy_vs_sps_ci95": [lo, hi],
+                "problems": n,
+            }
+        return {
+            **graded,
+            "delta": self.delta,
+            "acceptance_rate": m["draft_acceptance_rate"],
+            "per_token_acceptance": m["per_token_acceptance"],
+            "mean_accepted_tokens_per_step": m["mean_accepted_tokens_per_step"],
+            "tokens_per_second_metered": m["tokens_per_second"],
+            "realized_kl_mean": m["realized_kl_mean"],
+            "realized_kl_p90": m["realized_kl_p90"],
+            "realized_tv_mean": m["realized_tv_mean"],
+            "mean_verifier_loglik": ll,
+            "loglik_vs_sps": (ll - ref_loglik) if ll is not None and ref_loglik is not None else None,
+        }
+
 
 @dataclass
 class Calibration:
@@ -85,8 +98,13 @@ class Calibration:
     reason: str = ""
     advice: str = ""  # said plainly when speculation with this draft does not pay here
 
-def choose_delta(rows: list[dict[str, Any]], max_divergence: float, max_quality_drop: float | None,
-                 max_accuracy_drop: float | None = None) -> tuple[float, str]:
+
+def choose_delta(
+    rows: list[dict[str, Any]],
+    max_divergence: float,
+    max_quality_drop: float | None,
+    max_accuracy_drop: float | None = None,
+) -> tuple[float, str]:
     """The largest delta within every constraint given; ``max_accuracy_drop`` in points of
     accuracy (the paired difference from delta = 0, its point estimate)."""
     ok = []
@@ -109,6 +127,7 @@ def choose_delta(rows: list[dict[str, Any]], max_divergence: float, max_quality_
         why += f" and accuracy drop <= {max_accuracy_drop:g} points (paired, vs delta = 0)"
     return best, why
 
+
 def validate(settings: Settings, deltas: list[float], ks: list[int]) -> None:
     """Everything a calibration checks, before any model loads."""
 
@@ -117,14 +136,26 @@ def validate(settings: Settings, deltas: list[float], ks: list[int]) -> None:
     check_each("delta", deltas, "--delta")
     check_each("max_draft_tokens", ks, "-k")  # fixed k only: the same 1..64 range
 
+
 def sweep_k(settings: Settings, ks: list[int]) -> int:
     """The k of the delta sweep: the candidate nearest the profile's k (SWEEP_K for -k auto)."""
     want = SWEEP_K if settings.num_draft_tokens == "auto" else int(settings.num_draft_tokens)
     return min(ks, key=lambda k: (abs(k - want), k))
 
-def run(engine, settings: Settings, prompts, base, deltas: list[float], ks: list[int], max_divergence: float,
-        max_quality_drop: float | None, on_prompt: Callable[[str], None], grade: Grade | None = None,
-        max_accuracy_drop: float | None = None) -> Calibration:
+
+def run(
+    engine,
+    settings: Settings,
+    prompts,
+    base,
+    deltas: list[float],
+    ks: list[int],
+    max_divergence: float,
+    max_quality_drop: float | None,
+    on_prompt: Callable[[str], None],
+    grade: Grade | None = None,
+    max_accuracy_drop: float | None = None,
+) -> Calibration:
     """``grade``: the prompts are tasks (--tasks), each delta's answers graded."""
     validate(settings, deltas, ks)
     k0 = sweep_k(settings, ks)
@@ -132,8 +163,17 @@ def run(engine, settings: Settings, prompts, base, deltas: list[float], ks: list
     extra = {k: v for k, v in settings.rule_kwargs().items() if k != "delta"}
 
     # 1. delta sweep at k0, meter on; 2. delta from the constraints
-    points = _sweep_deltas(engine, settings.rule, k0, extra, prompts, replace(base, measure=True),
-                           sorted(set([0.0] + list(deltas))), on_prompt, grade)
+    points = _sweep_deltas(
+        engine,
+        settings.rule,
+        k0,
+        extra,
+        prompts,
+        replace(base, measure=True),
+        sorted(set([0.0] + list(deltas))),
+        on_prompt,
+        grade,
+    )
     cal.deltas = [pt.row(points[0].result.stats.mean_verifier_loglik, points[0].result) for pt in points]
     cal.chosen_delta, cal.reason = choose_delta(cal.deltas, max_divergence, max_quality_drop, max_accuracy_drop)
     chosen = next(pt for pt in points if pt.delta == cal.chosen_delta)
@@ -146,13 +186,29 @@ def run(engine, settings: Settings, prompts, base, deltas: list[float], ks: list
         run_speculative(engine, cfg, prompts, timed, lambda: on_prompt(label), sink)
         return sink[0]
 
-    _choose_k(cal, engine.costs.costs, chosen, ks, {**extra, "delta": cal.chosen_delta}, settings.max_draft_tokens,
-              time_config)
+    _choose_k(
+        cal,
+        engine.costs.costs,
+        chosen,
+        ks,
+        {**extra, "delta": cal.chosen_delta},
+        settings.max_draft_tokens,
+        time_config,
+    )
     return cal
 
 
-def _sweep_deltas(engine, rule: str, k0: int, extra: dict[str, Any], prompts, metered, deltas: list[float],
-                  on_prompt: Callable[[str], None], grade: Grade | None = None) -> list[DeltaPoint]:
+def _sweep_deltas(
+    engine,
+    rule: str,
+    k0: int,
+    extra: dict[str, Any],
+    prompts,
+    metered,
+    deltas: list[float],
+    on_prompt: Callable[[str], None],
+    grade: Grade | None = None,
+) -> list[DeltaPoint]:
     points: list[DeltaPoint] = []
     for d in deltas:
         cfg = BenchConfig("speculative", rule, k0, {**extra, "delta": d})
@@ -162,8 +218,15 @@ def _sweep_deltas(engine, rule: str, k0: int, extra: dict[str, Any], prompts, me
     return points
 
 
-def _choose_k(cal: Calibration, costs: CostModel, chosen: DeltaPoint, ks: list[int], kd: dict[str, Any], k_max: int,
-              time_config: Callable[[BenchConfig, str], ConfigResult]) -> None:
+def _choose_k(
+    cal: Calibration,
+    costs: CostModel,
+    chosen: DeltaPoint,
+    ks: list[int],
+    kd: dict[str, Any],
+    k_max: int,
+    time_config: Callable[[BenchConfig, str], ConfigResult],
+) -> None:
     """Time the verifier alone, the k the cost model (the probe plus every step so far) ranks
     best, k0 and -k auto; keep the fastest, or auto when plain decoding wins."""
     rule, k0 = cal.rule, cal.k0
@@ -182,56 +245,93 @@ def _choose_k(cal: Calibration, costs: CostModel, chosen: DeltaPoint, ks: list[i
     cal.meter_overhead = chosen.result.stats.total_seconds / sweep_s - 1 if sweep_s else None
     for k in sorted(ks):
         res = measured.get(k)
-        cal.ks.append({"k": k, "predicted_speedup": measured_speedup(costs, a, k),
-                       "tokens_per_second": res.stats.tokens_per_second if res else None,
-                       "mean_accepted_tokens_per_step": res.stats.mean_accepted_tokens_per_step if res else None,
-                       "timed": res is not None})
-    cal.ks.append({"k": "auto", "predicted_speedup": None, "tokens_per_second": auto.stats.tokens_per_second,
-                   "mean_accepted_tokens_per_step": auto.stats.mean_accepted_tokens_per_step, "timed": True,
-                   "mean_k": auto.stats.mean_k})
+        cal.ks.append(
+            {
+                "k": k,
+                "predicted_speedup": measured_speedup(costs, a, k),
+                "tokens_per_second": res.stats.tokens_per_second if res else None,
+                "mean_accepted_tokens_per_step": res.stats.mean_accepted_tokens_per_step if res else None,
+                "timed": res is not None,
+            }
+        )
+    cal.ks.append(
+        {
+            "k": "auto",
+            "predicted_speedup": None,
+            "tokens_per_second": auto.stats.tokens_per_second,
+            "mean_accepted_tokens_per_step": auto.stats.mean_accepted_tokens_per_step,
+            "timed": True,
+            "mean_k": auto.stats.mean_k,
+        }
+    )
     cal.chosen_k = max(measured, key=lambda k: measured[k].stats.tokens_per_second or 0.0)
     best = measured[cal.chosen_k].stats.tokens_per_second or 0.0
     plain_tps = cal.plain_tokens_per_second or 0.0
     if plain_tps >= best or max([0] + list(ks), key=lambda k: measured_speedup(costs, a, k)) == 0:
         cal.chosen_k = "auto"  # drafts only when it pays: on this machine, mostly plain decoding
-        cal.advice = (f"speculation with this draft does not pay on this machine: the verifier alone ran "
-                      f"{plain_tps:.2f} tok/s, the best speculative setting {best:.2f} tok/s "
-                      f"(a draft token costs {cal.cost_ratio or 0:.2f} of a 1-token verify, a {max(ks) + 1}-token "
-                      f"verify {cal.verify_cost_by_width.get(str(max(ks) + 1), 0):.2f}x one); k = auto is chosen, "
-                      "which falls back to plain decoding (k = 0) and drafts again when it pays. --draft none "
-                      "runs the verifier alone; a cheaper draft, or a faster dtype (--dtype), may change this.")
+        cal.advice = (
+            f"speculation with this draft does not pay on this machine: the verifier alone ran "
+            f"{plain_tps:.2f} tok/s, the best speculative setting {best:.2f} tok/s "
+            f"(a draft token costs {cal.cost_ratio or 0:.2f} of a 1-token verify, a {max(ks) + 1}-token "
+            f"verify {cal.verify_cost_by_width.get(str(max(ks) + 1), 0):.2f}x one); k = auto is chosen, "
+            "which falls back to plain decoding (k = 0) and drafts again when it pays. --draft none "
+            "runs the verifier alone; a cheaper draft, or a faster dtype (--dtype), may change this."
+        )
 
 
-def document(cal: Calibration, settings: Settings, prompts, max_divergence: float,
-             max_quality_drop: float | None, env: dict[str, Any], max_accuracy_drop: float | None = None) -> dict[str, Any]:
+def document(
+    cal: Calibration,
+    settings: Settings,
+    prompts,
+    max_divergence: float,
+    max_quality_drop: float | None,
+    env: dict[str, Any],
+    max_accuracy_drop: float | None = None,
+) -> dict[str, Any]:
     return {
         "schema_version": 1,
         "rule": cal.rule,
-        "chosen": {"delta": cal.chosen_delta, "num_draft_tokens": cal.chosen_k, "reason": cal.reason,
-                   "advice": cal.advice},
-        "constraints": {"max_divergence": max_divergence, "max_quality_drop": max_quality_drop,
-                        "max_accuracy_drop": max_accuracy_drop},
+        "chosen": {
+            "delta": cal.chosen_delta,
+            "num_draft_tokens": cal.chosen_k,
+            "reason": cal.reason,
+            "advice": cal.advice,
+        },
+        "constraints": {
+            "max_divergence": max_divergence,
+            "max_quality_drop": max_quality_drop,
+            "max_accuracy_drop": max_accuracy_drop,
+        },
         "delta_sweep": {"k": cal.k0, "rows": cal.deltas},
-        "k_sweep": {"delta": cal.chosen_delta, "cost_ratio": cal.cost_ratio,
-                    "verify_cost_by_width": cal.verify_cost_by_width,
-                    "verifier_alone_tokens_per_second": cal.plain_tokens_per_second, "rows": cal.ks},
+        "k_sweep": {
+            "delta": cal.chosen_delta,
+            "cost_ratio": cal.cost_ratio,
+            "verify_cost_by_width": cal.verify_cost_by_width,
+            "verifier_alone_tokens_per_second": cal.plain_tokens_per_second,
+            "rows": cal.ks,
+        },
         "meter_overhead": cal.meter_overhead,
         "prompts": [p.id for p in prompts],
         "environment": env,
         "settings": settings.to_dict(),
     }
 
+
 # --------------------------------------------------------------------------- saving
+
 
 def save_target(name_or_path: str) -> Path:
     """NAME -> the user profile folder; anything path-like -> that file. Never a built-in."""
     looks_like_path = name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path
     path = Path(name_or_path).expanduser() if looks_like_path else user_profile_dir() / f"{name_or_path}.yaml"
     if path.resolve().parent == builtin_profile_dir().resolve():
-        raise ConfigError(f"--save: {path} is a built-in profile; save under another name (it goes to {user_profile_dir()})")
+        raise ConfigError(
+            f"--save: {path} is a built-in profile; save under another name (it goes to {user_profile_dir()})"
+        )
     if not looks_like_path and not name_or_path.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise ConfigError(f"--save: {name_or_path!r} is not a usable profile name (letters, digits, - _ .)")
     return path
+
 
 def check_save_target(target: Path) -> None:
     """Before the run: the user profile folder is created when missing (saving there is what
@@ -241,10 +341,13 @@ def check_save_target(target: Path) -> None:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise ConfigError(f"--save: cannot create the profile folder {target.parent} ({err.strerror or err})") from None
+            raise ConfigError(
+                f"--save: cannot create the profile folder {target.parent} ({err.strerror or err})"
+            ) from None
     check_output_file(target, "--save")
     if target.is_file():
         load_profile(str(target))  # its other keys are kept: it must be a valid profile
+
 
 def save_profile(target: Path, base_profile: str | None, settings: Settings, doc: dict[str, Any]) -> Path:
     """Write the chosen delta and k and a calibration block, keeping every other key of the
@@ -252,8 +355,13 @@ def save_profile(target: Path, base_profile: str | None, settings: Settings, doc
     import yaml
 
     data: dict[str, Any] = {}
-    source = target if target.is_file() else find_profile(base_profile or "default") if (
-        base_profile or any(n == "default" for n, _, _ in list_profiles())) else None
+    source = (
+        target
+        if target.is_file()
+        else find_profile(base_profile or "default")
+        if (base_profile or any(n == "default" for n, _, _ in list_profiles()))
+        else None
+    )
     if source is not None:
         loaded, _ = load_profile(str(source))  # a broken file is an error naming it, never overwritten
         data.update(loaded)

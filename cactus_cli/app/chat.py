@@ -29,11 +29,32 @@ HELP = """commands:
   /exit               leave (Ctrl-D works too)
 multi-line input: end a line with \\ to continue, or wrap a block in triple quotes \"\"\""""
 
-SETTABLE = {"rule": "rule", "delta": "delta", "k": "num_draft_tokens", "num_draft_tokens": "num_draft_tokens",
-            "max_draft_tokens": "max_draft_tokens",
-            "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_tokens": "max_tokens"}
-MODEL_KEYS = ("verifier", "draft", "tokenizer", "cross_vocab", "device", "dtype", "ngram_max", "ngram_min", "remember", "compile",
-              "quantize", "tp")
+SETTABLE = {
+    "rule": "rule",
+    "delta": "delta",
+    "k": "num_draft_tokens",
+    "num_draft_tokens": "num_draft_tokens",
+    "max_draft_tokens": "max_draft_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "max_tokens": "max_tokens",
+}
+MODEL_KEYS = (
+    "verifier",
+    "draft",
+    "tokenizer",
+    "cross_vocab",
+    "device",
+    "dtype",
+    "ngram_max",
+    "ngram_min",
+    "remember",
+    "compile",
+    "quantize",
+    "tp",
+)
+
 
 @dataclass
 class Turn:
@@ -41,6 +62,7 @@ class Turn:
     reply: str
     interrupted: bool
     stats: dict[str, Any]
+
 
 @dataclass
 class ChatSession:
@@ -146,7 +168,9 @@ class ChatSession:
         key, sep, raw = arg.partition("=")
         key = key.strip().lower()
         if not sep or key not in SETTABLE:
-            raise ConfigError(f"/set expects KEY=VALUE with KEY one of: {', '.join(k for k in SETTABLE if k != 'num_draft_tokens')}")
+            raise ConfigError(
+                f"/set expects KEY=VALUE with KEY one of: {', '.join(k for k in SETTABLE if k != 'num_draft_tokens')}"
+            )
         try:
             value = parse_yaml(raw.strip(), f"/set {key}")
         except ConfigError:
@@ -158,12 +182,16 @@ class ChatSession:
         if field_name in ("num_draft_tokens", "max_draft_tokens") and self.settings.draft is None:
             raise ConfigError(f"/set {key}: there is no draft model in this session")
         if field_name == "max_draft_tokens" and self.settings.num_draft_tokens != "auto":
-            raise ConfigError(f"/set {key}: applies only with -k auto (this session fixes k = "
-                              f"{self.settings.num_draft_tokens}); /set k=auto first")
+            raise ConfigError(
+                f"/set {key}: applies only with -k auto (this session fixes k = "
+                f"{self.settings.num_draft_tokens}); /set k=auto first"
+            )
 
         trial = Settings(**{**self.settings.to_dict(), field_name: value})
         if field_name == "delta" and "delta" not in RULES[trial.rule].param_names():
-            raise ConfigError(f"/set delta: has no effect with rule {trial.rule!r}; /set rule=cactus or cactus-exact first")
+            raise ConfigError(
+                f"/set delta: has no effect with rule {trial.rule!r}; /set rule=cactus or cactus-exact first"
+            )
         trial.rule_kwargs()  # the rule and its parameters must still agree
         self.settings = trial
         self.out.info(f"{key} = {value} (from the next turn)")
@@ -181,8 +209,11 @@ class ChatSession:
             raise ConfigError(f"/save {arg}: is a directory; give a file path")
         if not path.parent.is_dir():
             raise ConfigError(f"/save {arg}: folder {path.parent} does not exist")
-        doc = {"settings": self.settings.to_dict(), "turns": [t.__dict__ for t in self.turns],
-               "stats": self.totals.to_dict()}
+        doc = {
+            "settings": self.settings.to_dict(),
+            "turns": [t.__dict__ for t in self.turns],
+            "stats": self.totals.to_dict(),
+        }
         if path.suffix.lower() == ".json":
             text = json.dumps(doc, indent=2)
         else:
@@ -190,8 +221,16 @@ class ChatSession:
             if self.settings.system:
                 lines += [f"**system:** {self.settings.system}", ""]
             for t in self.turns:
-                lines += ["## user", "", t.user, "", "## assistant" + (" (interrupted)" if t.interrupted else ""), "",
-                          t.reply, ""]
+                lines += [
+                    "## user",
+                    "",
+                    t.user,
+                    "",
+                    "## assistant" + (" (interrupted)" if t.interrupted else ""),
+                    "",
+                    t.reply,
+                    "",
+                ]
             text = "\n".join(lines) + "\n"
         try:
             atomic_write(path, text)
@@ -206,12 +245,15 @@ class ChatSession:
         new = replace(new, seed=self.settings.seed)
         if any(getattr(new, k) != getattr(self.settings, k) for k in MODEL_KEYS):
             if self.settings.tp > 1 or new.tp > 1:
-                raise ConfigError(f"/profile {name}: other models under --tp need a new `cactus chat`; "
-                                  "this session keeps its tensor-parallel group")
+                raise ConfigError(
+                    f"/profile {name}: other models under --tp need a new `cactus chat`; "
+                    "this session keeps its tensor-parallel group"
+                )
             self.out.info(f"loading the models of profile {name}…")
             self.engine = self.load_engine(new)
         self.settings = new
         self.out.info(f"profile {name}: rule={new.rule} delta={new.delta} k={new.num_draft_tokens}")
+
 
 def _line_source(interactive: bool, history_file: Path | None) -> Callable[[str], str]:
     """input() with line editing and history on a terminal; UTF-8 lines from stdin otherwise."""

@@ -23,8 +23,9 @@ FILE = "progress.jsonl"
 def run_key(settings: dict[str, Any], labels: list[str], samples: int, problems: list[str]) -> str:
     """What must match for earlier results to count as this run's."""
     keep = {k: v for k, v in settings.items() if k not in ("description", "remember")}
-    doc = json.dumps({"settings": keep, "grid": labels, "samples": samples, "problems": problems}, sort_keys=True,
-                     default=str)
+    doc = json.dumps(
+        {"settings": keep, "grid": labels, "samples": samples, "problems": problems}, sort_keys=True, default=str
+    )
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
 
 
@@ -35,8 +36,10 @@ class Checkpoint:
         self.done: dict[str, list[Generated]] = {}
         if self.path.is_file() and self.path.stat().st_size:
             if not resume:
-                raise ConfigError(f"--out {folder} already holds an eval ({FILE}); add --resume to go on with it, "
-                                  "or give another folder")
+                raise ConfigError(
+                    f"--out {folder} already holds an eval ({FILE}); add --resume to go on with it, "
+                    "or give another folder"
+                )
             self._read()
         else:  # a fresh start (also --resume on a folder with nothing to resume)
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -50,13 +53,22 @@ class Checkpoint:
         except (json.JSONDecodeError, IndexError):
             raise ConfigError(f"{self.path}: not an eval progress file; give another --out folder") from None
         if head.get("run") != self.key:
-            raise ConfigError(f"--resume: {self.path} is from a run with other settings, grid, samples or problems "
-                              "(each must match); give another --out folder, or the same options as that run")
+            raise ConfigError(
+                f"--resume: {self.path} is from a run with other settings, grid, samples or problems "
+                "(each must match); give another --out folder, or the same options as that run"
+            )
         for n, line in enumerate(lines[1:], start=2):
             try:
                 row = json.loads(line)
-                gens = [Generated(g["label"], SpecStats(**g["stats"]), g["text"],
-                                  tuple(g["verdict"]) if g["verdict"] is not None else None) for g in row["generated"]]
+                gens = [
+                    Generated(
+                        g["label"],
+                        SpecStats(**g["stats"]),
+                        g["text"],
+                        tuple(g["verdict"]) if g["verdict"] is not None else None,
+                    )
+                    for g in row["generated"]
+                ]
             except (json.JSONDecodeError, KeyError, TypeError):
                 if n == len(lines):  # a line cut short by a kill: that problem is simply done again
                     self._truncate(lines[: n - 1])
@@ -69,9 +81,18 @@ class Checkpoint:
 
     def add(self, problem: str, generated: list[Generated]) -> None:
         """One finished problem, on disk before the next starts."""
-        row = {"problem": problem, "generated": [{"label": g.label, "stats": dataclasses.asdict(g.stats), "text": g.text,
-                                                  "verdict": list(g.verdict) if g.verdict is not None else None}
-                                                 for g in generated]}
+        row = {
+            "problem": problem,
+            "generated": [
+                {
+                    "label": g.label,
+                    "stats": dataclasses.asdict(g.stats),
+                    "text": g.text,
+                    "verdict": list(g.verdict) if g.verdict is not None else None,
+                }
+                for g in generated
+            ],
+        }
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()

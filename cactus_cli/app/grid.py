@@ -57,14 +57,21 @@ class BenchConfig:
         defaults = resolve_params(self.rule)
         extra = "".join(
             f" {'δ' if n == 'delta' else n}={v:g}" if isinstance(v, float) else f" {n}={v}"
-            for n, v in self.rule_kwargs.items() if n == "delta" or v != defaults.get(n)
+            for n, v in self.rule_kwargs.items()
+            if n == "delta" or v != defaults.get(n)
         )
         return f"{self.rule}{extra} k={self.k_label}"
 
 
-def build_grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_params: dict[str, Any],
-               compare_hf: bool, k_max: int = 8,
-               variants: list[tuple[str, str, bool, str, str]] = (("torch", "none", False, "", ""),)) -> list[BenchConfig]:
+def build_grid(
+    rules: list[str],
+    deltas: list[float],
+    ks: list[int | str],
+    rule_params: dict[str, Any],
+    compare_hf: bool,
+    k_max: int = 8,
+    variants: list[tuple[str, str, bool, str, str]] = (("torch", "none", False, "", ""),),
+) -> list[BenchConfig]:
     """Per engine variant (backend, quantize, compiled, draft, cross-vocabulary method): the
     baseline (once per backend, quantize and compiled: it drafts nothing), then each rule (x
     delta where it takes one) x k; then HF rows (the first variant with a draft model, eager).
@@ -73,9 +80,13 @@ def build_grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_
     several = [len({v[i] for v in variants}) > 1 for i in range(5)]
 
     def tag(backend: str, quantize: str, compiled: bool, draft: str, cross: str) -> str:
-        parts = (backend if several[0] else "", quantize if several[1] and backend != "llama.cpp" else "",
-                 ("compiled" if compiled else "eager") if several[2] and backend != "llama.cpp" else "",
-                 draft if several[3] else "", cross if several[4] else "")
+        parts = (
+            backend if several[0] else "",
+            quantize if several[1] and backend != "llama.cpp" else "",
+            ("compiled" if compiled else "eager") if several[2] and backend != "llama.cpp" else "",
+            draft if several[3] else "",
+            cross if several[4] else "",
+        )
         return ", ".join(p for p in parts if p)
 
     baselines = set()
@@ -84,20 +95,31 @@ def build_grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_
         if (backend, quantize, compiled) in baselines:
             rows = rows[1:]
         baselines.add((backend, quantize, compiled))
-        grid += [dataclasses.replace(c, backend=backend, quantize=quantize, compiled=compiled, draft=draft, cross=cross,
-                                     tag=tag(backend, quantize, compiled,
-                                             *(("", "") if c.kind == "autoregressive" else (draft, cross))))
-                 for c in rows]
+        grid += [
+            dataclasses.replace(
+                c,
+                backend=backend,
+                quantize=quantize,
+                compiled=compiled,
+                draft=draft,
+                cross=cross,
+                tag=tag(backend, quantize, compiled, *(("", "") if c.kind == "autoregressive" else (draft, cross))),
+            )
+            for c in rows
+        ]
     if compare_hf:
         b, q, c, d, x = next((v for v in variants if v[0] == "torch"), variants[0])
         if b != "torch":
             raise ConfigError("--compare-hf runs transformers' own generate: add torch to --backend")
-        grid += [BenchConfig("hf-assisted", None, k, quantize=q, compiled=c, draft=d, cross=x) for k in ks if k != "auto"]
+        grid += [
+            BenchConfig("hf-assisted", None, k, quantize=q, compiled=c, draft=d, cross=x) for k in ks if k != "auto"
+        ]
     return grid
 
 
-def _grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_params: dict[str, Any],
-          k_max: int) -> list[BenchConfig]:
+def _grid(
+    rules: list[str], deltas: list[float], ks: list[int | str], rule_params: dict[str, Any], k_max: int
+) -> list[BenchConfig]:
     check_each("num_draft_tokens", ks, "-k")
     check_each("delta", deltas, "--delta")
     grid = [BenchConfig("autoregressive")]
@@ -106,15 +128,18 @@ def _grid(rules: list[str], deltas: list[float], ks: list[int | str], rule_param
             raise ConfigError(f"--rules: unknown rule {rule!r}; choose from {', '.join(RULES)}")
         takes = RULES[rule].param_names()
         own = {n: v for n, v in rule_params.items() if n in takes}
-        for delta in (deltas if "delta" in takes else [None]):
+        for delta in deltas if "delta" in takes else [None]:
             kwargs = dict(own, **({"delta": delta} if delta is not None else {}))
             try:
                 kwargs = resolve_params(rule, kwargs)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
             for k in ks:
-                grid.append(BenchConfig("speculative", rule, k_max, kwargs, adaptive=True) if k == "auto"
-                            else BenchConfig("speculative", rule, k, kwargs))
+                grid.append(
+                    BenchConfig("speculative", rule, k_max, kwargs, adaptive=True)
+                    if k == "auto"
+                    else BenchConfig("speculative", rule, k, kwargs)
+                )
     return grid
 
 
@@ -148,10 +173,14 @@ class ConfigResult:
             "mean_k": s.mean_k,
             "draft_sources": s.draft_sources,
             "per_position_acceptance_rate": s.per_position_acceptance_rate,
-            "verifier_forward_passes_per_token": (s.verifier_forward_passes / s.num_output_tokens
-                                                  if s.num_output_tokens and self.config.kind != "hf-assisted" else None),
-            "time_to_first_token": (s.time_to_first_token / max(self.prompts_done, 1)
-                                    if s.time_to_first_token is not None else None),
+            "verifier_forward_passes_per_token": (
+                s.verifier_forward_passes / s.num_output_tokens
+                if s.num_output_tokens and self.config.kind != "hf-assisted"
+                else None
+            ),
+            "time_to_first_token": (
+                s.time_to_first_token / max(self.prompts_done, 1) if s.time_to_first_token is not None else None
+            ),
             # the divergence meter (bench --meter, calibrate): per emitted position
             "realized_kl_mean": kl.get("mean"),
             "realized_kl_p90": kl.get("p90"),
@@ -182,17 +211,31 @@ Grade = Callable[[Prompt, list[str]], list[tuple[bool, str | None]]]  # a proble
 SAMPLE_STRIDE = 1_000_003  # eval --samples: sample s of prompt i is seeded base + i + s * this
 
 
-def run_one(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int], base: GenerationParams,
-            stop: tuple[str, ...] = (), sample: int = 0) -> tuple[SpecStats, str]:
+def run_one(
+    engine: SpeculativeEngine,
+    cfg: BenchConfig,
+    i: int,
+    ids: list[int],
+    base: GenerationParams,
+    stop: tuple[str, ...] = (),
+    sample: int = 0,
+) -> tuple[SpecStats, str]:
     """One configuration on prompt ``i`` (seed = base seed + i, + SAMPLE_STRIDE per further
     sample, so every configuration sees the same seeds): its stats and the text it generated;
     ``stop``: where this prompt's answer ends."""
     if cfg.kind == "hf-assisted":
         return _one_hf(engine, cfg, i, ids, base)
-    params = dataclasses.replace(base, rule=cfg.rule or "sps", rule_kwargs=cfg.rule_kwargs, num_draft_tokens=cfg.k,
-                                 adaptive_k=cfg.adaptive, ignore_eos=False, seed=base.seed + i + sample * SAMPLE_STRIDE,
-                                 stop=base.stop + tuple(stop),
-                                 memory=cfg.label)  # (a drafter with memory learns from this row's own answers only)
+    params = dataclasses.replace(
+        base,
+        rule=cfg.rule or "sps",
+        rule_kwargs=cfg.rule_kwargs,
+        num_draft_tokens=cfg.k,
+        adaptive_k=cfg.adaptive,
+        ignore_eos=False,
+        seed=base.seed + i + sample * SAMPLE_STRIDE,
+        stop=base.stop + tuple(stop),
+        memory=cfg.label,
+    )  # (a drafter with memory learns from this row's own answers only)
     s, text = SpecStats(), []
     for ev in engine.generate(ids, params):
         s.update(ev)
@@ -201,9 +244,15 @@ def run_one(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int],
     return s, trim_stop(out, params.stop) if s.finish_reason == "stop" else out
 
 
-def run_speculative(engine: SpeculativeEngine, cfg: BenchConfig, prompts: list[tuple[Prompt, list[int]]],
-                    base: GenerationParams, on_prompt: Callable[[], None], sink: list[ConfigResult],
-                    grade: Grade | None = None) -> None:
+def run_speculative(
+    engine: SpeculativeEngine,
+    cfg: BenchConfig,
+    prompts: list[tuple[Prompt, list[int]]],
+    base: GenerationParams,
+    on_prompt: Callable[[], None],
+    sink: list[ConfigResult],
+    grade: Grade | None = None,
+) -> None:
     """Run one configuration over every prompt (graded, with ``grade``). The result goes into
     ``sink`` before the first prompt, so an interrupted run keeps the prompts that finished."""
     result = ConfigResult(cfg, SpecStats(), {}, 0)
@@ -224,10 +273,18 @@ class Generated:
     verdict: tuple[bool, str | None] | None = None
 
 
-def run_grid(engines: dict[Any, SpeculativeEngine], grid: list[BenchConfig], prompts: list[tuple[Prompt, list[int]]],
-             base: GenerationParams, on_run: Callable[[BenchConfig], None], sink: list[ConfigResult],
-             grade: Grade | None = None, samples: int = 1, done: dict[str, list[Generated]] | None = None,
-             on_problem: Callable[[Prompt, list[Generated]], None] | None = None) -> None:
+def run_grid(
+    engines: dict[Any, SpeculativeEngine],
+    grid: list[BenchConfig],
+    prompts: list[tuple[Prompt, list[int]]],
+    base: GenerationParams,
+    on_run: Callable[[BenchConfig], None],
+    sink: list[ConfigResult],
+    grade: Grade | None = None,
+    samples: int = 1,
+    done: dict[str, list[Generated]] | None = None,
+    on_problem: Callable[[Prompt, list[Generated]], None] | None = None,
+) -> None:
     """Every configuration on every prompt, prompt by prompt (all configurations on prompt 1, then
     prompt 2, ...): a machine that speeds up or slows down during a long run (another tenant,
     heat) then moves every row alike instead of favouring whichever ran in its fast minutes.
@@ -261,8 +318,9 @@ def run_grid(engines: dict[Any, SpeculativeEngine], grid: list[BenchConfig], pro
             on_problem(prompt, [g for _, g in made])
 
 
-def _one_hf(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int],
-            base: GenerationParams) -> tuple[SpecStats, str]:
+def _one_hf(
+    engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int], base: GenerationParams
+) -> tuple[SpecStats, str]:
     """transformers' assisted generation, like for like: a constant k draft tokens per step."""
     pair = engine.pair
     if pair.draft is None:
@@ -276,9 +334,12 @@ def _one_hf(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int],
     dev = pair.verifier.device
     torch.manual_seed(base.seed + i)
     x = torch.tensor([ids], device=dev)
-    kwargs: dict[str, Any] = dict(max_new_tokens=base.max_tokens, assistant_model=assistant,
-                                  attention_mask=torch.ones_like(x), pad_token_id=pair.tokenizer.pad_token_id
-                                  or pair.tokenizer.eos_token_id)
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=base.max_tokens,
+        assistant_model=assistant,
+        attention_mask=torch.ones_like(x),
+        pad_token_id=pair.tokenizer.pad_token_id or pair.tokenizer.eos_token_id,
+    )
     if sp.greedy:
         kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
     else:
@@ -289,17 +350,19 @@ def _one_hf(engine: SpeculativeEngine, cfg: BenchConfig, i: int, ids: list[int],
         out = pair.verifier.model.generate(x, **kwargs)
     sync(dev)
     seconds = time.perf_counter() - t0  # (the decode below is not timed, as for our engine)
-    text = pair.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
-    return SpecStats(prompt_tokens=len(ids), num_output_tokens=int(out.shape[1] - len(ids)),
-                     total_seconds=seconds), text
+    text = pair.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+    return SpecStats(
+        prompt_tokens=len(ids), num_output_tokens=int(out.shape[1] - len(ids)), total_seconds=seconds
+    ), text
 
 
 def warm_up(engine: SpeculativeEngine, ids: list[int], base: GenerationParams, k: int) -> None:
     """One short run through every code path before anything is timed (its slow first timings
     teach the cost store nothing: ``learn=False``)."""
-    for kk in ({0, k} if engine.drafter is not None else {0}):
-        params = GenerationParams(sampling=base.sampling, rule="sps", num_draft_tokens=kk, max_tokens=8, seed=0,
-                                  learn=False)
+    for kk in {0, k} if engine.drafter is not None else {0}:
+        params = GenerationParams(
+            sampling=base.sampling, rule="sps", num_draft_tokens=kk, max_tokens=8, seed=0, learn=False
+        )
         for _ in engine.generate(ids, params):
             pass
 

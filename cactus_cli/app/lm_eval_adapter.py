@@ -43,10 +43,17 @@ from cactus_cli.core.stats import SpecStats
 log = logging.getLogger("cactus")
 ALIASES = {"k": "num_draft_tokens"}
 
+
 @register_model("cactus")
 class CactusLM(LM):
-    def __init__(self, profile: str | None = None, stats_file: str | None = None, batch_size: Any = None,
-                 max_batch_size: Any = None, **model_args: Any):
+    def __init__(
+        self,
+        profile: str | None = None,
+        stats_file: str | None = None,
+        batch_size: Any = None,
+        max_batch_size: Any = None,
+        **model_args: Any,
+    ):
         super().__init__()
 
         device = model_args.pop("device", None)
@@ -101,11 +108,15 @@ class CactusLM(LM):
                 runtime.generation_params(self.settings),
                 max_tokens=int(gen_kwargs.get("max_gen_toks", self.settings.max_tokens)),
                 stop=tuple(s for s in until if s),
-                sampling=SamplingParams(temperature, int(gen_kwargs.get("top_k", self.settings.top_k)),
-                                        float(gen_kwargs.get("top_p", self.settings.top_p))),
-                seed=int(self.settings.seed or 0) + self.requests_done)
+                sampling=SamplingParams(
+                    temperature,
+                    int(gen_kwargs.get("top_k", self.settings.top_k)),
+                    float(gen_kwargs.get("top_p", self.settings.top_p)),
+                ),
+                seed=int(self.settings.seed or 0) + self.requests_done,
+            )
             ids = self._encode(context) or [self._prefix]  # an empty context still needs a token to continue
-            ids = ids[-(self.engine.context_length - 1):]
+            ids = ids[-(self.engine.context_length - 1) :]
             stats, text = SpecStats(), []
             for ev in self.engine.generate(ids, params):
                 stats.update(ev)
@@ -120,20 +131,29 @@ class CactusLM(LM):
         self.requests_done += 1
         self.total.merge(s)
         if self.stats_file:
-            row = {"request": self.requests_done - 1, "num_output_tokens": s.num_output_tokens,
-                   "mean_acceptance_length": s.mean_acceptance_length,
-                   "per_token_acceptance": s.per_token_acceptance, "tokens_per_second": s.tokens_per_second,
-                   "finish_reason": s.finish_reason}
+            row = {
+                "request": self.requests_done - 1,
+                "num_output_tokens": s.num_output_tokens,
+                "mean_acceptance_length": s.mean_acceptance_length,
+                "per_token_acceptance": s.per_token_acceptance,
+                "tokens_per_second": s.tokens_per_second,
+                "finish_reason": s.finish_reason,
+            }
             with open(self.stats_file, "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
 
     def _log_summary(self) -> None:
         t = self.total
         if t.num_steps:
-            log.warning("cactus: %d generations, %d tokens, %.2f tok/s, %.2f tokens per verifier step, "
-                        "%.1f%% of drafts accepted", self.requests_done, t.num_output_tokens,
-                        t.tokens_per_second or 0.0, t.num_output_tokens / t.num_steps,
-                        100 * (t.draft_acceptance_rate or 0.0))
+            log.warning(
+                "cactus: %d generations, %d tokens, %.2f tok/s, %.2f tokens per verifier step, "
+                "%.1f%% of drafts accepted",
+                self.requests_done,
+                t.num_output_tokens,
+                t.tokens_per_second or 0.0,
+                t.num_output_tokens / t.num_steps,
+                100 * (t.draft_acceptance_rate or 0.0),
+            )
 
     # -- scoring: the verifier alone ---------------------------------------------------------
 
@@ -154,10 +174,11 @@ class CactusLM(LM):
         limit = self.engine.context_length
         n = len(continuation)
         if n > limit:
-
-            raise ContextLimitError(f"a log-likelihood continuation of {n} tokens does not fit the verifier's "
-                                    f"context window of {limit} tokens; use shorter requests or a longer-context model")
-        whole = (context + continuation)[-(limit + 1):]
+            raise ContextLimitError(
+                f"a log-likelihood continuation of {n} tokens does not fit the verifier's "
+                f"context window of {limit} tokens; use shorter requests or a longer-context model"
+            )
+        whole = (context + continuation)[-(limit + 1) :]
         runner = self.engine.verifier  # the engine's own runner: sharded under tp, like generation
         self.engine.reset()
         logits = runner.forward(whole[:-1], keep=n).float()
@@ -176,7 +197,7 @@ class CactusLM(LM):
             if not ctx:
                 ctx, cont = [self._prefix], whole
             else:
-                cont = whole[len(ctx):] if whole[: len(ctx)] == ctx else self._encode(continuation)
+                cont = whole[len(ctx) :] if whole[: len(ctx)] == ctx else self._encode(continuation)
             out.append(self._score(ctx, cont) if cont else (0.0, True))
             self.cache_hook.add_partial("loglikelihood", req.args, out[-1])
         return out
@@ -188,19 +209,23 @@ class CactusLM(LM):
         for req in requests:
             (text,) = req.args
             total = 0.0
-            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
-                    self._encode(text), self._prefix, self.engine.context_length, 1)):
+            for ctx, cont in map(
+                make_disjoint_window,
+                get_rolling_token_windows(self._encode(text), self._prefix, self.engine.context_length, 1),
+            ):
                 total += self._score(ctx, cont)[0]
             out.append(total)
         return out
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
     @property
     def tokenizer_name(self) -> str:
         return str(getattr(self.tokenizer, "name_or_path", "cactus")).replace("/", "__")
+
 
 def main() -> None:
     """``cactus-lm-eval``: lm-eval's command line, with the ``cactus`` model registered. A bad
@@ -215,6 +240,7 @@ def main() -> None:
     except CactusError as err:
         print(f"error: --model_args: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
+
 
 if __name__ == "__main__":
     main()

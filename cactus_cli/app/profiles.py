@@ -90,14 +90,20 @@ def check_profile_keys(data: dict[str, Any], origin: str, lines: dict[str, int])
     if isinstance(draft, str) and not uses_lookup(draft, "ngram"):
         for key in ("ngram_max", "ngram_min"):
             if key in data:
-                raise ConfigError(f"{origin}:{lines.get(key, '?')}: {key} applies only to prompt lookup "
-                                  f"(draft: ngram or ngram+MODEL), not to draft {draft!r}; remove it")
+                raise ConfigError(
+                    f"{origin}:{lines.get(key, '?')}: {key} applies only to prompt lookup "
+                    f"(draft: ngram or ngram+MODEL), not to draft {draft!r}; remove it"
+                )
     if isinstance(draft, str) and not uses_lookup(draft, "suffix") and data.get("remember") is not None:
-        raise ConfigError(f"{origin}:{lines.get('remember', '?')}: remember applies only to the suffix drafter "
-                          f"(draft: suffix or suffix+MODEL), not to draft {draft!r}; remove it")
+        raise ConfigError(
+            f"{origin}:{lines.get('remember', '?')}: remember applies only to the suffix drafter "
+            f"(draft: suffix or suffix+MODEL), not to draft {draft!r}; remove it"
+        )
     if "max_draft_tokens" in data and isinstance(data.get("num_draft_tokens"), int):
-        raise ConfigError(f"{origin}:{lines.get('max_draft_tokens', '?')}: max_draft_tokens applies only with "
-                          f"num_draft_tokens: auto (this profile fixes k = {data['num_draft_tokens']}); remove one")
+        raise ConfigError(
+            f"{origin}:{lines.get('max_draft_tokens', '?')}: max_draft_tokens applies only with "
+            f"num_draft_tokens: auto (this profile fixes k = {data['num_draft_tokens']}); remove one"
+        )
 
 
 def resolve_settings(profile: str | None, flags: dict[str, Any]) -> Settings:

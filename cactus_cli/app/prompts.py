@@ -26,6 +26,7 @@ class Prompt:
         tasks say more: tasks.py)."""
         return self
 
+
 _BUILTIN = {
     "code": [
         "Write a Python function that returns the n-th Fibonacci number using iteration, with a docstring.",
@@ -133,6 +134,7 @@ BUILTIN_PROMPTS: list[Prompt] = [
     Prompt(f"{cat}-{i + 1}", cat, text) for cat, texts in _BUILTIN.items() for i, text in enumerate(texts)
 ]
 
+
 def interleaved(prompts: list[Prompt]) -> list[Prompt]:
     """Round-robin over categories, so --limit N still covers every category."""
     by_cat: dict[str, list[Prompt]] = {}
@@ -146,6 +148,7 @@ def interleaved(prompts: list[Prompt]) -> list[Prompt]:
         i += 1
     return out
 
+
 def load_prompts(path: str | None, limit: int | None, categories: list[str] | None = None) -> list[Prompt]:
     """The built-in set (interleaved by category) or a JSONL file; ``categories`` keeps only
     those categories, then ``limit`` the first N."""
@@ -153,13 +156,17 @@ def load_prompts(path: str | None, limit: int | None, categories: list[str] | No
     if path is None:
         prompts = interleaved(BUILTIN_PROMPTS)
     else:
-        prompts = [Prompt(str(row.get("id", f"p{n}")), str(row.get("category", "default")), row["prompt"], where)
-                   for n, row, where in read_jsonl(path, "--prompts", "prompts")]
+        prompts = [
+            Prompt(str(row.get("id", f"p{n}")), str(row.get("category", "default")), row["prompt"], where)
+            for n, row, where in read_jsonl(path, "--prompts", "prompts")
+        ]
     return select(prompts, categories, limit)
+
 
 def check_limit(limit: int | None) -> None:
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {limit}")
+
 
 def read_jsonl(path: str, flag: str, what: str) -> list[tuple[int, dict, str]]:
     """The rows of a JSONL file of objects with a non-empty string 'prompt', as (line number,
@@ -184,6 +191,7 @@ def read_jsonl(path: str, flag: str, what: str) -> list[tuple[int, dict, str]]:
     if not rows:
         raise ConfigError(f"{flag} {path}: the file has no {what}")
     return rows
+
 
 def select(items: list, categories: list[str] | None, limit: int | None) -> list:
     """Keep ``categories`` (each must exist), then the first ``limit``."""

@@ -16,6 +16,7 @@ from cactus_cli.infer.quant.quantize import weight_bytes
 
 NLL_TOLERANCE = defaults.QUALITY_TOLERANCE  # nats per token: what the default quantization may cost
 
+
 @dataclass
 class Quality:
     method: str
@@ -32,15 +33,28 @@ class Quality:
         return self.nll_sum / self.tokens if self.tokens else math.nan
 
     def row(self, reference: Quality) -> dict[str, Any]:
-        return {"quantize": self.method, "dtype": self.dtype, "tokens": self.tokens,
-                "mean_nll": self.mean_nll, "nll_vs_reference": self.mean_nll - reference.mean_nll,
-                "greedy_agreement": self.agree / self.tokens if self.tokens else None,
-                "weight_gb": self.weight_bytes / 1e9, "seconds": self.seconds,
-                "within_tolerance": self.mean_nll - reference.mean_nll <= NLL_TOLERANCE}
+        return {
+            "quantize": self.method,
+            "dtype": self.dtype,
+            "tokens": self.tokens,
+            "mean_nll": self.mean_nll,
+            "nll_vs_reference": self.mean_nll - reference.mean_nll,
+            "greedy_agreement": self.agree / self.tokens if self.tokens else None,
+            "weight_gb": self.weight_bytes / 1e9,
+            "seconds": self.seconds,
+            "within_tolerance": self.mean_nll - reference.mean_nll <= NLL_TOLERANCE,
+        }
+
 
 @torch.inference_mode()
-def measure(model, texts: list[list[int]], method: str, dtype: str, reference: Quality | None,
-            on_text: Callable[[], None] | None = None) -> Quality:
+def measure(
+    model,
+    texts: list[list[int]],
+    method: str,
+    dtype: str,
+    reference: Quality | None,
+    on_text: Callable[[], None] | None = None,
+) -> Quality:
     """Teacher-forced NLL of every text (all tokens after the first) and greedy agreement with
     ``reference``'s argmax at the same positions."""
 

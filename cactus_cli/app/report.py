@@ -58,13 +58,22 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[str, Any],
-             prompts: list[Prompt], interrupted: bool, cost_model: dict[str, Any] | None = None) -> dict[str, Any]:
+def document(
+    results: list[ConfigResult],
+    env: dict[str, Any],
+    settings: dict[str, Any],
+    prompts: list[Prompt],
+    interrupted: bool,
+    cost_model: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The --json document (schema_version 1): one row per configuration, baseline first."""
     results = [r for r in results if r.prompts_done]
     base = next((r for r in results if r.config.kind == "autoregressive"), None)
-    bases = {(r.config.backend, r.config.quantize, r.config.compiled): r for r in results
-             if r.config.kind == "autoregressive"}  # each variant's own verifier alone
+    bases = {
+        (r.config.backend, r.config.quantize, r.config.compiled): r
+        for r in results
+        if r.config.kind == "autoregressive"
+    }  # each variant's own verifier alone
     base_tps = base.stats.tokens_per_second if base else None
     hf = {r.config.k: r.stats.tokens_per_second for r in results if r.config.kind == "hf-assisted"}
     rows = []
@@ -72,22 +81,41 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
         m = r.metrics()
         tps = m["tokens_per_second"]
         alone = r.config.kind == "autoregressive"  # (the baseline runs on the first variant's engine, with no draft)
-        row = {"config": r.config.label, "kind": r.config.kind, "rule": r.config.rule, "backend": r.config.backend,
-               "compiled": r.config.compiled,
-               "quantize": r.config.quantize, "draft": None if alone else r.config.draft,
-               "cross_vocab": None if alone else r.config.cross or None,
-               "k": "auto" if r.config.adaptive else r.config.k, "max_draft_tokens": r.config.k if r.config.adaptive else None,
-               "rule_params": r.config.rule_kwargs, "prompts": r.prompts_done, **m,
-               "speedup": tps / base_tps if tps and base_tps else None,
-               "tokens_per_second_vs_hf": (tps / hf[r.config.k] if r.config.kind == "speculative"
-                                           and not r.config.adaptive and hf.get(r.config.k) and tps else None),
-               "by_category": {}}
+        row = {
+            "config": r.config.label,
+            "kind": r.config.kind,
+            "rule": r.config.rule,
+            "backend": r.config.backend,
+            "compiled": r.config.compiled,
+            "quantize": r.config.quantize,
+            "draft": None if alone else r.config.draft,
+            "cross_vocab": None if alone else r.config.cross or None,
+            "k": "auto" if r.config.adaptive else r.config.k,
+            "max_draft_tokens": r.config.k if r.config.adaptive else None,
+            "rule_params": r.config.rule_kwargs,
+            "prompts": r.prompts_done,
+            **m,
+            "speedup": tps / base_tps if tps and base_tps else None,
+            "tokens_per_second_vs_hf": (
+                tps / hf[r.config.k]
+                if r.config.kind == "speculative" and not r.config.adaptive and hf.get(r.config.k) and tps
+                else None
+            ),
+            "by_category": {},
+        }
         if r.graded:  # eval: accuracy with its 95% Wilson interval, and against the verifier alone paired
             lo, hi = wilson(r.correct, r.graded)
             rates = r.pass_rates()
-            row.update(problems=len(rates), samples=r.graded // max(len(rates), 1), correct=r.correct,
-                       graded=r.graded, accuracy=r.correct / r.graded, accuracy_ci95_low=lo, accuracy_ci95_high=hi,
-                       answers=r.answers)
+            row.update(
+                problems=len(rates),
+                samples=r.graded // max(len(rates), 1),
+                correct=r.correct,
+                graded=r.graded,
+                accuracy=r.correct / r.graded,
+                accuracy_ci95_low=lo,
+                accuracy_ci95_high=hi,
+                answers=r.answers,
+            )
             alone = bases.get((r.config.backend, r.config.quantize, r.config.compiled))
             if alone is not None and alone is not r and alone.graded:
                 d, dlo, dhi, n = paired_difference(rates, alone.pass_rates())
@@ -106,22 +134,64 @@ def document(results: list[ConfigResult], env: dict[str, Any], settings: dict[st
             if graded:
                 row["by_category"][cat]["accuracy"] = sum(graded) / len(graded)
         rows.append(row)
-    return {"schema_version": SCHEMA_VERSION, "interrupted": interrupted, "environment": env,
-            "settings": settings, "prompts": [p.id for p in prompts], "results": rows, "cost_model": cost_model}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "interrupted": interrupted,
+        "environment": env,
+        "settings": settings,
+        "prompts": [p.id for p in prompts],
+        "results": rows,
+        "cost_model": cost_model,
+    }
 
 
-CSV_COLUMNS = ["config", "kind", "rule", "k", "backend", "quantize", "compiled", "draft", "cross_vocab", "prompts", "problems", "correct", "accuracy",
-               "accuracy_ci95_low", "accuracy_ci95_high", "paired_vs_alone", "paired_ci95_low", "paired_ci95_high",
-               "num_output_tokens", "total_seconds", "tokens_per_second", "decode_tokens_per_second",
-               "ms_per_output_token", "speedup", "tokens_per_second_vs_hf", "mean_accepted_tokens_per_step",
-               "mean_acceptance_length", "draft_acceptance_rate", "per_token_acceptance",
-               "verifier_forward_passes_per_token", "mean_k",
-               "time_to_first_token", "realized_kl_mean", "realized_kl_p90", "realized_tv_mean",
-               "mean_verifier_loglik", "rule_params", "acceptance_histogram", "k_histogram", "per_position_acceptance_rate"]
+CSV_COLUMNS = [
+    "config",
+    "kind",
+    "rule",
+    "k",
+    "backend",
+    "quantize",
+    "compiled",
+    "draft",
+    "cross_vocab",
+    "prompts",
+    "problems",
+    "correct",
+    "accuracy",
+    "accuracy_ci95_low",
+    "accuracy_ci95_high",
+    "paired_vs_alone",
+    "paired_ci95_low",
+    "paired_ci95_high",
+    "num_output_tokens",
+    "total_seconds",
+    "tokens_per_second",
+    "decode_tokens_per_second",
+    "ms_per_output_token",
+    "speedup",
+    "tokens_per_second_vs_hf",
+    "mean_accepted_tokens_per_step",
+    "mean_acceptance_length",
+    "draft_acceptance_rate",
+    "per_token_acceptance",
+    "verifier_forward_passes_per_token",
+    "mean_k",
+    "time_to_first_token",
+    "realized_kl_mean",
+    "realized_kl_p90",
+    "realized_tv_mean",
+    "mean_verifier_loglik",
+    "rule_params",
+    "acceptance_histogram",
+    "k_histogram",
+    "per_position_acceptance_rate",
+]
 
 
 def csv_text(doc: dict[str, Any]) -> str:
     """One row per configuration; lists and mappings as JSON text."""
+
     def cell(v):
         return json.dumps(v) if isinstance(v, (dict, list)) else ("" if v is None else v)
 

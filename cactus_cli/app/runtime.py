@@ -23,8 +23,14 @@ from cactus_cli.infer.sources import ModelPair
 from cactus_cli.infer.tp import group
 
 
-def load_engine(settings: Settings, reporter=None, compile_mode: str | None = None,
-                pair: ModelPair | None = None, quantize: str | None = None, backend: str | None = None) -> SpeculativeEngine:
+def load_engine(
+    settings: Settings,
+    reporter=None,
+    compile_mode: str | None = None,
+    pair: ModelPair | None = None,
+    quantize: str | None = None,
+    backend: str | None = None,
+) -> SpeculativeEngine:
     """Load the pair (or take ``pair``, already loaded) and build the engine, compiled or not
     (``compile_mode``, ``quantize`` and ``backend`` override the settings': bench times several).
     A rank > 0 of a torchrun tensor-parallel group never returns: it serves rank 0, then exits."""
@@ -34,14 +40,33 @@ def load_engine(settings: Settings, reporter=None, compile_mode: str | None = No
 
         torch.set_num_threads(settings.threads)  # (llama.cpp takes them at load)
     if pair is None and settings.tp > 1 and group.is_follower():
-        follower.serve(tp_load_spec(settings.verifier, settings.tokenizer, settings.device, settings.dtype,
-                                    quantize or settings.quantize, settings.tp))
+        follower.serve(
+            tp_load_spec(
+                settings.verifier,
+                settings.tokenizer,
+                settings.device,
+                settings.dtype,
+                quantize or settings.quantize,
+                settings.tp,
+            )
+        )
         raise SystemExit(0)
     mode = compile_mode or settings.compile
     if pair is None:
-        pair = load_pair(settings.verifier, model, settings.tokenizer, settings.device, settings.dtype, reporter,
-                         quantize or settings.quantize, settings.tp, settings.cross_vocab, backend or settings.backend,
-                         settings.threads, mode)
+        pair = load_pair(
+            settings.verifier,
+            model,
+            settings.tokenizer,
+            settings.device,
+            settings.dtype,
+            reporter,
+            quantize or settings.quantize,
+            settings.tp,
+            settings.cross_vocab,
+            backend or settings.backend,
+            settings.threads,
+            mode,
+        )
     compiled, note = resolve_compile(mode, pair)
     if note and reporter is not None:
         reporter.warn(note)
@@ -79,8 +104,14 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 PROMPT_ALLOWANCE = 512  # tokens of prompt a compiled engine is sized for before it sees the prompt (chat)
 
 
-def prepare(engine: SpeculativeEngine, settings: Settings, reporter=None, prompt_tokens: int = PROMPT_ALLOWANCE,
-            k_values: list[int | str] | None = None, whole_context: bool = False) -> None:
+def prepare(
+    engine: SpeculativeEngine,
+    settings: Settings,
+    reporter=None,
+    prompt_tokens: int = PROMPT_ALLOWANCE,
+    k_values: list[int | str] | None = None,
+    whole_context: bool = False,
+) -> None:
     """Before anything is timed: compile the steps the run will take (a compiled engine), and
     when -k auto will run (``k_values`` lists the k a command will use) on a pair never timed on
     this machine, seed the cost model with a short probe. ``whole_context`` (chat): on CUDA the
@@ -170,11 +201,14 @@ def encode_prompts(engine: SpeculativeEngine, prompts: list, use_template: bool 
     out = []
     for p in prompts:
         p = p.protocol(chat)
-        ids = encode(tok, p.prompt, use_template) + (list(tok(p.reply, add_special_tokens=False)["input_ids"])
-                                                    if p.reply else [])
+        ids = encode(tok, p.prompt, use_template) + (
+            list(tok(p.reply, add_special_tokens=False)["input_ids"]) if p.reply else []
+        )
         if len(ids) >= engine.context_length:
             where = f"{p.where}: " if p.where else ""
-            raise ConfigError(f"{where}prompt {p.id!r} is {len(ids)} tokens but the context window is "
-                              f"{engine.context_length}; shorten it")
+            raise ConfigError(
+                f"{where}prompt {p.id!r} is {len(ids)} tokens but the context window is "
+                f"{engine.context_length}; shorten it"
+            )
         out.append((p, ids))
     return out

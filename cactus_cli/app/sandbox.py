@@ -59,8 +59,13 @@ class Outcome:
 
 
 def _limits(timeout: float) -> list[tuple[str, int]]:
-    return [("RLIMIT_CPU", int(timeout) + 1), ("RLIMIT_AS", MEMORY_BYTES), ("RLIMIT_FSIZE", FILE_BYTES),
-            ("RLIMIT_NPROC", MAX_PROCESSES), ("RLIMIT_CORE", 0)]
+    return [
+        ("RLIMIT_CPU", int(timeout) + 1),
+        ("RLIMIT_AS", MEMORY_BYTES),
+        ("RLIMIT_FSIZE", FILE_BYTES),
+        ("RLIMIT_NPROC", MAX_PROCESSES),
+        ("RLIMIT_CORE", 0),
+    ]
 
 
 def _group_size(pgid: int) -> int:
@@ -96,11 +101,24 @@ def run_check(program: str, timeout: float | None = None) -> Outcome:
     t0 = time.monotonic()
     try:
         (work / "check.py").write_text(program + _HARNESS.format(fd=write_end, token=token), encoding="utf-8")
-        env = {"PATH": os.defpath, "LANG": "C.UTF-8", "HOME": str(work), "TMPDIR": str(work), "PYTHONHASHSEED": "0",
-               "PYTHONDONTWRITEBYTECODE": "1"}
-        proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOT.format(limits=_limits(timeout))], cwd=work, env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                pass_fds=(write_end,), start_new_session=True)
+        env = {
+            "PATH": os.defpath,
+            "LANG": "C.UTF-8",
+            "HOME": str(work),
+            "TMPDIR": str(work),
+            "PYTHONHASHSEED": "0",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-c", _BOOT.format(limits=_limits(timeout))],
+            cwd=work,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            pass_fds=(write_end,),
+            start_new_session=True,
+        )
         os.close(write_end)
         write_end = -1
         kept = bytearray()
@@ -120,8 +138,11 @@ def run_check(program: str, timeout: float | None = None) -> Outcome:
         reader.join(timeout=2)
         ran_to_end = _read_all(read_end) == token.encode()
         if status is None:
-            status = "passed" if proc.returncode == 0 and ran_to_end else (
-                "exited early" if proc.returncode == 0 else "failed")
+            status = (
+                "passed"
+                if proc.returncode == 0 and ran_to_end
+                else ("exited early" if proc.returncode == 0 else "failed")
+            )
         return Outcome(status == "passed", status, kept.decode("utf-8", "replace"), time.monotonic() - t0)
     finally:
         for fd in (read_end, write_end):
@@ -158,7 +179,9 @@ def run_checks(programs: list[str], workers: int | None = None, timeout: float |
     """Many checks, in parallel where there are cores (each is one process group)."""
     if not programs:
         return []
-    workers = workers or max(1, min(len(programs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                    else (os.cpu_count() or 1)))
+    workers = workers or max(
+        1,
+        min(len(programs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)),
+    )
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(lambda p: run_check(p, timeout), programs))

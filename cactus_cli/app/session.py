@@ -39,8 +39,9 @@ class Session:
     stats: SpecStats = field(default_factory=SpecStats)  # the last generation's
 
     @classmethod
-    def load(cls, profile: str | None = None, *, settings: Settings | None = None, reporter: Any = None,
-             **flags: Any) -> "Session":
+    def load(
+        cls, profile: str | None = None, *, settings: Settings | None = None, reporter: Any = None, **flags: Any
+    ) -> "Session":
         """The ``profile`` (name or path; the default profile when None) with ``flags`` over it
         (Settings keys: verifier=..., draft=..., max_tokens=..., as on the command line), or
         ``settings`` as they are; then the engine, loaded."""
@@ -78,8 +79,14 @@ class Session:
         """Before anything is timed: compiled steps and, for -k auto on a new pair, the cost probe."""
         runtime.prepare(self.engine, settings or self.settings, reporter, prompt_tokens)
 
-    def generate(self, prompt: str | list[dict[str, str]] | list[int], *, reuse_cache: bool = False,
-                 params: GenerationParams | None = None, **overrides: Any) -> Iterator[StepEvent]:
+    def generate(
+        self,
+        prompt: str | list[dict[str, str]] | list[int],
+        *,
+        reuse_cache: bool = False,
+        params: GenerationParams | None = None,
+        **overrides: Any,
+    ) -> Iterator[StepEvent]:
         """The engine's step events for ``prompt`` (``params`` as given, else the settings with
         ``overrides``); ``stats`` counts them as they come."""
         settings = self.with_settings(**overrides)

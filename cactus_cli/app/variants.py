@@ -16,9 +16,17 @@ from cactus_cli.infer.models import with_draft
 from cactus_cli.infer.vocab import CrossVocab
 
 
-def load_engines(settings: Settings, quantizes: list[str], compiles: list[str], drafts: list[str],
-                 prompts: list[Prompt], ks: list[int | str], reporter, crosses: list[str] = ("auto",),
-                 backends: list[str] = ("torch",)) -> tuple[dict[tuple[str, str, bool, str, str], SpeculativeEngine], list]:
+def load_engines(
+    settings: Settings,
+    quantizes: list[str],
+    compiles: list[str],
+    drafts: list[str],
+    prompts: list[Prompt],
+    ks: list[int | str],
+    reporter,
+    crosses: list[str] = ("auto",),
+    backends: list[str] = ("torch",),
+) -> tuple[dict[tuple[str, str, bool, str, str], SpeculativeEngine], list]:
     """An engine per variant (backend, quantize, compiled, draft, and for a draft with another
     vocabulary each method in ``crosses``), the verifier in memory once per backend and
     quantization and each draft model once beside it (a same-family and a cross-family draft, by
@@ -33,8 +41,14 @@ def load_engines(settings: Settings, quantizes: list[str], compiles: list[str], 
         pairs: dict[tuple[str | None, str], Any] = {}
         for mode in modes:
             if not pairs:  # the verifier (and the first draft model), then each other draft model beside it
-                first = runtime.load_engine(dataclasses.replace(loading, draft=models[0] if models else drafts[0]),
-                                            reporter, mode, None, quantize, backend).pair
+                first = runtime.load_engine(
+                    dataclasses.replace(loading, draft=models[0] if models else drafts[0]),
+                    reporter,
+                    mode,
+                    None,
+                    quantize,
+                    backend,
+                ).pair
                 loaded = {None: dataclasses.replace(first, draft=None, cross=None)}
                 if models:
                     loaded[models[0]] = first
@@ -45,8 +59,14 @@ def load_engines(settings: Settings, quantizes: list[str], compiles: list[str], 
                 model = parse_draft(draft)[1]
                 for (m, cross), own in pairs.items():
                     if m == model:
-                        engines.append(((draft, cross), runtime.load_engine(dataclasses.replace(settings, draft=draft),
-                                                                            reporter, mode, own, quantize, backend)))
+                        engines.append(
+                            (
+                                (draft, cross),
+                                runtime.load_engine(
+                                    dataclasses.replace(settings, draft=draft), reporter, mode, own, quantize, backend
+                                ),
+                            )
+                        )
     encoded = runtime.encode_prompts(engines[0][1], prompts, settings.chat_template)
     longest = max(len(ids) for _, ids in encoded)
     for _, e in engines:
@@ -57,8 +77,9 @@ def load_engines(settings: Settings, quantizes: list[str], compiles: list[str], 
     return ready, encoded
 
 
-def _backend_runs(settings: Settings, backends: list[str], quantizes: list[str],
-                  compiles: list[str]) -> list[tuple[str, str, list[str]]]:
+def _backend_runs(
+    settings: Settings, backends: list[str], quantizes: list[str], compiles: list[str]
+) -> list[tuple[str, str, list[str]]]:
     """(backend, quantize, compile modes) per verifier to load. With several backends, the
     quantize and compile lists are the torch rows' (llama.cpp runs the GGUF as it is); with
     llama.cpp alone, a value it cannot take is an error (models.choose_backend says so)."""
@@ -87,6 +108,8 @@ def _cross_as_asked(loaded: dict[str | None, Any], methods: list[str]) -> dict[t
             cross = CrossVocab.choose(p.cross.tokenizer, p.cross.vmap, p.cross.rows, method, m, p.verifier.source)
             pairs.setdefault((m, cross.method), dataclasses.replace(p, cross=cross))
     if methods != ["auto"] and all(cross == "" for _, cross in pairs):
-        raise ModelError(f"--cross-vocab {','.join(methods)}: every --draft model shares the verifier's vocabulary; "
-                         "drop --cross-vocab (it applies to a draft with another tokenizer)")
+        raise ModelError(
+            f"--cross-vocab {','.join(methods)}: every --draft model shares the verifier's vocabulary; "
+            "drop --cross-vocab (it applies to a draft with another tokenizer)"
+        )
     return pairs

@@ -20,15 +20,63 @@ from cactus_cli.core import defaults
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.fileio import check_output_dir, check_output_file, write_or_fail
 
-Rules = Annotated[str, typer.Option("--rules", help="Comma list of rules: sps,cactus,cactus-exact,tas,topk,interp.", rich_help_panel=o.DECODING)]
-Deltas = Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values for the rules that take one (default: the profile's).", rich_help_panel=o.DECODING)]
-Ks = Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of draft lengths, `auto` included (default: the profile's).", rich_help_panel=o.DECODING)]
-Compiles = Annotated[Optional[str], typer.Option("--compile", help="Comma list of auto, on, off: time eager and compiled engines side by side, e.g. --compile off,on (default: the profile's).", rich_help_panel=o.RUNTIME)]
-Quantizes = Annotated[Optional[str], typer.Option("--quantize", help="Comma list of none, int8, int4, w8a8, auto: time quantized models side by side, e.g. --quantize none,int8,w8a8 (default: the profile's).", rich_help_panel=o.RUNTIME)]
-Backends = Annotated[Optional[str], typer.Option("--backend", help="Comma list of auto, torch, llama.cpp: time both backends side by side on the same GGUF files, each with its own verifier-alone row, e.g. --backend torch,llama.cpp (default: the profile's). --quantize and --compile lists apply to the torch rows.", rich_help_panel=o.RUNTIME)]
-Meter = Annotated[bool, typer.Option("--meter", help="Also measure the realized divergence KL(h_alg || q) and TV per position (costs time).")]
+Rules = Annotated[
+    str,
+    typer.Option(
+        "--rules", help="Comma list of rules: sps,cactus,cactus-exact,tas,topk,interp.", rich_help_panel=o.DECODING
+    ),
+]
+Deltas = Annotated[
+    Optional[str],
+    typer.Option(
+        "--delta",
+        "-d",
+        help="Comma list of delta values for the rules that take one (default: the profile's).",
+        rich_help_panel=o.DECODING,
+    ),
+]
+Ks = Annotated[
+    Optional[str],
+    typer.Option(
+        "--num-draft-tokens",
+        "-k",
+        help="Comma list of draft lengths, `auto` included (default: the profile's).",
+        rich_help_panel=o.DECODING,
+    ),
+]
+Compiles = Annotated[
+    Optional[str],
+    typer.Option(
+        "--compile",
+        help="Comma list of auto, on, off: time eager and compiled engines side by side, e.g. --compile off,on (default: the profile's).",
+        rich_help_panel=o.RUNTIME,
+    ),
+]
+Quantizes = Annotated[
+    Optional[str],
+    typer.Option(
+        "--quantize",
+        help="Comma list of none, int8, int4, w8a8, auto: time quantized models side by side, e.g. --quantize none,int8,w8a8 (default: the profile's).",
+        rich_help_panel=o.RUNTIME,
+    ),
+]
+Backends = Annotated[
+    Optional[str],
+    typer.Option(
+        "--backend",
+        help="Comma list of auto, torch, llama.cpp: time both backends side by side on the same GGUF files, each with its own verifier-alone row, e.g. --backend torch,llama.cpp (default: the profile's). --quantize and --compile lists apply to the torch rows.",
+        rich_help_panel=o.RUNTIME,
+    ),
+]
+Meter = Annotated[
+    bool,
+    typer.Option(
+        "--meter", help="Also measure the realized divergence KL(h_alg || q) and TV per position (costs time)."
+    ),
+]
 Csv = Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per configuration to this file.")]
 DEFAULT_RULES = defaults.BENCH_RULES
+
 
 @dataclass
 class GridFlags:
@@ -48,12 +96,14 @@ class GridFlags:
     samples: int = 1  # eval: completions per problem
     resume: bool = False  # eval: go on with the run kept in --out
 
+
 @dataclass
 class GridOutput:
     as_json: bool
     csv_path: Path | None
     out_dir: Path | None
     plot: Path | None = None  # bench --plot: the speed / divergence trade-off (needs --meter)
+
 
 def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: GridOutput) -> None:
     """bench and eval: the same grid (variants x rules x delta x k, the verifier alone first),
@@ -69,14 +119,33 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         if settings.remember:
-            err.print(f"{kind} does not use the profile's remember: {settings.remember} (each row's history starts "
-                      "empty, or rows would draft from earlier runs' answers to the same prompts)", style="yellow")
+            err.print(
+                f"{kind} does not use the profile's remember: {settings.remember} (each row's history starts "
+                "empty, or rows would draft from earlier runs' answers to the same prompts)",
+                style="yellow",
+            )
             settings = replace(settings, remember=None)
         with ui.LoadProgress(err) as progress:
-            engines, encoded = variants.load_engines(settings, lists["quantize"], lists["compile"], lists["draft"], prompts,
-                                              lists["k"], progress, lists["cross"], lists["backend"])
-        grid = g.build_grid(lists["rules"], lists["delta"], lists["k"], settings.rule_params, flags.compare_hf,
-                            settings.max_draft_tokens, list(engines))
+            engines, encoded = variants.load_engines(
+                settings,
+                lists["quantize"],
+                lists["compile"],
+                lists["draft"],
+                prompts,
+                lists["k"],
+                progress,
+                lists["cross"],
+                lists["backend"],
+            )
+        grid = g.build_grid(
+            lists["rules"],
+            lists["delta"],
+            lists["k"],
+            settings.rule_params,
+            flags.compare_hf,
+            settings.max_draft_tokens,
+            list(engines),
+        )
         base = replace(generation_params(settings), measure=flags.meter)
         results: list = []
         interrupted = False
@@ -88,20 +157,35 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
                 if todo:
                     for e in engines.values():
                         g.warm_up(e, encoded[0][1], base, max(c.k for c in grid))
-                g.run_grid(engines, grid, encoded, base, lambda cfg: advance(1, cfg.label), results, grade,
-                           flags.samples, keep.done if keep else None, on_problem)
+                g.run_grid(
+                    engines,
+                    grid,
+                    encoded,
+                    base,
+                    lambda cfg: advance(1, cfg.label),
+                    results,
+                    grade,
+                    flags.samples,
+                    keep.done if keep else None,
+                    on_problem,
+                )
             except KeyboardInterrupt:
                 interrupted = True
         engine = next(iter(engines.values()))
         asked = {**settings.to_dict(), "cross_vocab": ",".join(lists["cross"])}  # (every method asked for)
-        env = {**report.environment(engine, asked), "cross_vocab": ",".join(dict.fromkeys(v[4] for v in engines if v[4])) or None,
-               "backend": ",".join(dict.fromkeys(v[0] for v in engines))}
-        doc = report.document(results, env, asked, prompts, interrupted,
-                         engine.costs.describe(None, settings.max_draft_tokens))
+        env = {
+            **report.environment(engine, asked),
+            "cross_vocab": ",".join(dict.fromkeys(v[4] for v in engines if v[4])) or None,
+            "backend": ",".join(dict.fromkeys(v[0] for v in engines)),
+        }
+        doc = report.document(
+            results, env, asked, prompts, interrupted, engine.costs.describe(None, settings.max_draft_tokens)
+        )
         _report(kind, doc, env, output, shared.no_color, err)
         if interrupted:
             err.print("interrupted: the results above cover what finished", style="yellow")
             raise typer.Exit(130)
+
 
 def _checkpoint(kind: str, settings, grid: list, prompts: list, flags: GridFlags, output: GridOutput):
     """eval --out DIR: the problems finished so far, kept as they finish (app/checkpoint.py)."""
@@ -132,7 +216,9 @@ def _on_problem(kind: str, keep, results: list, total: int, advance, err):
         done = count[0]
         rates = ", ".join(f"{r.config.label.split(' · ')[0]} {r.correct / r.graded:.2f}" for r in results if r.graded)
         left = (time.monotonic() - t0) / (done - start) * (total - done)
-        line = f"{done}/{total} problems · pass@1 so far: {rates} · ETA {int(left // 3600)}h{int(left % 3600 // 60):02d}m"
+        line = (
+            f"{done}/{total} problems · pass@1 so far: {rates} · ETA {int(left // 3600)}h{int(left % 3600 // 60):02d}m"
+        )
         if err.is_terminal:
             advance(0, f"{done}/{total}")
         else:
@@ -161,19 +247,24 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
     drafts = g.parse_drafts(settings.draft)
     if flags.compare_hf and (len(drafts) > 1 or uses_lookup(drafts[0])):
         raise ConfigError("--compare-hf compares draft-model drafting; use one --draft MODEL (no ngram or suffix)")
-    lists = {"draft": drafts, "cross": crosses or [settings.cross_vocab],
-             "delta": parse_list(flags.deltas, float, "--delta") if flags.deltas else [settings.delta],
-             "k": parse_ks(flags.ks) if flags.ks else [settings.num_draft_tokens],
-             "rules": parse_list(flags.rules, str, "--rules"),
-             "compile": parse_list(flags.compiles, str, "--compile") if flags.compiles else [settings.compile],
-             "quantize": parse_list(flags.quantizes, str, "--quantize") if flags.quantizes else [settings.quantize],
-             "backend": list(dict.fromkeys(parse_list(flags.backends, str, "--backend"))) if flags.backends
-             else [settings.backend]}
+    lists = {
+        "draft": drafts,
+        "cross": crosses or [settings.cross_vocab],
+        "delta": parse_list(flags.deltas, float, "--delta") if flags.deltas else [settings.delta],
+        "k": parse_ks(flags.ks) if flags.ks else [settings.num_draft_tokens],
+        "rules": parse_list(flags.rules, str, "--rules"),
+        "compile": parse_list(flags.compiles, str, "--compile") if flags.compiles else [settings.compile],
+        "quantize": parse_list(flags.quantizes, str, "--quantize") if flags.quantizes else [settings.quantize],
+        "backend": list(dict.fromkeys(parse_list(flags.backends, str, "--backend")))
+        if flags.backends
+        else [settings.backend],
+    }
     check_each("compile", lists["compile"], "--compile")
     check_each("quantize", lists["quantize"], "--quantize")
     check_each("backend", lists["backend"], "--backend")
-    g.build_grid(lists["rules"], lists["delta"], lists["k"], settings.rule_params, flags.compare_hf,
-                 settings.max_draft_tokens)  # checks every rule, delta and k now
+    g.build_grid(
+        lists["rules"], lists["delta"], lists["k"], settings.rule_params, flags.compare_hf, settings.max_draft_tokens
+    )  # checks every rule, delta and k now
     _check_sweep_flags(lists["rules"], flags.deltas, lists["k"], shared.flags)
     categories = parse_list(flags.category, str, "--category") if flags.category else None
     source = str(flags.prompts_file) if flags.prompts_file else None
@@ -181,14 +272,13 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
     if flags.samples < 1:
         raise ConfigError(f"--samples must be >= 1, got {flags.samples}")
     if kind == "eval":
-
         prompts, grade = load_tasks(source, flags.limit, categories), grade_task
     else:
-
         prompts = load_prompts(source, flags.limit, categories)
     if settings.seed is None:
         settings = replace(settings, seed=0)  # a benchmark is reproducible by default
     return settings, lists, prompts, grade
+
 
 def _check_outputs(output: GridOutput) -> GridOutput:
     """A 30-minute run must not die at the end on a path it could have checked now."""
@@ -202,8 +292,13 @@ def _check_outputs(output: GridOutput) -> GridOutput:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ConfigError('--plot needs matplotlib: pip install -e ".[plot]"') from None
-    return GridOutput(output.as_json, check_output_file(output.csv_path, "--csv") if output.csv_path else None,
-                      check_output_dir(output.out_dir, "--out") if output.out_dir else None, plot)
+    return GridOutput(
+        output.as_json,
+        check_output_file(output.csv_path, "--csv") if output.csv_path else None,
+        check_output_dir(output.out_dir, "--out") if output.out_dir else None,
+        plot,
+    )
+
 
 def _report(kind: str, doc: dict, env: dict, output: GridOutput, no_color: bool, err) -> None:
     """Print first, then write: a failed write must not lose the results."""
@@ -227,6 +322,7 @@ def _report(kind: str, doc: dict, env: dict, output: GridOutput, no_color: bool,
         except OSError as e:
             raise ConfigError(f"--plot: could not write {output.plot} ({e.strerror or e})") from None
         err.print(f"wrote {output.plot}", style="dim")
+
 
 def _check_sweep_flags(rules: list[str], deltas: str | None, ks: list, flags: dict) -> None:
     """A sweep option that no configuration of the grid would use is an error, not a no-op."""

@@ -18,50 +18,241 @@ DECODING = "Speculative decoding"
 SAMPLING = "Sampling"
 RUNTIME = "Runtime"
 
-Profile = Annotated[Optional[str], typer.Option("--profile", "-p", help="Profile name (see `cactus profiles list`) or path to a YAML file. Default: the `default` profile.", rich_help_panel=MODEL)]
-Verifier = Annotated[Optional[str], typer.Option("--verifier", help="Verifier (large) model: hub id, local folder, .gguf file, or embedded:NAME.", rich_help_panel=MODEL)]
-Draft = Annotated[Optional[str], typer.Option("--draft", help="Draft (small) model, same sources as --verifier; `ngram` drafts by prompt lookup (copying what followed the last occurrence of the current n-gram; no model); `suffix` drafts the most frequent continuation from suffix trees over the request and earlier requests in this run (no model; generate and chat can keep them with --remember); `ngram+MODEL` / `suffix+MODEL` let MODEL draft when they have nothing; `none` runs the verifier alone. bench and eval take a comma list, e.g. ngram,suffix,embedded:qwen2.5-coder-0.5b.", rich_help_panel=MODEL)]
-Remember = Annotated[Optional[str], typer.Option("--remember", help="With --draft suffix: load the history tree (earlier prompts and outputs) from this file and save it back after every answer, so the next run drafts from what this one wrote. Off by default: nothing you type is written to disk unless you ask.", rich_help_panel=MODEL)]
-CrossVocabOpt = Annotated[Optional[str], typer.Option("--cross-vocab", help="A draft whose tokenizer differs from the verifier's: `string` re-tokenizes the draft's text into verifier tokens (one-hot drafts); `intersection` drafts from the draft's distribution over the tokens both vocabularies spell alike; `auto` (default) picks string. Both keep SpS exactly lossless. bench and eval take a comma list (string,intersection) and time each method side by side.", rich_help_panel=MODEL)]
-Tokenizer = Annotated[Optional[str], typer.Option("--tokenizer", help="Tokenizer for both models (default: the verifier's; needed for a bare .gguf).", rich_help_panel=MODEL)]
-Rule = Annotated[Optional[str], typer.Option("--rule", "-r", help="Acceptance rule: sps, cactus, cactus-exact, tas, topk, interp.", rich_help_panel=DECODING)]
-Delta = Annotated[Optional[float], typer.Option("--delta", "-d", help="Divergence budget for cactus / cactus-exact (0 = lossless SpS).", rich_help_panel=DECODING)]
-Param = Annotated[Optional[list[str]], typer.Option("--param", help="Other rule parameter as KEY=VALUE (divergence, epsilon, alpha, topk); repeatable.", rich_help_panel=DECODING)]
-NumDraft = Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Draft tokens per verification step (k), or `auto`: before each step pick k in 0..--max-draft-tokens for the most tokens per second, from the step costs measured on this machine (k = 0 is plain decoding).", rich_help_panel=DECODING)]
-MaxDraft = Annotated[Optional[int], typer.Option("--max-draft-tokens", help="Largest k that `-k auto` may pick (default 8).", rich_help_panel=DECODING)]
-Temperature = Annotated[Optional[float], typer.Option("--temperature", "-t", help="Sampling temperature; 0 = greedy.", rich_help_panel=SAMPLING)]
-TopK = Annotated[Optional[int], typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).", rich_help_panel=SAMPLING)]
-TopP = Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass (1 = off).", rich_help_panel=SAMPLING)]
-MaxTokens = Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="Stop after this many new tokens.", rich_help_panel=SAMPLING)]
-Seed = Annotated[Optional[int], typer.Option("--seed", "-s", help="Random seed (same seed, device and fixed k: same text; -k auto follows measured timings).", rich_help_panel=SAMPLING)]
-Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this string appears; repeatable.", rich_help_panel=SAMPLING)]
-Device = Annotated[Optional[str], typer.Option("--device", help="auto (CUDA if present), cpu, cuda, cuda:N, mps.", rich_help_panel=RUNTIME)]
-Dtype = Annotated[Optional[str], typer.Option("--dtype", help="auto, float32, float16, bfloat16.", rich_help_panel=RUNTIME)]
-Compile = Annotated[Optional[str], typer.Option("--compile", help="auto, on, off: static KV caches and compiled fixed-shape steps (CUDA graphs on CUDA). auto = on for CUDA; on a CPU only where an earlier run measured it faster. Compiling takes a while once per run and is not counted in tokens/s.", rich_help_panel=RUNTIME)]
-Quantize = Annotated[Optional[str], typer.Option("--quantize", help="none, int8, int4, w8a8, auto: int8 / int4 weight-only quantization of every Linear layer (lm_head included), activations in bfloat16; w8a8 (CPU): int8 weights times int8 activations quantized per row at each call (fbgemm's int8 GEMM; SmoothQuant first; lm_head included). Cached after the first start. auto: on a CPU int8 or w8a8, whichever is faster here (measured once), w8a8 only where its measured quality on this model is within 0.03 nats/token; none on a GPU. `cactus models quality` measures what each costs.", rich_help_panel=RUNTIME)]
-Tp = Annotated[Optional[int], typer.Option("--tp", help="Shard the verifier over N processes with tensor parallelism (transformers' TP plans; NCCL on CUDA, gloo in float32 on a CPU). Starts the other ranks itself, or runs under torchrun.", rich_help_panel=RUNTIME)]
-Backend = Annotated[Optional[str], typer.Option("--backend", help="auto, torch, llama.cpp: what runs the models. llama.cpp runs GGUF files (the embedded pair, a .gguf) on the CPU with llama.cpp's kernels and the GGUF's own quantization (no conversion); torch runs every source, on CUDA too. auto (default): llama.cpp for GGUF files on a CPU when llama-cpp-python is installed, torch everywhere else or when a torch setting (--quantize, --dtype, --compile on, --tp, a GPU) is given.", rich_help_panel=RUNTIME)]
-Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for either backend (default: the CPUs this process may use).", rich_help_panel=RUNTIME)]
-ChatTemplate = Annotated[Optional[bool], typer.Option("--chat-template/--no-chat-template", help="Wrap the prompt in the model's chat template (default: when the tokenizer has one).", rich_help_panel=RUNTIME)]
-NoColor = Annotated[bool, typer.Option("--no-color", help="No colours in the live view (NO_COLOR is honoured too).", rich_help_panel=RUNTIME)]
-System = Annotated[Optional[str], typer.Option("--system", help="System prompt (with a chat template).", rich_help_panel=RUNTIME)]
+Profile = Annotated[
+    Optional[str],
+    typer.Option(
+        "--profile",
+        "-p",
+        help="Profile name (see `cactus profiles list`) or path to a YAML file. Default: the `default` profile.",
+        rich_help_panel=MODEL,
+    ),
+]
+Verifier = Annotated[
+    Optional[str],
+    typer.Option(
+        "--verifier",
+        help="Verifier (large) model: hub id, local folder, .gguf file, or embedded:NAME.",
+        rich_help_panel=MODEL,
+    ),
+]
+Draft = Annotated[
+    Optional[str],
+    typer.Option(
+        "--draft",
+        help="Draft (small) model, same sources as --verifier; `ngram` drafts by prompt lookup (copying what followed the last occurrence of the current n-gram; no model); `suffix` drafts the most frequent continuation from suffix trees over the request and earlier requests in this run (no model; generate and chat can keep them with --remember); `ngram+MODEL` / `suffix+MODEL` let MODEL draft when they have nothing; `none` runs the verifier alone. bench and eval take a comma list, e.g. ngram,suffix,embedded:qwen2.5-coder-0.5b.",
+        rich_help_panel=MODEL,
+    ),
+]
+Remember = Annotated[
+    Optional[str],
+    typer.Option(
+        "--remember",
+        help="With --draft suffix: load the history tree (earlier prompts and outputs) from this file and save it back after every answer, so the next run drafts from what this one wrote. Off by default: nothing you type is written to disk unless you ask.",
+        rich_help_panel=MODEL,
+    ),
+]
+CrossVocabOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--cross-vocab",
+        help="A draft whose tokenizer differs from the verifier's: `string` re-tokenizes the draft's text into verifier tokens (one-hot drafts); `intersection` drafts from the draft's distribution over the tokens both vocabularies spell alike; `auto` (default) picks string. Both keep SpS exactly lossless. bench and eval take a comma list (string,intersection) and time each method side by side.",
+        rich_help_panel=MODEL,
+    ),
+]
+Tokenizer = Annotated[
+    Optional[str],
+    typer.Option(
+        "--tokenizer",
+        help="Tokenizer for both models (default: the verifier's; needed for a bare .gguf).",
+        rich_help_panel=MODEL,
+    ),
+]
+Rule = Annotated[
+    Optional[str],
+    typer.Option(
+        "--rule", "-r", help="Acceptance rule: sps, cactus, cactus-exact, tas, topk, interp.", rich_help_panel=DECODING
+    ),
+]
+Delta = Annotated[
+    Optional[float],
+    typer.Option(
+        "--delta",
+        "-d",
+        help="Divergence budget for cactus / cactus-exact (0 = lossless SpS).",
+        rich_help_panel=DECODING,
+    ),
+]
+Param = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--param",
+        help="Other rule parameter as KEY=VALUE (divergence, epsilon, alpha, topk); repeatable.",
+        rich_help_panel=DECODING,
+    ),
+]
+NumDraft = Annotated[
+    Optional[str],
+    typer.Option(
+        "--num-draft-tokens",
+        "-k",
+        help="Draft tokens per verification step (k), or `auto`: before each step pick k in 0..--max-draft-tokens for the most tokens per second, from the step costs measured on this machine (k = 0 is plain decoding).",
+        rich_help_panel=DECODING,
+    ),
+]
+MaxDraft = Annotated[
+    Optional[int],
+    typer.Option("--max-draft-tokens", help="Largest k that `-k auto` may pick (default 8).", rich_help_panel=DECODING),
+]
+Temperature = Annotated[
+    Optional[float],
+    typer.Option("--temperature", "-t", help="Sampling temperature; 0 = greedy.", rich_help_panel=SAMPLING),
+]
+TopK = Annotated[
+    Optional[int], typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).", rich_help_panel=SAMPLING)
+]
+TopP = Annotated[
+    Optional[float], typer.Option("--top-p", help="Nucleus sampling mass (1 = off).", rich_help_panel=SAMPLING)
+]
+MaxTokens = Annotated[
+    Optional[int], typer.Option("--max-tokens", "-n", help="Stop after this many new tokens.", rich_help_panel=SAMPLING)
+]
+Seed = Annotated[
+    Optional[int],
+    typer.Option(
+        "--seed",
+        "-s",
+        help="Random seed (same seed, device and fixed k: same text; -k auto follows measured timings).",
+        rich_help_panel=SAMPLING,
+    ),
+]
+Stop = Annotated[
+    Optional[list[str]],
+    typer.Option("--stop", help="Stop when this string appears; repeatable.", rich_help_panel=SAMPLING),
+]
+Device = Annotated[
+    Optional[str],
+    typer.Option("--device", help="auto (CUDA if present), cpu, cuda, cuda:N, mps.", rich_help_panel=RUNTIME),
+]
+Dtype = Annotated[
+    Optional[str], typer.Option("--dtype", help="auto, float32, float16, bfloat16.", rich_help_panel=RUNTIME)
+]
+Compile = Annotated[
+    Optional[str],
+    typer.Option(
+        "--compile",
+        help="auto, on, off: static KV caches and compiled fixed-shape steps (CUDA graphs on CUDA). auto = on for CUDA; on a CPU only where an earlier run measured it faster. Compiling takes a while once per run and is not counted in tokens/s.",
+        rich_help_panel=RUNTIME,
+    ),
+]
+Quantize = Annotated[
+    Optional[str],
+    typer.Option(
+        "--quantize",
+        help="none, int8, int4, w8a8, auto: int8 / int4 weight-only quantization of every Linear layer (lm_head included), activations in bfloat16; w8a8 (CPU): int8 weights times int8 activations quantized per row at each call (fbgemm's int8 GEMM; SmoothQuant first; lm_head included). Cached after the first start. auto: on a CPU int8 or w8a8, whichever is faster here (measured once), w8a8 only where its measured quality on this model is within 0.03 nats/token; none on a GPU. `cactus models quality` measures what each costs.",
+        rich_help_panel=RUNTIME,
+    ),
+]
+Tp = Annotated[
+    Optional[int],
+    typer.Option(
+        "--tp",
+        help="Shard the verifier over N processes with tensor parallelism (transformers' TP plans; NCCL on CUDA, gloo in float32 on a CPU). Starts the other ranks itself, or runs under torchrun.",
+        rich_help_panel=RUNTIME,
+    ),
+]
+Backend = Annotated[
+    Optional[str],
+    typer.Option(
+        "--backend",
+        help="auto, torch, llama.cpp: what runs the models. llama.cpp runs GGUF files (the embedded pair, a .gguf) on the CPU with llama.cpp's kernels and the GGUF's own quantization (no conversion); torch runs every source, on CUDA too. auto (default): llama.cpp for GGUF files on a CPU when llama-cpp-python is installed, torch everywhere else or when a torch setting (--quantize, --dtype, --compile on, --tp, a GPU) is given.",
+        rich_help_panel=RUNTIME,
+    ),
+]
+Threads = Annotated[
+    Optional[int],
+    typer.Option(
+        "--threads",
+        help="CPU threads for either backend (default: the CPUs this process may use).",
+        rich_help_panel=RUNTIME,
+    ),
+]
+ChatTemplate = Annotated[
+    Optional[bool],
+    typer.Option(
+        "--chat-template/--no-chat-template",
+        help="Wrap the prompt in the model's chat template (default: when the tokenizer has one).",
+        rich_help_panel=RUNTIME,
+    ),
+]
+NoColor = Annotated[
+    bool,
+    typer.Option("--no-color", help="No colours in the live view (NO_COLOR is honoured too).", rich_help_panel=RUNTIME),
+]
+System = Annotated[
+    Optional[str], typer.Option("--system", help="System prompt (with a chat template).", rich_help_panel=RUNTIME)
+]
 
 # name -> (annotation, Settings key or None for options that are not settings)
 SHARED: dict[str, tuple[Any, str | None]] = {
-    "profile": (Profile, None), "verifier": (Verifier, "verifier"), "draft": (Draft, "draft"),
-    "tokenizer": (Tokenizer, "tokenizer"), "cross_vocab": (CrossVocabOpt, "cross_vocab"), "rule": (Rule, "rule"), "delta": (Delta, "delta"),
-    "param": (Param, "rule_params"), "num_draft_tokens": (NumDraft, "num_draft_tokens"),
+    "profile": (Profile, None),
+    "verifier": (Verifier, "verifier"),
+    "draft": (Draft, "draft"),
+    "tokenizer": (Tokenizer, "tokenizer"),
+    "cross_vocab": (CrossVocabOpt, "cross_vocab"),
+    "rule": (Rule, "rule"),
+    "delta": (Delta, "delta"),
+    "param": (Param, "rule_params"),
+    "num_draft_tokens": (NumDraft, "num_draft_tokens"),
     "max_draft_tokens": (MaxDraft, "max_draft_tokens"),
-    "temperature": (Temperature, "temperature"), "top_k": (TopK, "top_k"), "top_p": (TopP, "top_p"),
-    "max_tokens": (MaxTokens, "max_tokens"), "seed": (Seed, "seed"), "stop": (Stop, "stop"),
-    "device": (Device, "device"), "dtype": (Dtype, "dtype"), "compile": (Compile, "compile"), "quantize": (Quantize, "quantize"), "tp": (Tp, "tp"), "backend": (Backend, "backend"), "threads": (Threads, "threads"), "chat_template": (ChatTemplate, "chat_template"),
-    "system": (System, "system"), "no_color": (NoColor, None), "remember": (Remember, "remember"),
+    "temperature": (Temperature, "temperature"),
+    "top_k": (TopK, "top_k"),
+    "top_p": (TopP, "top_p"),
+    "max_tokens": (MaxTokens, "max_tokens"),
+    "seed": (Seed, "seed"),
+    "stop": (Stop, "stop"),
+    "device": (Device, "device"),
+    "dtype": (Dtype, "dtype"),
+    "compile": (Compile, "compile"),
+    "quantize": (Quantize, "quantize"),
+    "tp": (Tp, "tp"),
+    "backend": (Backend, "backend"),
+    "threads": (Threads, "threads"),
+    "chat_template": (ChatTemplate, "chat_template"),
+    "system": (System, "system"),
+    "no_color": (NoColor, None),
+    "remember": (Remember, "remember"),
 }
-MODEL_AND_SAMPLING = ("profile", "verifier", "draft", "tokenizer", "cross_vocab", "param", "temperature", "top_k", "top_p",
-                      "max_tokens", "seed", "device", "dtype", "chat_template", "no_color", "max_draft_tokens", "tp",
-                      "threads")
-GENERATION = MODEL_AND_SAMPLING + ("rule", "delta", "num_draft_tokens", "stop", "system", "compile", "quantize",
-                                  "remember", "backend")
+MODEL_AND_SAMPLING = (
+    "profile",
+    "verifier",
+    "draft",
+    "tokenizer",
+    "cross_vocab",
+    "param",
+    "temperature",
+    "top_k",
+    "top_p",
+    "max_tokens",
+    "seed",
+    "device",
+    "dtype",
+    "chat_template",
+    "no_color",
+    "max_draft_tokens",
+    "tp",
+    "threads",
+)
+GENERATION = MODEL_AND_SAMPLING + (
+    "rule",
+    "delta",
+    "num_draft_tokens",
+    "stop",
+    "system",
+    "compile",
+    "quantize",
+    "remember",
+    "backend",
+)
 
 
 @dataclass
@@ -82,8 +273,12 @@ def shared_options(*names: str) -> Callable:
         sig = inspect.signature(fn, eval_str=True)
         own = [p for p in sig.parameters.values() if p.name != "shared"]
         ordered = sorted(names, key=list(SHARED).index)  # --help lists them in SHARED's order
-        added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=SHARED[n][0],
-                                   default=False if n == "no_color" else None) for n in ordered]
+        added = [
+            inspect.Parameter(
+                n, inspect.Parameter.KEYWORD_ONLY, annotation=SHARED[n][0], default=False if n == "no_color" else None
+            )
+            for n in ordered
+        ]
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -23,7 +23,6 @@ _BENCH_COLUMNS = [  # (key, header, format, better); MAL = 1 + AL is in the JSON
 ]
 
 
-
 def print_bench(console: Console, doc: dict) -> None:
     """The results table, best value per column in bold green; then speedup by category."""
     from rich.table import Table
@@ -33,12 +32,19 @@ def print_bench(console: Console, doc: dict) -> None:
     rows = doc["results"]
     env = doc["environment"]
     cols = [c for c in _BENCH_COLUMNS if any(r.get(c[0]) is not None for r in rows)]
-    title = (f"{env['verifier']} / {env['draft']} · {env['device']} {env['dtype']} · "
-             f"{len(doc['prompts'])} prompts · T={doc['settings']['temperature']}")
-    table = Table(title=title, title_justify="left", caption_justify="left", padding=(0, 1),
-                  caption="AL: accepted draft tokens per step (MAL = 1 + AL); a: per-token acceptance; "
-                  "accept: accepted / drafted; speedup over the verifier alone; V/tok: verifier passes per token; "
-                  "k̄: mean draft length per step (k = auto picks it per step)")
+    title = (
+        f"{env['verifier']} / {env['draft']} · {env['device']} {env['dtype']} · "
+        f"{len(doc['prompts'])} prompts · T={doc['settings']['temperature']}"
+    )
+    table = Table(
+        title=title,
+        title_justify="left",
+        caption_justify="left",
+        padding=(0, 1),
+        caption="AL: accepted draft tokens per step (MAL = 1 + AL); a: per-token acceptance; "
+        "accept: accepted / drafted; speedup over the verifier alone; V/tok: verifier passes per token; "
+        "k̄: mean draft length per step (k = auto picks it per step)",
+    )
     table.add_column("config", overflow="fold", min_width=12)
     for _, header, _, _ in cols:
         table.add_column(header, justify="right", no_wrap=True)
@@ -81,7 +87,6 @@ def print_bench(console: Console, doc: dict) -> None:
         console.print(t2)
 
 
-
 def print_eval(console: Console, doc: dict) -> None:
     """Accuracy (95% Wilson interval) beside speed, one row per configuration; a note when the
     intervals of the verifier alone and a configuration overlap."""
@@ -91,41 +96,66 @@ def print_eval(console: Console, doc: dict) -> None:
         console.width = max(console.width, 132)
     rows = doc["results"]
     env = doc["environment"]
-    title = (f"{env['verifier']} / {env['draft']} · {env['device']} {env['dtype']} · "
-             f"{len(doc['prompts'])} problems · T={doc['settings']['temperature']}")
-    table = Table(title=title, title_justify="left", caption_justify="left", padding=(0, 1),
-                  caption="accuracy (pass@1 for code tasks) with its 95% Wilson interval; vs alone: the difference "
-                  "from the verifier alone over the same problems, with its 95% paired bootstrap interval; MAL: mean "
-                  "acceptance length (1 + accepted drafts per step); a: per-token acceptance; speedup over the verifier alone")
+    title = (
+        f"{env['verifier']} / {env['draft']} · {env['device']} {env['dtype']} · "
+        f"{len(doc['prompts'])} problems · T={doc['settings']['temperature']}"
+    )
+    table = Table(
+        title=title,
+        title_justify="left",
+        caption_justify="left",
+        padding=(0, 1),
+        caption="accuracy (pass@1 for code tasks) with its 95% Wilson interval; vs alone: the difference "
+        "from the verifier alone over the same problems, with its 95% paired bootstrap interval; MAL: mean "
+        "acceptance length (1 + accepted drafts per step); a: per-token acceptance; speedup over the verifier alone",
+    )
     table.add_column("config", overflow="fold", min_width=12)
     metered = any(r.get("realized_kl_mean") is not None for r in rows)
     for header in ("accuracy", "95% interval", "vs alone (95%)", "n", "MAL", "a", "tok/s", "speedup") + (
-            ("KL",) if metered else ()):
+        ("KL",) if metered else ()
+    ):
         table.add_column(header, justify="right", no_wrap=True)
     for r in rows:
         if r.get("problems") is None:
             continue
         al = r.get("mean_acceptance_length")
-        paired = ("-" if r.get("paired_vs_alone") is None else
-                  f"{100 * r['paired_vs_alone']:+.1f} ({100 * r['paired_ci95_low']:+.1f}, {100 * r['paired_ci95_high']:+.1f})")
+        paired = (
+            "-"
+            if r.get("paired_vs_alone") is None
+            else f"{100 * r['paired_vs_alone']:+.1f} ({100 * r['paired_ci95_low']:+.1f}, {100 * r['paired_ci95_high']:+.1f})"
+        )
         n = str(r["problems"]) + (f"x{r['samples']}" if r.get("samples", 1) > 1 else "")
-        cells = [f"{100 * r['accuracy']:.1f}%", f"{100 * r['accuracy_ci95_low']:.1f}–{100 * r['accuracy_ci95_high']:.1f}%",
-                 paired, n, "-" if r["kind"] == "autoregressive" or al is None else f"{al:.2f}",
-                 "-" if r.get("per_token_acceptance") is None else f"{r['per_token_acceptance']:.3f}",
-                 "-" if r.get("tokens_per_second") is None else f"{r['tokens_per_second']:.2f}",
-                 "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"]
+        cells = [
+            f"{100 * r['accuracy']:.1f}%",
+            f"{100 * r['accuracy_ci95_low']:.1f}–{100 * r['accuracy_ci95_high']:.1f}%",
+            paired,
+            n,
+            "-" if r["kind"] == "autoregressive" or al is None else f"{al:.2f}",
+            "-" if r.get("per_token_acceptance") is None else f"{r['per_token_acceptance']:.3f}",
+            "-" if r.get("tokens_per_second") is None else f"{r['tokens_per_second']:.2f}",
+            "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x",
+        ]
         if metered:
             cells.append("-" if r.get("realized_kl_mean") is None else f"{r['realized_kl_mean']:.4f}")
         table.add_row(r["config"], *cells)
     console.print(table)
     base = next((r for r in rows if r["kind"] == "autoregressive" and r.get("problems")), None)
     if base is not None:
-        inside = [r["config"] for r in rows if r is not base and r.get("problems")
-                  and r["accuracy_ci95_low"] <= base["accuracy_ci95_high"] and base["accuracy_ci95_low"] <= r["accuracy_ci95_high"]]
+        inside = [
+            r["config"]
+            for r in rows
+            if r is not base
+            and r.get("problems")
+            and r["accuracy_ci95_low"] <= base["accuracy_ci95_high"]
+            and base["accuracy_ci95_low"] <= r["accuracy_ci95_high"]
+        ]
         if inside:
-            console.print(Text(f"inside the verifier's interval (no difference shown at this n): {', '.join(inside)}",
-                               style=STYLES["dim"]))
-
+            console.print(
+                Text(
+                    f"inside the verifier's interval (no difference shown at this n): {', '.join(inside)}",
+                    style=STYLES["dim"],
+                )
+            )
 
 
 def print_calibration(console: Console, doc: dict) -> None:
@@ -143,37 +173,51 @@ def print_calibration(console: Console, doc: dict) -> None:
         def f(v, fmt):
             return "-" if v is None else fmt.format(v)
 
-        t.add_row(f"{r['delta']:g}", f(r["per_token_acceptance"], "{:.3f}"), f(r["mean_accepted_tokens_per_step"], "{:.2f}"),
-                  f(r["realized_kl_mean"], "{:.4f}"), f(r["realized_kl_p90"], "{:.4f}"),
-                  f(r["realized_tv_mean"], "{:.4f}"), f(r["loglik_vs_sps"], "{:+.4f}"), style=style)
+        t.add_row(
+            f"{r['delta']:g}",
+            f(r["per_token_acceptance"], "{:.3f}"),
+            f(r["mean_accepted_tokens_per_step"], "{:.2f}"),
+            f(r["realized_kl_mean"], "{:.4f}"),
+            f(r["realized_kl_p90"], "{:.4f}"),
+            f(r["realized_tv_mean"], "{:.4f}"),
+            f(r["loglik_vs_sps"], "{:+.4f}"),
+            style=style,
+        )
     console.print(t)
     console.print(trade_off_chart(rows, doc["constraints"]["max_divergence"], max(10, (console.width - 34) // 2)))
     k = doc["k_sweep"]
     widths = k.get("verify_cost_by_width") or {}
     shape = ", ".join(f"t_v({w}) {widths[w]:.2f}" for w in sorted(widths, key=int)[1::2][:5])
     c = k.get("cost_ratio")
-    t2 = Table(title=f"k sweep (delta={k['delta']:g}; costs relative to a 1-token verify: draft token "
-               f"{'-' if c is None else f'{c:.2f}'}, {shape})", title_justify="left")
+    t2 = Table(
+        title=f"k sweep (delta={k['delta']:g}; costs relative to a 1-token verify: draft token "
+        f"{'-' if c is None else f'{c:.2f}'}, {shape})",
+        title_justify="left",
+    )
     for col in ("k", "predicted speedup", "measured tok/s", "AL"):
         t2.add_column(col, justify="right")
     if k.get("verifier_alone_tokens_per_second") is not None:
         t2.add_row("0 (verifier alone)", "1.00x", f"{k['verifier_alone_tokens_per_second']:.2f}", "-")
     for r in k["rows"]:
         style = "bold green" if r["k"] == chosen["num_draft_tokens"] else ("" if r["timed"] else "dim")
-        t2.add_row(str(r["k"]) + (f" (mean k {r['mean_k']:.2f})" if r.get("mean_k") is not None else ""),
-                   "-" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x",
-                   "-" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:.2f}",
-                   "-" if r["mean_accepted_tokens_per_step"] is None else f"{r['mean_accepted_tokens_per_step']:.2f}",
-                   style=style)
+        t2.add_row(
+            str(r["k"]) + (f" (mean k {r['mean_k']:.2f})" if r.get("mean_k") is not None else ""),
+            "-" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}x",
+            "-" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:.2f}",
+            "-" if r["mean_accepted_tokens_per_step"] is None else f"{r['mean_accepted_tokens_per_step']:.2f}",
+            style=style,
+        )
     console.print(t2)
     overhead = doc.get("meter_overhead")
-    console.print(Text(f"chosen: delta = {chosen['delta']:g}, k = {chosen['num_draft_tokens']} ({chosen['reason']})",
-                       style="bold"))
+    console.print(
+        Text(
+            f"chosen: delta = {chosen['delta']:g}, k = {chosen['num_draft_tokens']} ({chosen['reason']})", style="bold"
+        )
+    )
     if chosen.get("advice"):
         console.print(Text(chosen["advice"], style="yellow"))
     if overhead is not None:
         console.print(Text(f"meter overhead: {overhead:+.1%} of generation time", style="dim"))
-
 
 
 def trade_off_chart(rows: list[dict], budget: float, width: int = 36) -> Text:
@@ -195,7 +239,6 @@ def trade_off_chart(rows: list[dict], budget: float, width: int = 36) -> Text:
     return out
 
 
-
 def plot_calibration_png(doc: dict, path) -> None:
     import matplotlib
 
@@ -205,8 +248,9 @@ def plot_calibration_png(doc: dict, path) -> None:
     rows = doc["delta_sweep"]["rows"]
     d = [r["delta"] for r in rows]
     fig, ax1 = plt.subplots(figsize=(7, 4.2), dpi=120)
-    ax1.plot(d, [r["mean_accepted_tokens_per_step"] for r in rows], "o-", color="tab:green",
-             label="accepted tokens per step")
+    ax1.plot(
+        d, [r["mean_accepted_tokens_per_step"] for r in rows], "o-", color="tab:green", label="accepted tokens per step"
+    )
     ax1.set_xlabel("delta (per-token budget)")
     ax1.set_ylabel("accepted draft tokens per step", color="tab:green")
     ax2 = ax1.twinx()
@@ -214,8 +258,11 @@ def plot_calibration_png(doc: dict, path) -> None:
     ax2.axhline(doc["constraints"]["max_divergence"], color="tab:red", lw=1, ls=":", label="divergence budget")
     ax2.set_ylabel("mean realized KL per token (nats)", color="tab:orange")
     ax1.axvline(doc["chosen"]["delta"], color="gray", lw=1)
-    fig.suptitle(f"{doc['rule']} on {doc['environment']['verifier']} / {doc['environment']['draft']}, "
-                 f"k={doc['delta_sweep']['k']}", fontsize=9)
+    fig.suptitle(
+        f"{doc['rule']} on {doc['environment']['verifier']} / {doc['environment']['draft']}, "
+        f"k={doc['delta_sweep']['k']}",
+        fontsize=9,
+    )
     lines = ax1.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
     labels = ax1.get_legend_handles_labels()[1] + ax2.get_legend_handles_labels()[1]
     ax1.legend(lines, labels, loc="lower right", fontsize=8)
@@ -229,7 +276,6 @@ def plot_calibration_png(doc: dict, path) -> None:
     tmp.replace(path)
 
 
-
 def plot_tradeoff_png(doc: dict, path) -> None:
     """bench --plot: speed and mean acceptance length against the realized divergence (the
     meter), one point per configuration, SpS at zero divergence, the verifier alone as a line."""
@@ -241,21 +287,31 @@ def plot_tradeoff_png(doc: dict, path) -> None:
     rows = [r for r in doc["results"] if r["kind"] == "speculative" and r.get("realized_kl_mean") is not None]
     alone = next((r for r in doc["results"] if r["kind"] == "autoregressive"), None)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.8), dpi=120)
-    for ax, key, label in ((ax1, "tokens_per_second", "tokens / s"), (ax2, "mean_acceptance_length", "mean acceptance length")):
+    for ax, key, label in (
+        (ax1, "tokens_per_second", "tokens / s"),
+        (ax2, "mean_acceptance_length", "mean acceptance length"),
+    ):
         for r in rows:
             sps = r["rule"] == "sps"
             ax.plot(r["realized_kl_mean"], r[key] or 0, "D" if sps else "o", color="black" if sps else "tab:green")
             delta = r["rule_params"].get("delta")
-            ax.annotate("SpS" if sps else (f"δ={delta:g}" if delta is not None else r["rule"]),
-                        (r["realized_kl_mean"], r[key] or 0), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            ax.annotate(
+                "SpS" if sps else (f"δ={delta:g}" if delta is not None else r["rule"]),
+                (r["realized_kl_mean"], r[key] or 0),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+            )
         if key == "tokens_per_second" and alone is not None:
             ax.axhline(alone["tokens_per_second"], color="gray", lw=1, ls=":", label="verifier alone")
             ax.legend(fontsize=7, loc="lower right")
         ax.set_xlabel("realized KL(h_alg || q) per token (nats)")
         ax.set_ylabel(label)
     env = doc["environment"]
-    fig.suptitle(f"{env['verifier']} / {env['draft']} · {env.get('backend', '')} · {env.get('device_name', '')}"[:120],
-                 fontsize=8)
+    fig.suptitle(
+        f"{env['verifier']} / {env['draft']} · {env.get('backend', '')} · {env.get('device_name', '')}"[:120],
+        fontsize=8,
+    )
     fig.tight_layout()
     from pathlib import Path
 
@@ -275,10 +331,17 @@ def print_quality(console: Console, doc: dict) -> None:
         table.add_column(col, justify="left" if col == "quantize" else "right")
     for r in doc["results"]:
         ref = r["quantize"] == "none"
-        table.add_row("none, bfloat16" if ref else r["quantize"], f"{r['weight_gb']:.2f} GB",
-                      f"{r['mean_nll']:.4f}", "-" if ref else f"{r['nll_vs_reference']:+.4f}",
-                      "-" if ref else f"{100 * r['greedy_agreement']:.1f}%",
-                      "-" if ref else ("yes" if r["within_tolerance"] else "no"))
+        table.add_row(
+            "none, bfloat16" if ref else r["quantize"],
+            f"{r['weight_gb']:.2f} GB",
+            f"{r['mean_nll']:.4f}",
+            "-" if ref else f"{r['nll_vs_reference']:+.4f}",
+            "-" if ref else f"{100 * r['greedy_agreement']:.1f}%",
+            "-" if ref else ("yes" if r["within_tolerance"] else "no"),
+        )
     console.print(table)
-    console.print("Δ NLL: nats per token above the unquantized model; greedy agreement: positions where both "
-                  "pick the same next token", style="dim")
+    console.print(
+        "Δ NLL: nats per token above the unquantized model; greedy agreement: positions where both "
+        "pick the same next token",
+        style="dim",
+    )

@@ -179,8 +179,15 @@ class LoadProgress:
 
         self.console = console
         self.live = console.is_terminal
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), _Bytes(),
-                                 TimeElapsedColumn(), console=console, transient=True)
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            _Bytes(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
         self._current = None
 
     def __enter__(self) -> LoadProgress:
@@ -238,9 +245,16 @@ def bench_progress(console: Console, total: int):
 
     @contextmanager
     def cm():
-        progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True,
-                            disable=not console.is_terminal)
+        progress = Progress(
+            TextColumn("{task.description:<28}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+            disable=not console.is_terminal,
+        )
         with progress:
             tid = progress.add_task("warming up", total=total)
             yield lambda n, label: progress.update(tid, advance=n, description=label)
@@ -284,10 +298,25 @@ class ChatOutput:
                 return "[" + ", ".join(fmt(x) for x in v) + "]"
             return str(v)
 
-        keys = ["turns", "num_output_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                "draft_acceptance_rate", "mean_acceptance_length", "mean_accepted_tokens_per_step",
-                "acceptance_histogram", "per_position_acceptance_rate", "k_histogram", "mean_k", "tokens_per_second",
-                "verifier_forward_passes", "draft_forward_passes", "prefill_tokens", "prefill_tokens_saved"]
+        keys = [
+            "turns",
+            "num_output_tokens",
+            "num_drafts",
+            "num_draft_tokens",
+            "num_accepted_tokens",
+            "draft_acceptance_rate",
+            "mean_acceptance_length",
+            "mean_accepted_tokens_per_step",
+            "acceptance_histogram",
+            "per_position_acceptance_rate",
+            "k_histogram",
+            "mean_k",
+            "tokens_per_second",
+            "verifier_forward_passes",
+            "draft_forward_passes",
+            "prefill_tokens",
+            "prefill_tokens_saved",
+        ]
         width = max(len(k) for k in keys)
         for k in keys:
             self.console.print(Text(f"{k:<{width}}  {fmt(d.get(k))}"))
@@ -296,5 +325,3 @@ class ChatOutput:
 
 
 # --------------------------------------------------------------------------- calibrate
-
-

@@ -266,8 +266,10 @@ class Interp(FixedTargetRule):
 class TypicalAcceptance(Rule):
     name = "tas"
     summary = "typical acceptance (Medusa): accept if q_n > min(epsilon, alpha exp(-H(q))), else verifier argmax"
-    params = (Param("epsilon", 0.09, _pos_unit, "a number in (0, 1]"),
-              Param("alpha", None, _nonneg, "a finite number >= 0 (default sqrt(epsilon))"))
+    params = (
+        Param("epsilon", 0.09, _pos_unit, "a number in (0, 1]"),
+        Param("alpha", None, _nonneg, "a finite number >= 0 (default sqrt(epsilon))"),
+    )
 
     def finish_params(self, prm):
         return {**prm, "alpha": math.sqrt(prm["epsilon"])} if prm["alpha"] is None else prm

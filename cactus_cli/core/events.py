@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-MODEL, NGRAM, SUFFIX = "model", "ngram", "suffix"  # draft sources: a draft model, prompt lookup, the suffix trees (both free)
+MODEL, NGRAM, SUFFIX = (
+    "model",
+    "ngram",
+    "suffix",
+)  # draft sources: a draft model, prompt lookup, the suffix trees (both free)
 ExtraKind = Literal["correction", "bonus", "verifier"]  # verifier: autoregressive step, no drafts
 
 

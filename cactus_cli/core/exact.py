@@ -34,8 +34,16 @@ def divergences(h: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return kl.clamp(min=0.0), 0.5 * (h - q).abs().sum(-1)  # KL >= 0; rounding can dip below
 
 
-def meter(rule: str, rule_kwargs: dict[str, Any], p: torch.Tensor | None, q: torch.Tensor | None,
-          logits: torch.Tensor, new: list[int], m: int, k: int) -> tuple[tuple[float, ...], ...]:
+def meter(
+    rule: str,
+    rule_kwargs: dict[str, Any],
+    p: torch.Tensor | None,
+    q: torch.Tensor | None,
+    logits: torch.Tensor,
+    new: list[int],
+    m: int,
+    k: int,
+) -> tuple[tuple[float, ...], ...]:
     """The divergence meter for one step (``p`` [1, k, V], ``q`` [1, k+1, V], None when greedy;
     ``new``: the step's tokens, the first ``m`` accepted drafts). Per emitted position decided by
     the rule: KL(h_alg || q) and TV(h_alg, q) of the exact emitted distribution (the bonus

@@ -25,7 +25,9 @@ def atomic_write(path: str | Path, text: str, mode: int | None = None) -> Path:
     path = Path(path).expanduser()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, _umask_mode() if mode is None else mode)  # mkstemp makes 0600; a results file should be as readable as any
+        os.fchmod(
+            fd, _umask_mode() if mode is None else mode
+        )  # mkstemp makes 0600; a results file should be as readable as any
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -121,5 +123,6 @@ def read_utf8_file(path: Path, what: str) -> str:
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
         col = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
-        raise ConfigError(f"{path}:{line}:{col}: {what} is not valid UTF-8 (byte 0x{data[err.start]:02x}); "
-                          "save it as UTF-8") from None
+        raise ConfigError(
+            f"{path}:{line}:{col}: {what} is not valid UTF-8 (byte 0x{data[err.start]:02x}); save it as UTF-8"
+        ) from None

@@ -92,5 +92,3 @@ def _block_mass(dist: torch.Tensor) -> torch.Tensor:
 def _below(x: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """x clipped strictly below top, so the strict search lands on a token with positive mass."""
     return torch.minimum(x, torch.nextafter(top, torch.zeros_like(top)))
-
-

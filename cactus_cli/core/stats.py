@@ -80,9 +80,23 @@ class SpecStats:
 
     def merge(self, other: SpecStats) -> None:
         """Add another run's counters (for totals over prompts or chat turns)."""
-        for name in ("prompt_tokens", "prefill_tokens", "reused_prefix_tokens", "num_output_tokens", "num_steps", "num_drafts", "num_draft_tokens",
-                     "num_accepted_tokens", "num_rejections", "verifier_forward_passes", "draft_forward_passes",
-                     "prefill_seconds", "draft_seconds", "verify_seconds", "total_seconds"):
+        for name in (
+            "prompt_tokens",
+            "prefill_tokens",
+            "reused_prefix_tokens",
+            "num_output_tokens",
+            "num_steps",
+            "num_drafts",
+            "num_draft_tokens",
+            "num_accepted_tokens",
+            "num_rejections",
+            "verifier_forward_passes",
+            "draft_forward_passes",
+            "prefill_seconds",
+            "draft_seconds",
+            "verify_seconds",
+            "total_seconds",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("realized_kl", "realized_tv", "verifier_loglik"):
             getattr(self, name).extend(getattr(other, name))
@@ -125,9 +139,14 @@ class SpecStats:
     @property
     def draft_sources(self) -> dict[str, dict[str, Any]]:
         """Drafted and accepted tokens per draft source (the model, prompt lookup)."""
-        return {src: {"drafted": n, "accepted": self.accepted_by_source.get(src, 0),
-                      "acceptance_rate": self.accepted_by_source.get(src, 0) / n if n else None}
-                for src, n in sorted(self.drafted_by_source.items())}
+        return {
+            src: {
+                "drafted": n,
+                "accepted": self.accepted_by_source.get(src, 0),
+                "acceptance_rate": self.accepted_by_source.get(src, 0) / n if n else None,
+            }
+            for src, n in sorted(self.drafted_by_source.items())
+        }
 
     @property
     def mean_k(self) -> float | None:
@@ -157,9 +176,13 @@ class SpecStats:
         out_tokens = max(self.num_output_tokens, 1)
         meter = {}
         if self.realized_kl or self.verifier_loglik:
-            meter = {"realized_kl": summarize(self.realized_kl), "realized_tv": summarize(self.realized_tv),
-                     "mean_verifier_loglik": self.mean_verifier_loglik}
-        return {**meter, 
+            meter = {
+                "realized_kl": summarize(self.realized_kl),
+                "realized_tv": summarize(self.realized_tv),
+                "mean_verifier_loglik": self.mean_verifier_loglik,
+            }
+        return {
+            **meter,
             "prompt_tokens": self.prompt_tokens,
             "prefill_tokens": self.prefill_tokens,
             "reused_prefix_tokens": self.reused_prefix_tokens,
@@ -196,14 +219,28 @@ def summarize(values: list[float]) -> dict[str, Any]:
     emitted distribution puts mass on a token the verifier rules out)."""
     finite = sorted(v for v in values if math.isfinite(v))
     if not finite:
-        return {"count": len(values), "infinite": len(values), "mean": None, "p50": None, "p90": None,
-                "p99": None, "max": None}
+        return {
+            "count": len(values),
+            "infinite": len(values),
+            "mean": None,
+            "p50": None,
+            "p90": None,
+            "p99": None,
+            "max": None,
+        }
 
     def pct(x: float) -> float:
         return finite[min(len(finite) - 1, int(x * len(finite)))]
 
-    return {"count": len(values), "infinite": len(values) - len(finite), "mean": sum(finite) / len(finite),
-            "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": finite[-1]}
+    return {
+        "count": len(values),
+        "infinite": len(values) - len(finite),
+        "mean": sum(finite) / len(finite),
+        "p50": pct(0.5),
+        "p90": pct(0.9),
+        "p99": pct(0.99),
+        "max": finite[-1],
+    }
 
 
 def _grow(xs: list[int], n: int) -> None:

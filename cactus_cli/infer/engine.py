@@ -49,7 +49,9 @@ class GenerationParams:
     ignore_eos: bool = False
     seed: int = 0
     measure: bool = False  # the divergence meter: realized KL/TV per position, verifier log-likelihood
-    learn: bool = True  # teach the cost store this run's step costs and a drafter's history this sequence (a warm-up does not)
+    learn: bool = (
+        True  # teach the cost store this run's step costs and a drafter's history this sequence (a warm-up does not)
+    )
     memory: str = ""  # which history a drafter with memory reads and extends (bench: one per configuration)
 
 
@@ -80,10 +82,16 @@ class SpeculativeEngine:
         self.verifier: Runner = make_runner(pair.verifier, pair.vocab_size, compiled, self.context_length, "verifier")
         draft = None
         if pair.draft is not None:  # (a draft with its own tokenizer runs eagerly: its token count differs)
-            draft = make_runner(pair.draft, pair.cross.rows if pair.cross else pair.vocab_size,
-                                compiled and pair.cross is None, self.context_length, "draft")
-        self.drafter: Drafter | None = make_drafter(draft, self.lookup, pair.vocab_size, pair.verifier.device,
-                                                    pair.cross, pair.tokenizer)
+            draft = make_runner(
+                pair.draft,
+                pair.cross.rows if pair.cross else pair.vocab_size,
+                compiled and pair.cross is None,
+                self.context_length,
+                "draft",
+            )
+        self.drafter: Drafter | None = make_drafter(
+            draft, self.lookup, pair.vocab_size, pair.verifier.device, pair.cross, pair.tokenizer
+        )
         self.tokens = []
         self.costs = CostStore.read(cost_key(pair, compiled))  # what a step costs here
         self.auto_k = AdaptiveK(self.costs)  # -k auto (its exploration spans runs)
@@ -101,8 +109,13 @@ class SpeculativeEngine:
         run, k = 0 and shorter lookups included, is padded to it when compiled."""
         return (k + 1,) if k > 0 and self.drafter is not None else (1,)
 
-    def prepare(self, tokens: int, widths: set[int] | tuple[int, ...], report: Callable[[str], None] | None = None,
-                exact: bool = True) -> None:
+    def prepare(
+        self,
+        tokens: int,
+        widths: set[int] | tuple[int, ...],
+        report: Callable[[str], None] | None = None,
+        exact: bool = True,
+    ) -> None:
         """Size the caches for ``tokens`` and compile the verifier's steps of these ``widths`` (and
         the draft's) now, before anything is timed; more than MAX_GRAPHS widths (a sweep over k)
         become power-of-two widths that shorter steps pad to. ``exact=False`` compiles only what no
@@ -180,8 +193,13 @@ class SpeculativeEngine:
                 d.forward(dids[:length], keep=1)
             try:
                 # every width to 17 (costs step where kernels change: llama.cpp's 8-16 cost what 8 does)
-                probe(self.costs.costs, verify_forward, draft_forward if d is not None else None,
-                      sorted(set(range(1, min(k_max + 1, 17) + 1)) | {k_max + 1}), lambda: sync(self.pair.verifier.device))
+                probe(
+                    self.costs.costs,
+                    verify_forward,
+                    draft_forward if d is not None else None,
+                    sorted(set(range(1, min(k_max + 1, 17) + 1)) | {k_max + 1}),
+                    lambda: sync(self.pair.verifier.device),
+                )
             finally:
                 self.reset()
         self.costs.dirty = True
@@ -196,11 +214,14 @@ class SpeculativeEngine:
         out["adaptive_k"] = params.adaptive_k
         return out
 
-    def generate(self, prompt_ids: list[int], params: GenerationParams, reuse_cache: bool = False) -> Iterator[StepEvent]:
+    def generate(
+        self, prompt_ids: list[int], params: GenerationParams, reuse_cache: bool = False
+    ) -> Iterator[StepEvent]:
         """``steps`` with text: each event's pieces, rejected drafts as text, stop strings (where
         the text stops, the run's output ends too: ``cut_output``)."""
-        return TextStream(self.pair.tokenizer, params.stop, self.cut_output).wrap(self.steps(prompt_ids, params,
-                                                                                                reuse_cache))
+        return TextStream(self.pair.tokenizer, params.stop, self.cut_output).wrap(
+            self.steps(prompt_ids, params, reuse_cache)
+        )
 
     def cut_output(self, dropped: int) -> None:
         """A stop string ended the text ``dropped`` emitted tokens before the last event's end:
@@ -219,8 +240,9 @@ class SpeculativeEngine:
                 f"the prompt is {len(prompt_ids)} tokens but the context window is {self.context_length}; "
                 "shorten the prompt"
             )
-        self.prepare(len(prompt_ids) + params.max_tokens + 1, self.step_widths(params.num_draft_tokens), self.report,
-                     exact=False)
+        self.prepare(
+            len(prompt_ids) + params.max_tokens + 1, self.step_widths(params.num_draft_tokens), self.report, exact=False
+        )
         return self._loop(list(prompt_ids), params, reuse_cache)
 
     def policy(self, params: GenerationParams) -> KPolicy:
@@ -274,8 +296,8 @@ class _Verified:
 class HostRead:
     """The step's one device-to-host copy, packed as one int64 vector and unpacked here:
 
-        [m, tokens[0..k], drafts[0..k-1], nan, nonfinite?]
-         1  k+1 (the m accepted, the extra, then -1s)  k  1   1 (sampling only)
+    [m, tokens[0..k], drafts[0..k-1], nan, nonfinite?]
+     1  k+1 (the m accepted, the extra, then -1s)  k  1   1 (sampling only)
     """
 
     accepted: int
@@ -291,8 +313,13 @@ class HostRead:
     @classmethod
     def read(cls, packed: torch.Tensor, k: int) -> "HostRead":
         host = packed.tolist()  # (the sync)
-        return cls(host[0], host[1 : k + 2], host[k + 2 : 2 * k + 2], bool(host[2 * k + 2]),
-                   len(host) > 2 * k + 3 and bool(host[2 * k + 3]))
+        return cls(
+            host[0],
+            host[1 : k + 2],
+            host[k + 2 : 2 * k + 2],
+            bool(host[2 * k + 2]),
+            len(host) > 2 * k + 3 and bool(host[2 * k + 3]),
+        )
 
 
 @dataclass(frozen=True)
@@ -390,8 +417,10 @@ class _Run:
         (accepted count, tokens, drafts and error flags in one copy). Commits nothing."""
         e, sp, vdev = self.e, self.sp, self.vdev
         if e.verifier.cache_len != len(e.tokens) - 1:  # (the invariant every step starts from: a host compare)
-            raise RuntimeError(f"internal error: the verifier caches {e.verifier.cache_len} tokens of a "
-                               f"{len(e.tokens)}-token sequence; it must hold all but the last")
+            raise RuntimeError(
+                f"internal error: the verifier caches {e.verifier.cache_len} tokens of a "
+                f"{len(e.tokens)}-token sequence; it must hold all but the last"
+            )
         drafts = proposal.tokens.to(vdev) if k else torch.zeros(0, dtype=torch.int64, device=vdev)  # [k]
         logits = e.verifier.forward(torch.cat([self.last, drafts]), keep=k + 1)  # [k+1, V]
         p = q = None
@@ -405,34 +434,50 @@ class _Run:
             verdict = verify(self.params.rule, p, q, drafts.view(1, k), generator=self.vgen, **self.params.rule_kwargs)
         host = HostRead.read(HostRead.pack(verdict, drafts, flags), k)
         if host.nan_logits:
-            raise ModelError(f"the verifier returned NaN logits (numerical overflow in "
-                             f"{str(e.pair.verifier.dtype).removeprefix('torch.')}?); try --dtype float32")
+            raise ModelError(
+                f"the verifier returned NaN logits (numerical overflow in "
+                f"{str(e.pair.verifier.dtype).removeprefix('torch.')}?); try --dtype float32"
+            )
         if host.nonfinite_probs:
-            raise ModelError(f"temperature {sp.temperature:g} made the verifier's probabilities non-finite; "
-                             "use a larger temperature, or 0 for greedy")
+            raise ModelError(
+                f"temperature {sp.temperature:g} made the verifier's probabilities non-finite; "
+                "use a larger temperature, or 0 for greedy"
+            )
         m = host.accepted
         return _Verified(m, host.tokens[: m + 1], host.drafts, verdict.tokens[0, m : m + 1], p, q, logits)
 
-    def commit(self, v: _Verified, k: int, source: str | None, fed: int, timing: Timing,
-               confidence: list[float] | None = None) -> StepEvent:
+    def commit(
+        self, v: _Verified, k: int, source: str | None, fed: int, timing: Timing, confidence: list[float] | None = None
+    ) -> StepEvent:
         """The policy learns the step; both caches rewind to the verified sequence; the sequence
         grows; the emitted tokens are cut at EOS or max_tokens, and so are the accepted ones
         counted (a draft past the cut was verified, never output)."""
         e, m, new = self.e, v.accepted, v.new
         self.last = v.next_input  # stays on the device for the next step's input
-        self.policy.observe(self.akey, k, m, timing.draft_seconds, timing.verify_seconds, fed, source or MODEL,
-                            confidence)
-        measured = (meter(self.params.rule, self.params.rule_kwargs, v.p, v.q, v.logits, new, m, k)
-                    if self.params.measure else ((), (), ()))
+        self.policy.observe(
+            self.akey, k, m, timing.draft_seconds, timing.verify_seconds, fed, source or MODEL, confidence
+        )
+        measured = (
+            meter(self.params.rule, self.params.rule_kwargs, v.p, v.q, v.logits, new, m, k)
+            if self.params.measure
+            else ((), (), ())
+        )
         self.rewind(m, new)
         emitted, finish = self.emit(new)
         if finish is None and len(e.tokens) >= e.context_length:
             finish = "context"
         n = len(emitted)
         ev = StepEvent(
-            num_drafted=k, draft_source=source, accepted=tuple(new[: min(m, n)]), rejected=tuple(v.drafts[m:]),
-            extra=new[-1], extra_kind="verifier" if k == 0 else ("bonus" if m == k else "correction"),
-            emitted=tuple(emitted), pieces=(), rejected_text=(), draft_seconds=timing.draft_seconds,
+            num_drafted=k,
+            draft_source=source,
+            accepted=tuple(new[: min(m, n)]),
+            rejected=tuple(v.drafts[m:]),
+            extra=new[-1],
+            extra_kind="verifier" if k == 0 else ("bonus" if m == k else "correction"),
+            emitted=tuple(emitted),
+            pieces=(),
+            rejected_text=(),
+            draft_seconds=timing.draft_seconds,
             verify_seconds=timing.verify_seconds,
             prefill_seconds=self.prefill_seconds if self.first else 0.0,
             prefill_tokens=self.prefill_tokens if self.first else 0,
@@ -440,8 +485,11 @@ class _Run:
             elapsed=time.perf_counter() - self.t_start - self.paused,
             draft_forward_passes=self._draft_passes() - self.d_passes,
             verifier_forward_passes=e.verifier.forward_passes - self.v_passes,
-            prompt_tokens=len(self.prompt), finish_reason=finish,
-            realized_kl=measured[0][:n], realized_tv=measured[1][:n], verifier_loglik=measured[2][:n],
+            prompt_tokens=len(self.prompt),
+            finish_reason=finish,
+            realized_kl=measured[0][:n],
+            realized_tv=measured[1][:n],
+            verifier_loglik=measured[2][:n],
         )
         self.v_passes = e.verifier.forward_passes
         self.d_passes = self._draft_passes()

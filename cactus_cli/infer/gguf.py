@@ -22,8 +22,10 @@ def bindings():
     try:
         import llama_cpp.llama_cpp as ll
     except (ImportError, OSError) as err:  # not installed, or its shared library failed to load
-        raise ModelError(f"the llama.cpp backend needs llama-cpp-python ({type(err).__name__}: "
-                         f"{' '.join(str(err).split())[:160]}); {INSTALL_HINT}") from None
+        raise ModelError(
+            f"the llama.cpp backend needs llama-cpp-python ({type(err).__name__}: "
+            f"{' '.join(str(err).split())[:160]}); {INSTALL_HINT}"
+        ) from None
     _init(ll)
     return ll
 
@@ -44,6 +46,7 @@ _ready = threading.Lock()
 def last_log() -> str:
     """llama.cpp's last warning or error line ("" if none)."""
     return _log[-1] if _log else ""
+
 
 _callback = None
 
@@ -105,15 +108,26 @@ class GGUFModel:
         _log.clear()
         handle = ll.llama_model_load_from_file(path.encode(), params)
         if not handle:
-            why = next((line for line in reversed(_log) if "error" in line.lower() or "failed" in line.lower()),
-                       _log[-1] if _log else "no reason given")
+            why = next(
+                (line for line in reversed(_log) if "error" in line.lower() or "failed" in line.lower()),
+                _log[-1] if _log else "no reason given",
+            )
             raise ModelError(f"llama.cpp could not load {path}: {why}")
         vocab = ll.llama_model_get_vocab(handle)
         buf = ctypes.create_string_buffer(256)
         ll.llama_model_desc(handle, buf, len(buf))
         eos = [t for t in (ll.llama_vocab_eos(vocab), ll.llama_vocab_eot(vocab)) if t >= 0]
-        return cls(path, handle, vocab, int(ll.llama_vocab_n_tokens(vocab)), int(ll.llama_model_n_ctx_train(handle)),
-                   threads, buf.value.decode("utf-8", "replace"), tuple(dict.fromkeys(eos)), plain)
+        return cls(
+            path,
+            handle,
+            vocab,
+            int(ll.llama_vocab_n_tokens(vocab)),
+            int(ll.llama_model_n_ctx_train(handle)),
+            threads,
+            buf.value.decode("utf-8", "replace"),
+            tuple(dict.fromkeys(eos)),
+            plain,
+        )
 
     @property
     def generation_config(self) -> Any:

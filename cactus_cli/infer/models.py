@@ -39,9 +39,18 @@ from cactus_cli.infer.tp import group
 from cactus_cli.infer.vocab import CrossVocab
 
 
-def load_model(name: str, src: Source, device: torch.device, dtype: torch.dtype, role: str = "model",
-               quantize: str = "none", reporter=None, tp: int = 1, calibration: list[int] | None = None,
-               gate: float | None = None) -> LoadedModel:
+def load_model(
+    name: str,
+    src: Source,
+    device: torch.device,
+    dtype: torch.dtype,
+    role: str = "model",
+    quantize: str = "none",
+    reporter=None,
+    tp: int = 1,
+    calibration: list[int] | None = None,
+    gate: float | None = None,
+) -> LoadedModel:
     """Load ``src`` (already materialized: a folder or a hub id); ``name`` is what the user called
     it. ``quantize`` int8 / int4 / w8a8 replaces every Linear by its quantized version (``gate``:
     a w8a8 that costs more than that many nats/token on ``calibration`` becomes int8);
@@ -55,8 +64,13 @@ def load_model(name: str, src: Source, device: torch.device, dtype: torch.dtype,
     if tp > 1:
         from transformers import DistributedConfig
 
-        model = _from_pretrained(AutoModelForCausalLM, src, f"{role} model", dtype=dtype,
-                                 distributed_config=DistributedConfig(tp_plan="auto"))
+        model = _from_pretrained(
+            AutoModelForCausalLM,
+            src,
+            f"{role} model",
+            dtype=dtype,
+            distributed_config=DistributedConfig(tp_plan="auto"),
+        )
         device = next(model.parameters()).device
     elif quantize == "none" and device.type == "cuda":
         model = _load_on_gpu(AutoModelForCausalLM, src, role, dtype, device)
@@ -82,8 +96,9 @@ def load_model(name: str, src: Source, device: torch.device, dtype: torch.dtype,
             note = quantize_model(model, quantize, src.location, report, device)
     if tp == 1:
         model.to(device)  # (a no-op for what is already there)
-    return LoadedModel(model, name, src.location, device, dtype, ctx, width, time.perf_counter() - t0, quantize, tp,
-                       note)
+    return LoadedModel(
+        model, name, src.location, device, dtype, ctx, width, time.perf_counter() - t0, quantize, tp, note
+    )
 
 
 def _load_on_gpu(loader, src: Source, role: str, dtype: torch.dtype, device: torch.device):
@@ -98,8 +113,14 @@ def _load_on_gpu(loader, src: Source, role: str, dtype: torch.dtype, device: tor
 def load_shard(load: dict) -> tuple[LoadedModel, int]:
     """A tensor-parallel follower's verifier shard, loaded as rank 0 loads its own."""
     src = Source(load["kind"], load["location"])
-    lm = load_model(load["location"], src, torch.device(load["device"]), getattr(torch, load["dtype"]), "verifier",
-                    tp=group.rank_and_world()[1])
+    lm = load_model(
+        load["location"],
+        src,
+        torch.device(load["device"]),
+        getattr(torch, load["dtype"]),
+        "verifier",
+        tp=group.rank_and_world()[1],
+    )
     return lm, int(load["vocab"])
 
 
@@ -110,8 +131,10 @@ def _draft_tokenizer(tok: Any, dsrc: Source | None, cross_vocab: str, draft: str
     if dtok is not None and dtok.get_vocab() == tok.get_vocab():
         dtok = None
     if dtok is None and cross_vocab != "auto":
-        raise ModelError(f"--cross-vocab {cross_vocab}: draft {draft!r} shares the verifier's vocabulary; "
-                         "drop --cross-vocab (it applies to a draft with another tokenizer)")
+        raise ModelError(
+            f"--cross-vocab {cross_vocab}: draft {draft!r} shares the verifier's vocabulary; "
+            "drop --cross-vocab (it applies to a draft with another tokenizer)"
+        )
     return dtok
 
 
@@ -120,7 +143,9 @@ def _own_tokenizer(src: Source | None):
     if src is None or src.kind != "folder":
         return None
     folder = Path(src.location)
-    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
+    if not any(
+        (folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    ):
         return None
     try:
         return load_tokenizer(src)
@@ -162,33 +187,76 @@ def load_gguf(name: str, src: Source, tokenizer: Any, role: str, threads: int, r
     model = gguf.GGUFModel.load(src.location, threads)
     text = PROBE_TEXT
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": PROBE_TEXT}], add_generation_prompt=True,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": PROBE_TEXT}], add_generation_prompt=True, tokenize=False
+        )
     ours, theirs = list(tokenizer(text, add_special_tokens=False)["input_ids"]), model.tokenize(text)
     if ours != theirs:
         at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-        raise ModelError(f"{role} {name}: llama.cpp's vocabulary and the tokenizer give different token ids for the same "
-                         f"text (first at token {at}: {ours[at:at + 3]} vs {theirs[at:at + 3]}); use the tokenizer "
-                         "made from this GGUF (no --tokenizer), or --backend torch")
-    return LoadedModel(model, name, src.location, torch.device("cpu"), torch.float32, model.n_ctx_train, model.n_vocab,
-                       time.perf_counter() - t0, "gguf", 1, model.description, backend="llama.cpp")
+        raise ModelError(
+            f"{role} {name}: llama.cpp's vocabulary and the tokenizer give different token ids for the same "
+            f"text (first at token {at}: {ours[at : at + 3]} vs {theirs[at : at + 3]}); use the tokenizer "
+            "made from this GGUF (no --tokenizer), or --backend torch"
+        )
+    return LoadedModel(
+        model,
+        name,
+        src.location,
+        torch.device("cpu"),
+        torch.float32,
+        model.n_ctx_train,
+        model.n_vocab,
+        time.perf_counter() - t0,
+        "gguf",
+        1,
+        model.description,
+        backend="llama.cpp",
+    )
 
 
-def tp_load_spec(verifier: str, tokenizer: str | None, device: str, dtype: str, quantize: str, tp: int) -> dict[str, Any]:
+def tp_load_spec(
+    verifier: str, tokenizer: str | None, device: str, dtype: str, quantize: str, tp: int
+) -> dict[str, Any]:
     """What a follower rank loads (the verifier's shard), found the way rank 0 finds it."""
     vsrc = materialize(resolve_source(verifier))
     tok = load_tokenizer(materialize(resolve_source(tokenizer)) if tokenizer else vsrc)
     return tp_plan(tp, vsrc, verifier, resolve_device(device), dtype, quantize, len(tok))[0]
 
 
-def load_pair(verifier: str | None, draft: str | None, tokenizer: str | None, device: str, dtype: str,
-              reporter=None, quantize: str = "none", tp: int = 1, cross_vocab: str = "auto", backend: str = "torch",
-              threads: int | None = None, compile_mode: str = "auto") -> ModelPair:
+def load_pair(
+    verifier: str | None,
+    draft: str | None,
+    tokenizer: str | None,
+    device: str,
+    dtype: str,
+    reporter=None,
+    quantize: str = "none",
+    tp: int = 1,
+    cross_vocab: str = "auto",
+    backend: str = "torch",
+    threads: int | None = None,
+    compile_mode: str = "auto",
+) -> ModelPair:
     """Load verifier, optional draft and the shared tokenizer (the verifier's unless ``tokenizer``
     names another source), as ``plan_load`` decides. A draft with another vocabulary drafts
     across vocabularies by ``cross_vocab`` (auto, string, intersection: draft/cross.py)."""
-    return load_plan(plan_load(verifier, draft, tokenizer, device, dtype, reporter, quantize, tp, cross_vocab, backend,
-                               threads, compile_mode), reporter)
+    return load_plan(
+        plan_load(
+            verifier,
+            draft,
+            tokenizer,
+            device,
+            dtype,
+            reporter,
+            quantize,
+            tp,
+            cross_vocab,
+            backend,
+            threads,
+            compile_mode,
+        ),
+        reporter,
+    )
 
 
 def load_plan(plan: LoadPlan, reporter=None) -> ModelPair:
@@ -203,8 +271,9 @@ def load_plan(plan: LoadPlan, reporter=None) -> ModelPair:
         for src, name in ((vtok, plan.verifier), (dtok, plan.draft)):
             own = _own_tokenizer(src)
             if own is not None:
-                check_same_vocab(own, tok, name, plan.tokenizer,
-                                 what=f"--tokenizer {plan.tokenizer!r} and model {name!r}")
+                check_same_vocab(
+                    own, tok, name, plan.tokenizer, what=f"--tokenizer {plan.tokenizer!r} and model {name!r}"
+                )
     if plan.backend == "llama.cpp":
         vm = load_gguf(plan.verifier, vsrc, tok, "verifier", plan.threads or gguf.default_threads(), reporter)
         why = f"llama.cpp: the GGUF's own weight types ({vm.quantize_note}), float32 activations"
@@ -214,8 +283,18 @@ def load_plan(plan: LoadPlan, reporter=None) -> ModelPair:
                 reporter.task(f"starting {plan.tp} tensor-parallel ranks")
             group.start(plan.tp, plan.device, plan.tp_load)
         calibration = list(tok(CALIBRATION_TEXT)["input_ids"]) if plan.quantize == "w8a8" else None  # (smooth.py)
-        vm = load_model(plan.verifier, vsrc, plan.device, plan.dtype, "verifier", plan.quantize, reporter, plan.tp,
-                        calibration, plan.gate)
+        vm = load_model(
+            plan.verifier,
+            vsrc,
+            plan.device,
+            plan.dtype,
+            "verifier",
+            plan.quantize,
+            reporter,
+            plan.tp,
+            calibration,
+            plan.gate,
+        )
         why = plan.dtype_reason
     _check_rows(vm, "verifier", len(tok))
     pair = ModelPair(vm, None, tok, len(tok), why, backend_reason=plan.backend_reason, plan=plan)
@@ -226,8 +305,9 @@ def load_plan(plan: LoadPlan, reporter=None) -> ModelPair:
     return with_draft(pair, plan.draft, reporter, plan.cross_vocab, own_tokenizer=tsrc is None)
 
 
-def with_draft(pair: ModelPair, draft: str, reporter=None, cross_vocab: str = "auto",
-               own_tokenizer: bool = True) -> ModelPair:
+def with_draft(
+    pair: ModelPair, draft: str, reporter=None, cross_vocab: str = "auto", own_tokenizer: bool = True
+) -> ModelPair:
     """``pair`` with a draft model (bench compares several on one verifier in memory), on the
     verifier's backend: on llama.cpp beside it, or on torch on the verifier's device (rank 0's
     under --tp, where acceptance is decided) in its dtype and quantization (int8 if the
@@ -254,5 +334,7 @@ def _check_rows(lm: LoadedModel, role: str, vocab: int) -> None:
     """Padded output rows are a few hundred at most (Qwen2.5: 271); far fewer tokens than rows
     means the tokenizer belongs to another model."""
     if not lm.logits_width - max(1024, lm.logits_width // 100) <= vocab <= lm.logits_width:
-        raise ModelError(f"{role} {lm.source!r} has {lm.logits_width} output rows but the tokenizer has {vocab} "
-                         "tokens; the tokenizer does not belong to this model")
+        raise ModelError(
+            f"{role} {lm.source!r} has {lm.logits_width} output rows but the tokenizer has {vocab} "
+            "tokens; the tokenizer does not belong to this model"
+        )

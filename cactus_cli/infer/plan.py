@@ -62,20 +62,36 @@ class LoadPlan:
     cross_vocab: str
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": {"value": self.backend, "reason": self.backend_reason},
-                "device": {"value": str(self.device)},
-                "dtype": {"value": str(self.dtype).removeprefix("torch."), "reason": self.dtype_reason},
-                "quantize": {"value": self.quantize, "reason": self.quantize_reason},
-                "tp": {"value": self.tp}, "threads": {"value": self.threads}}
+        return {
+            "backend": {"value": self.backend, "reason": self.backend_reason},
+            "device": {"value": str(self.device)},
+            "dtype": {"value": str(self.dtype).removeprefix("torch."), "reason": self.dtype_reason},
+            "quantize": {"value": self.quantize, "reason": self.quantize_reason},
+            "tp": {"value": self.tp},
+            "threads": {"value": self.threads},
+        }
 
 
-def plan_load(verifier: str | None, draft: str | None, tokenizer: str | None, device: str, dtype: str,
-              reporter=None, quantize: str = "none", tp: int = 1, cross_vocab: str = "auto", backend: str = "torch",
-              threads: int | None = None, compile_mode: str = "auto") -> LoadPlan:
+def plan_load(
+    verifier: str | None,
+    draft: str | None,
+    tokenizer: str | None,
+    device: str,
+    dtype: str,
+    reporter=None,
+    quantize: str = "none",
+    tp: int = 1,
+    cross_vocab: str = "auto",
+    backend: str = "torch",
+    threads: int | None = None,
+    compile_mode: str = "auto",
+) -> LoadPlan:
     """Every choice of a load, resolved now. Sources are all resolved first, so a missing one
     fails before any file is made; then the verifier's files (assembled or converted once)."""
     if not verifier:
-        raise ModelError("no verifier model: pass --verifier (hub id, folder or .gguf) or use a --profile that names one")
+        raise ModelError(
+            "no verifier model: pass --verifier (hub id, folder or .gguf) or use a --profile that names one"
+        )
     dev = resolve_device(device)
     vsrc = resolve_source(verifier)
     dsrc = resolve_source(draft) if draft is not None else None
@@ -103,9 +119,26 @@ def plan_load(verifier: str | None, draft: str | None, tokenizer: str | None, de
             why = f"{qwhy}; {why}" if qwhy else why
         else:
             dt, why = resolve_dtype(dtype, dev, mlp_shape(files[0]) if dtype == "auto" and dev.type == "cpu" else None)
-    return LoadPlan(verifier, draft, tokenizer, files, dsrc, tsrc, backend, backend_why, dev, dt, why, method,
-                    qwhy or ("as asked" if quantize == method else ""), gate if method == "w8a8" else None, tp,
-                    tp_load, threads, cross_vocab)
+    return LoadPlan(
+        verifier,
+        draft,
+        tokenizer,
+        files,
+        dsrc,
+        tsrc,
+        backend,
+        backend_why,
+        dev,
+        dt,
+        why,
+        method,
+        qwhy or ("as asked" if quantize == method else ""),
+        gate if method == "w8a8" else None,
+        tp,
+        tp_load,
+        threads,
+        cross_vocab,
+    )
 
 
 def choose_quantize(name: str, dev: torch.device, dtype: str, vsrc: Source) -> tuple[str, str, float | None]:
@@ -124,30 +157,55 @@ def choose_quantize(name: str, dev: torch.device, dtype: str, vsrc: Source) -> t
     if verdict is None:
         return "w8a8", f"quantize auto: w8a8, {why}", defaults.QUALITY_TOLERANCE
     if verdict > defaults.QUALITY_TOLERANCE:
-        return "int8", (f"quantize auto: int8, w8a8 measured {verdict:+.3f} nats/token on this model "
-                        f"(more than {defaults.QUALITY_TOLERANCE:g})"), None
+        return (
+            "int8",
+            (
+                f"quantize auto: int8, w8a8 measured {verdict:+.3f} nats/token on this model "
+                f"(more than {defaults.QUALITY_TOLERANCE:g})"
+            ),
+            None,
+        )
     return "w8a8", f"quantize auto: w8a8, {why}; {verdict:+.3f} nats/token on this model", None
 
 
-def choose_backend(asked: str, sources: list[tuple[str, Source]], dev: torch.device, quantize: str, dtype: str,
-                   compile_mode: str, tp: int) -> tuple[str, str]:
+def choose_backend(
+    asked: str,
+    sources: list[tuple[str, Source]],
+    dev: torch.device,
+    quantize: str,
+    dtype: str,
+    compile_mode: str,
+    tp: int,
+) -> tuple[str, str]:
     """(backend, why). ``auto``: llama.cpp for GGUF sources (the embedded pair, .gguf files) on a
     CPU when its bindings import, torch everywhere else (CUDA, hub ids, folders) and wherever a
     torch-only setting was given; that setting with ``llama.cpp`` named is an error. (quantize
     none is not one: llama.cpp does not quantize further either, it runs the GGUF's own types.)"""
-    torch_only = [flag for flag, on in ((f"--tp {tp}", tp > 1), ("--compile on", compile_mode == "on"),
-                                       (f"--quantize {quantize}", quantize not in ("auto", "none")), (f"--dtype {dtype}", dtype != "auto"),
-                                       (f"--device {dev}", dev.type != "cpu")) if on]
+    torch_only = [
+        flag
+        for flag, on in (
+            (f"--tp {tp}", tp > 1),
+            ("--compile on", compile_mode == "on"),
+            (f"--quantize {quantize}", quantize not in ("auto", "none")),
+            (f"--dtype {dtype}", dtype != "auto"),
+            (f"--device {dev}", dev.type != "cpu"),
+        )
+        if on
+    ]
     other = next(((name, src) for name, src in sources if src.kind not in GGUF_KINDS), None)
     if asked == "torch":
         return "torch", "backend torch (asked for)"
     if asked == "llama.cpp":
         if other is not None:
-            raise ModelError(f"--backend llama.cpp runs GGUF files (embedded models, .gguf), and {other[0]!r} is a "
-                             f"{other[1].kind}; use --backend torch for it")
+            raise ModelError(
+                f"--backend llama.cpp runs GGUF files (embedded models, .gguf), and {other[0]!r} is a "
+                f"{other[1].kind}; use --backend torch for it"
+            )
         if torch_only:
-            raise ModelError(f"{torch_only[0]} does not apply to the llama.cpp backend (it runs the GGUF's own "
-                             "quantization on the CPU); drop it, or use --backend torch")
+            raise ModelError(
+                f"{torch_only[0]} does not apply to the llama.cpp backend (it runs the GGUF's own "
+                "quantization on the CPU); drop it, or use --backend torch"
+            )
         if problem := gguf.available():
             raise ModelError(problem)
         return "llama.cpp", "backend llama.cpp (asked for)"
@@ -167,8 +225,9 @@ def _llama_missing(named: list[tuple[str, Source]], dev: torch.device) -> str | 
     return None
 
 
-def tp_plan(tp: int, vsrc: Source, verifier: str, dev: torch.device, dtype: str, quantize: str,
-            vocab: int) -> tuple[dict[str, Any], torch.dtype, str]:
+def tp_plan(
+    tp: int, vsrc: Source, verifier: str, dev: torch.device, dtype: str, quantize: str, vocab: int
+) -> tuple[dict[str, Any], torch.dtype, str]:
     """Check --tp against the verifier and pick the dtype: (what every rank loads, dtype, why).
     No side effects: rank 0 then starts the group, a follower rank serves it (app/runtime.py)."""
     from transformers import AutoConfig
@@ -181,16 +240,21 @@ def tp_plan(tp: int, vsrc: Source, verifier: str, dev: torch.device, dtype: str,
         raise ModelError(f"could not read the verifier's config from {vsrc.location}: {err}") from None
     group.check_tp(tp, config, dev, verifier)
     if dev.type == "cuda" and dev.index not in (None, 0):
-        raise ModelError(f"--device {dev} with --tp: rank r runs on cuda:r and the draft beside rank 0 on cuda:0; "
-                         "use --device cuda (choose the GPUs with CUDA_VISIBLE_DEVICES)")
+        raise ModelError(
+            f"--device {dev} with --tp: rank r runs on cuda:r and the draft beside rank 0 on cuda:0; "
+            "use --device cuda (choose the GPUs with CUDA_VISIBLE_DEVICES)"
+        )
     if dev.type == "cpu":
         if dtype not in ("auto", "float32"):
             raise ModelError(f"--tp on a CPU reduces over gloo in float32; use --dtype float32 (or auto), not {dtype}")
         dt, why = torch.float32, "tensor parallel over gloo (CPU) reduces in float32"
     else:
         dt, why = resolve_dtype(dtype, dev)
-    load = {"kind": vsrc.kind, "location": vsrc.location, "device": str(dev), "dtype": str(dt).removeprefix("torch."),
-            "vocab": vocab}
+    load = {
+        "kind": vsrc.kind,
+        "location": vsrc.location,
+        "device": str(dev),
+        "dtype": str(dt).removeprefix("torch."),
+        "vocab": vocab,
+    }
     return load, dt, why
-
-

@@ -61,8 +61,10 @@ class Calibration:
 
     def rates(self, confidence: list[float]) -> list[float]:
         """The acceptance expected for each token, given the ones before it were accepted."""
-        return [(self.accepted[b] + SHRINK * c) / (self.tested[b] + SHRINK)
-                for c, b in ((c, self._bin(c)) for c in confidence)]
+        return [
+            (self.accepted[b] + SHRINK * c) / (self.tested[b] + SHRINK)
+            for c, b in ((c, self._bin(c)) for c in confidence)
+        ]
 
     def add(self, confidence: list[float], accepted: int) -> None:
         """One step that drafted ``confidence``'s tokens, the first ``accepted`` kept."""
@@ -100,8 +102,17 @@ class KPolicy(Protocol):
         """k for the next step (at most ``k_max``), whose drafts will come from ``source``, with
         the drafter's own estimate of each token if it has one (Drafter.confidence)."""
 
-    def observe(self, akey: str, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
-                draft_catch_up: int = 1, source: str = MODEL, confidence: list[float] | None = None) -> None:
+    def observe(
+        self,
+        akey: str,
+        k: int,
+        accepted: int,
+        draft_seconds: float,
+        verify_seconds: float,
+        draft_catch_up: int = 1,
+        source: str = MODEL,
+        confidence: list[float] | None = None,
+    ) -> None:
         """One finished step (see CostStore.observe); ``confidence``: what the drafter estimated."""
 
     def started(self, behind: int = 0) -> None:
@@ -119,8 +130,17 @@ class FixedK:
     def choose(self, akey: str, k_max: int, source: str = MODEL, confidence: list[float] | None = None) -> int:
         return k_max
 
-    def observe(self, akey: str, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
-                draft_catch_up: int = 1, source: str = MODEL, confidence: list[float] | None = None) -> None:
+    def observe(
+        self,
+        akey: str,
+        k: int,
+        accepted: int,
+        draft_seconds: float,
+        verify_seconds: float,
+        draft_catch_up: int = 1,
+        source: str = MODEL,
+        confidence: list[float] | None = None,
+    ) -> None:
         if self.store is not None:
             self.store.observe(akey, k, accepted, draft_seconds, verify_seconds, draft_catch_up, source)
 
@@ -139,7 +159,9 @@ class AdaptiveK(FixedK):
         self.probed = False  # the last step was a probe
         self.calibrations: dict[str, Calibration] = {}  # (acceptance key, source) -> acceptance by estimate
         self.overheads: dict[str, Overhead] = {}  # source -> a drafting step's cost beyond k t_d
-        self.behind = 0  # tokens the draft has not read: the prompt's it deferred, plus one per plain step since it drafted
+        self.behind = (
+            0  # tokens the draft has not read: the prompt's it deferred, plus one per plain step since it drafted
+        )
 
     @property
     def costs(self) -> CostModel:
@@ -148,8 +170,17 @@ class AdaptiveK(FixedK):
     def started(self, behind: int = 0) -> None:
         self.behind = behind  # (the policy spans runs; the last prompt's plain steps are not this one's catch-up)
 
-    def observe(self, akey: str, k: int, accepted: int, draft_seconds: float, verify_seconds: float,
-                draft_catch_up: int = 1, source: str = MODEL, confidence: list[float] | None = None) -> None:
+    def observe(
+        self,
+        akey: str,
+        k: int,
+        accepted: int,
+        draft_seconds: float,
+        verify_seconds: float,
+        draft_catch_up: int = 1,
+        source: str = MODEL,
+        confidence: list[float] | None = None,
+    ) -> None:
         super().observe(akey, k, accepted, draft_seconds, verify_seconds, draft_catch_up, source)
         if k == 0:
             self.behind += 1

@@ -86,8 +86,10 @@ def resolve_source(name: str) -> Source:
     path = Path(name).expanduser()
     if path.is_dir():
         if not any((path / f).is_file() for f in ("config.json", "tokenizer_config.json", "tokenizer.json")):
-            raise ModelError(f"{name} is a folder but not a model folder (it has no config.json); "
-                             "give a folder saved by transformers, a .gguf file or a hub id")
+            raise ModelError(
+                f"{name} is a folder but not a model folder (it has no config.json); "
+                "give a folder saved by transformers, a .gguf file or a hub id"
+            )
         return Source("folder", str(path))
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
@@ -108,7 +110,8 @@ def resolve_source(name: str) -> Source:
             as_path = f"no folder {name} here"
         raise ModelError(
             f"{name!r}: {as_path}, and no Hugging Face model {name} in the local cache; fix the path, or "
-            f"download the model first (`huggingface-cli download {name}`)")
+            f"download the model first (`huggingface-cli download {name}`)"
+        )
     return Source("hub", name)
 
 
@@ -153,8 +156,10 @@ def model_files(src: Source, backend: str, reporter=None) -> tuple[Source, Sourc
         path = Path(src.location).expanduser().resolve()
         key = embedded.gguf_key(path)
     else:
-        raise ModelError(f"{src.location}: the llama.cpp backend runs GGUF files (embedded models, .gguf), "
-                         f"not a {src.kind}; use --backend torch")
+        raise ModelError(
+            f"{src.location}: the llama.cpp backend runs GGUF files (embedded models, .gguf), "
+            f"not a {src.kind}; use --backend torch"
+        )
     return Source("gguf", str(path)), Source("folder", str(embedded.gguf_tokenizer(path, key, reporter)))
 
 
@@ -186,5 +191,3 @@ def load_tokenizer(src: Source):
     from transformers import AutoTokenizer
 
     return _from_pretrained(AutoTokenizer, src, "tokenizer")
-
-

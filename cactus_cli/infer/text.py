@@ -75,9 +75,16 @@ class TextStream:
         if n < len(ev.emitted) and self.on_cut is not None:
             self.on_cut(len(ev.emitted) - n)
         return dataclasses.replace(
-            ev, emitted=emitted, accepted=ev.accepted[:n], pieces=tuple(pieces), finish_reason=finish,
+            ev,
+            emitted=emitted,
+            accepted=ev.accepted[:n],
+            pieces=tuple(pieces),
+            finish_reason=finish,
             rejected_text=tuple(self.tokenizer.decode([t]) for t in ev.rejected),
-            realized_kl=ev.realized_kl[:n], realized_tv=ev.realized_tv[:n], verifier_loglik=ev.verifier_loglik[:n])
+            realized_kl=ev.realized_kl[:n],
+            realized_tv=ev.realized_tv[:n],
+            verifier_loglik=ev.verifier_loglik[:n],
+        )
 
     def _stop_at(self, piece: str) -> int | None:
         """Where in ``piece`` the text must end, if a stop string appears in the text so far."""

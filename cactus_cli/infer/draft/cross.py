@@ -41,8 +41,9 @@ ANCHOR = 4  # verified tokens decoded before the draft's text, so the verifier e
 class CrossVocabDrafter:
     source = MODEL
 
-    def __init__(self, runner: Runner, method: str, draft_tok: Any, verifier_tok: Any, vmap: VocabMap,
-                 verifier_vocab: int):
+    def __init__(
+        self, runner: Runner, method: str, draft_tok: Any, verifier_tok: Any, vmap: VocabMap, verifier_vocab: int
+    ):
         self.runner = runner
         self.method = method
         self.dtok, self.vtok = draft_tok, verifier_tok
@@ -101,7 +102,7 @@ class CrossVocabDrafter:
         self._sync(seq)
         if not self.target:
             return empty
-        feed: list[int] | torch.Tensor = self.target[len(self.cached):]
+        feed: list[int] | torch.Tensor = self.target[len(self.cached) :]
         fed = len(feed)
         self.cached = list(self.target)
         drafted, rows = [], []
@@ -143,14 +144,14 @@ class CrossVocabDrafter:
         tail = self.target[-ANCHOR:]
         before = self.dtok.decode(tail, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         after = self.dtok.decode(tail + drafted, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        text = after[len(before):].rstrip("\ufffd") if after.startswith(before) else ""
+        text = after[len(before) :].rstrip("\ufffd") if after.startswith(before) else ""
         anchor = seq[-ANCHOR:]
         head = self.vtok.decode(anchor, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         new: list[int] = []
         if text and "\ufffd" not in head:
             ids = encode(self.vtok, head + text)
             if ids[: len(anchor)] == anchor:
-                new = ids[len(anchor):]
+                new = ids[len(anchor) :]
                 new = new if ended else new[:-1]
         if ended and self.v_eos is not None and (new or not text):
             new = new + [self.v_eos]

@@ -121,8 +121,14 @@ class Match:
     steps: list[float]  # each of its tokens' estimated probability given the ones before (follow)
 
 
-def follow(node: list[tuple[Sequence[int], int]], k: int, min_prob: float, rng: random.Random | None = None,
-           matched: int = 1, steps: list[float] | None = None) -> tuple[list[int], list[dict[int, float]], float]:
+def follow(
+    node: list[tuple[Sequence[int], int]],
+    k: int,
+    min_prob: float,
+    rng: random.Random | None = None,
+    matched: int = 1,
+    steps: list[float] | None = None,
+) -> tuple[list[int], list[dict[int, float]], float]:
     """Up to k tokens from ``node`` (the occurrences of the last ``matched`` tokens): the most
     frequent next token each time, or with ``rng`` one drawn by frequency, while the path's
     estimated probability stays >= ``min_prob``. Returns the tokens, the distribution each was
@@ -216,14 +222,20 @@ class History:
     def save(self) -> None:
         if self.path is None:
             return
-        data = {"format": FORMAT, "schema": SCHEMA, "key": self.key,
-                "docs": [self.tree.docs[d].tolist() for d in self.order]}
+        data = {
+            "format": FORMAT,
+            "schema": SCHEMA,
+            "key": self.key,
+            "docs": [self.tree.docs[d].tolist() for d in self.order],
+        }
         try:
             atomic_write(self.path, json.dumps(data, separators=(",", ":")), mode=0o600)  # (what the user typed)
         except OSError as err:
             if self.on_error is not None:
-                self.on_error(f"--remember {self.path}: cannot save the history ({err.strerror or err}); "
-                              "it is kept in memory for this run")
+                self.on_error(
+                    f"--remember {self.path}: cannot save the history ({err.strerror or err}); "
+                    "it is kept in memory for this run"
+                )
                 self.on_error = None
 
     @classmethod

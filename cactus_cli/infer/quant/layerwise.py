@@ -86,9 +86,16 @@ def nll(logits: torch.Tensor, ids: list[int]) -> float:
 
 
 @torch.inference_mode()
-def quantize(model: nn.Module, layers: tuple[str, nn.ModuleList], found: list[smooth.Group], ids: list[int],
-             plan: list[str], replace: Callable[[list[str]], None], known: dict[str, torch.Tensor] | None = None,
-             gate: bool = False) -> tuple[dict[str, torch.Tensor], float | None, float | None]:
+def quantize(
+    model: nn.Module,
+    layers: tuple[str, nn.ModuleList],
+    found: list[smooth.Group],
+    ids: list[int],
+    plan: list[str],
+    replace: Callable[[list[str]], None],
+    known: dict[str, torch.Tensor] | None = None,
+    gate: bool = False,
+) -> tuple[dict[str, torch.Tensor], float | None, float | None]:
     """Smooth (by ``known`` factors, their readers already quantized in the cache, or by factors
     measured here on ``ids``) and quantize (``replace`` the ``plan`` layers) one decoder layer at
     a time, then the rest. Returns (factors, NLL before, NLL after): the two mean NLLs of ``ids``

@@ -21,8 +21,15 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-          torch.int32: "I32", torch.int64: "I64"}
+DTYPES = {
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+}
 PLACEHOLDER = "0" * 64  # the checksum's place in the header until it is known
 
 
@@ -88,7 +95,11 @@ class CacheReader:
             data = bytearray(f.read(end - begin))
         if len(data) != end - begin or len(data) != math.prod(shape) * torch.tensor([], dtype=dtype).element_size():
             raise ValueError(f"{name} is truncated")
-        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
+        return (
+            torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
+            if data
+            else torch.empty(shape, dtype=dtype)
+        )
 
 
 class CacheWriter:
@@ -119,8 +130,14 @@ class CacheWriter:
             self._fail()
 
     def _header(self, sha: str) -> bytes:
-        doc = {name: {"dtype": DTYPES[self.specs[name][0]], "shape": list(self.specs[name][1]),
-                      "data_offsets": list(self.offsets[name])} for name in self.offsets}
+        doc = {
+            name: {
+                "dtype": DTYPES[self.specs[name][0]],
+                "shape": list(self.specs[name][1]),
+                "data_offsets": list(self.offsets[name]),
+            }
+            for name in self.offsets
+        }
         doc["__metadata__"] = {"sha256": sha}
         text = json.dumps(doc, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # (safetensors aligns the data to 8 bytes)
@@ -153,8 +170,11 @@ class CacheWriter:
                 begin, end = self.offsets[name]
                 self.f.seek(len(self.header) + begin)
                 data = bytearray(self.f.read(end - begin))
-                t = torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape) if data else \
-                    torch.empty(shape, dtype=dtype)
+                t = (
+                    torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
+                    if data
+                    else torch.empty(shape, dtype=dtype)
+                )
                 _update(h, name, t)
             self.f.seek(0)
             self.f.write(self._header(h.hexdigest()))

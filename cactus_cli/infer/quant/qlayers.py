@@ -29,10 +29,10 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(n, dtype=torch.float32, device=w.device)
     rows = max(1, CHUNK // max(k, 1))
     for i in range(0, n, rows):
-        c = w[i:i + rows].to(torch.float32, copy=True)  # (a copy even of float32: changed in place below)
+        c = w[i : i + rows].to(torch.float32, copy=True)  # (a copy even of float32: changed in place below)
         s = (c.abs().amax(1) / 127).clamp(min=1e-10)
-        q[i:i + rows] = c.div_(s[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        scales[i:i + rows] = s
+        q[i : i + rows] = c.div_(s[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        scales[i : i + rows] = s
     return q, scales
 
 
@@ -111,8 +111,9 @@ class Int8DynamicLinear(nn.Module):
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         with warnings.catch_warnings():  # torch 2.13 marks the quantized tensor types deprecated; the ops are not
             warnings.simplefilter("ignore")
-            qw = torch._make_per_channel_quantized_tensor(q.contiguous(), scales.double(),
-                                                          torch.zeros(q.shape[0], dtype=torch.long), 0)
+            qw = torch._make_per_channel_quantized_tensor(
+                q.contiguous(), scales.double(), torch.zeros(q.shape[0], dtype=torch.long), 0
+            )
             self._packed = torch.ops.quantized.linear_prepack(qw, None)
         pin = torch.zeros(1, self.in_features)
         pin[0, 0], pin[0, -1] = 1.0, -1.0
@@ -155,8 +156,7 @@ class SharedInput:
         qs, scales, biases = zip(*parts)
         bias = None
         if any(b is not None for b in biases):
-            bias = torch.cat([torch.zeros(q.shape[0]) if b is None else b.detach().float()
-                              for q, b in zip(qs, biases)])
+            bias = torch.cat([torch.zeros(q.shape[0]) if b is None else b.detach().float() for q, b in zip(qs, biases)])
         self.layer = Int8DynamicLinear(torch.cat(qs), torch.cat(scales), bias, torch.float32)
         self.sizes = [q.shape[0] for q in qs]
         self._input: tuple[torch.Tensor, int | None] | None = None
@@ -216,22 +216,32 @@ def w8a8_problem(device: torch.device) -> str | None:
 
 
 class Int4Linear(nn.Module):
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         super().__init__()
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.group = q.shape[1] // scales.shape[1]
         # the kernels compute w = (q - 8) * scale + zero per group, so zero = min + 8 * scale;
         # scales_and_zeros is [K/group, N, 2]
         zeros = mins + 8 * scales
-        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
-                             .to(device=device, dtype=dtype))
+        self.register_buffer(
+            "scales_and_zeros",
+            torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(device=device, dtype=dtype),
+        )
         q32 = q.to(device=device, dtype=torch.int32)
         if device.type == "cpu":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32, INT4_TILES)
         else:
-            packed = torch.ops.aten._convert_weight_to_int4pack((q32[:, ::2] << 4 | q32[:, 1::2]).to(torch.uint8),
-                                                                INT4_TILES)
+            packed = torch.ops.aten._convert_weight_to_int4pack(
+                (q32[:, ::2] << 4 | q32[:, 1::2]).to(torch.uint8), INT4_TILES
+            )
         self.register_buffer("weight", packed)
         self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=dtype))
 

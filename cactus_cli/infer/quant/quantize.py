@@ -95,7 +95,9 @@ def describe_plan(plan: dict[str, str], method: str, device_type: str) -> str:
     if method == "w8a8":
         why = " and ".join(f"mlp.{k}" for k in W8A8_KEEP)
     else:
-        why = "the output head" + (f" and widths the {device_type.upper()} int4 kernel cannot take" if fell_back > 1 else "")
+        why = "the output head" + (
+            f" and widths the {device_type.upper()} int4 kernel cannot take" if fell_back > 1 else ""
+        )
     return f"{method} weights ({len(plan)} layers, {fell_back} in int8: {why})"
 
 
@@ -105,8 +107,13 @@ def describe_plan(plan: dict[str, str], method: str, device_type: str) -> str:
 def cache_file(weights_key: dict, method: str, device_type: str = "cpu") -> Path:
     """``<method>-<weights>-<everything>.safetensors``: the middle part names the model, so a new
     cache for it (new weights, a new torch) replaces the old one instead of piling up."""
-    key = {"weights": weights_key, "method": method, "group": INT4_GROUP if method == "int4" else None,
-           "format": FORMAT, "torch": torch.__version__.split("+")[0]}
+    key = {
+        "weights": weights_key,
+        "method": method,
+        "group": INT4_GROUP if method == "int4" else None,
+        "format": FORMAT,
+        "torch": torch.__version__.split("+")[0],
+    }
     if method == "int4" and device_type == "cuda":  # CUDA's int4 kernel takes fewer widths: another plan
         key["plan"] = "cuda"
     model = hashlib.sha256(json.dumps(weights_key.get("source")).encode()).hexdigest()[:8]
@@ -141,8 +148,15 @@ class QualityGateFailed(Exception):
 
 def verdict_path(location: str) -> Path:
     """Where w8a8's measured quality for these weights is kept (mean NLL change, nats/token)."""
-    return cache_path({"weights": weights_key(location), "method": "w8a8", "format": FORMAT,
-                       "torch": torch.__version__.split("+")[0]}, "quality-")
+    return cache_path(
+        {
+            "weights": weights_key(location),
+            "method": "w8a8",
+            "format": FORMAT,
+            "torch": torch.__version__.split("+")[0],
+        },
+        "quality-",
+    )
 
 
 def quality_verdict(location: str) -> float | None:
@@ -160,9 +174,15 @@ def mean_nll(model: nn.Module, ids: list[int]) -> float:
     return layerwise.nll(model(input_ids=torch.tensor([ids], device=next(model.parameters()).device)).logits, ids)
 
 
-def quantize_model(model: nn.Module, method: str, location: str, report: Callable[[str], None] | None = None,
-                   device: torch.device | None = None, calibration: list[int] | None = None,
-                   gate: float | None = None) -> str:
+def quantize_model(
+    model: nn.Module,
+    method: str,
+    location: str,
+    report: Callable[[str], None] | None = None,
+    device: torch.device | None = None,
+    calibration: list[int] | None = None,
+    gate: float | None = None,
+) -> str:
     """Replace every nn.Linear of ``model`` (lm_head included) by its ``method`` version, from the
     cache when this model was quantized before. The new layers are built on ``device`` (default:
     where the model is): a model loaded on the CPU is quantized there and only the quantized
@@ -189,6 +209,7 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
     gate = gate if calibration else None
     known = {g.key: cached[g.key] for g in found} if fresh is None else None
     ids = calibration or [i % model.get_input_embeddings().num_embeddings for i in range(1, 257)]
+
     def replace(names: list[str]) -> None:
         _replace_layers(model, {n: plan[n] for n in names}, cached, fresh, dtype, device)
 
@@ -215,9 +236,15 @@ def quantize_model(model: nn.Module, method: str, location: str, report: Callabl
     return text
 
 
-def _smooth_and_replace(model: nn.Module, plan: dict[str, str], found: list[smooth.Group], ids: list[int],
-                        known: dict[str, torch.Tensor] | None, gate: bool, replace: Callable[[list[str]], None]
-                        ) -> tuple[dict[str, torch.Tensor], float | None, float | None]:
+def _smooth_and_replace(
+    model: nn.Module,
+    plan: dict[str, str],
+    found: list[smooth.Group],
+    ids: list[int],
+    known: dict[str, torch.Tensor] | None,
+    gate: bool,
+    replace: Callable[[list[str]], None],
+) -> tuple[dict[str, torch.Tensor], float | None, float | None]:
     """Smooth the ``found`` groups (by ``known`` factors, or measured on ``ids`` and cached) and
     quantize every planned layer: one decoder layer at a time where the model's layers allow
     (layerwise.py), else over whole-model forwards. Returns (factors, the gate's NLL before and
@@ -234,8 +261,15 @@ def _smooth_and_replace(model: nn.Module, plan: dict[str, str], found: list[smoo
     return factors, before, after
 
 
-def _quantized_layer(lin: nn.Linear, name: str, kind: str, cached: CacheReader | dict,
-                     fresh: CacheWriter | None, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _quantized_layer(
+    lin: nn.Linear,
+    name: str,
+    kind: str,
+    cached: CacheReader | dict,
+    fresh: CacheWriter | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> nn.Module:
     """One layer's quantized replacement on ``device``, from ``cached`` tensors or computed (and
     written to ``fresh``). Which layers fall back to int8 depends on the device, so int4 caches
     are kept per device type (``cache_file``)."""
@@ -256,8 +290,9 @@ def _quantized_layer(lin: nn.Linear, name: str, kind: str, cached: CacheReader |
     return Int4Linear(q, scales, mins, bias, dtype, device)
 
 
-def _int8_weights(lin: nn.Linear, name: str, cached: CacheReader | dict, fresh: CacheWriter | None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _int8_weights(
+    lin: nn.Linear, name: str, cached: CacheReader | dict, fresh: CacheWriter | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's int8 weight and per-channel scales, from the cache or quantized (and cached)."""
     if f"{name}.q" in cached:
         return cached[f"{name}.q"], cached[f"{name}.scales"]
@@ -276,8 +311,14 @@ def expected_shapes(lin: nn.Linear, name: str, kind: str) -> dict[str, tuple[int
     return {f"{name}.q": (n, k // 2), f"{name}.scales": (n, g), f"{name}.mins": (n, g)}
 
 
-def _replace_layers(model: nn.Module, plan: dict[str, str], cached: CacheReader | dict, fresh: CacheWriter | None,
-                    dtype: torch.dtype, device: torch.device) -> None:
+def _replace_layers(
+    model: nn.Module,
+    plan: dict[str, str],
+    cached: CacheReader | dict,
+    fresh: CacheWriter | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
     """Each planned layer replaced by its quantized version, its old weight's memory released.
     Under w8a8, an attention's q/k/v and an MLP's gate/up become one stacked matmul each
     (``SharedInput``), packed once from their int8 tensors."""
@@ -301,19 +342,31 @@ def _replace_layers(model: nn.Module, plan: dict[str, str], cached: CacheReader 
             trim_heap()
 
 
-def _cache_specs(model: nn.Module, plan: dict[str, str], extra: dict[str, tuple[int, ...]]
-                 ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def _cache_specs(
+    model: nn.Module, plan: dict[str, str], extra: dict[str, tuple[int, ...]]
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Every cached tensor's dtype and shape, known before quantizing (the cache's header)."""
     specs = {k: (torch.float32, shape) for k, shape in extra.items()}
     for name, kind in plan.items():
-        specs.update({k: (torch.uint8 if kind == "int4" and k.endswith(".q") else
-                          torch.int8 if k.endswith(".q") else torch.float32, shape)
-                      for k, shape in expected_shapes(model.get_submodule(name), name, kind).items()})
+        specs.update(
+            {
+                k: (
+                    torch.uint8
+                    if kind == "int4" and k.endswith(".q")
+                    else torch.int8
+                    if k.endswith(".q")
+                    else torch.float32,
+                    shape,
+                )
+                for k, shape in expected_shapes(model.get_submodule(name), name, kind).items()
+            }
+        )
     return specs
 
 
-def _open_cache(path: Path, want: dict[str, tuple[int, ...]], report: Callable[[str], None] | None
-                ) -> CacheReader | None:
+def _open_cache(
+    path: Path, want: dict[str, tuple[int, ...]], report: Callable[[str], None] | None
+) -> CacheReader | None:
     """The cache, if the file is whole: every wanted tensor in its shape and the checksum right.
     Otherwise None (the model is quantized again and the file replaced), said in one line."""
     if not path.is_file():

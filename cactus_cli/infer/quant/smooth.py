@@ -64,9 +64,17 @@ def groups(model: nn.Module) -> list[Group]:
     for name, m in model.named_modules():
         attn, mlp = getattr(m, "self_attn", None), getattr(m, "mlp", None)
         norm_in, norm_post = getattr(m, "input_layernorm", None), getattr(m, "post_attention_layernorm", None)
-        if attn is not None and _scales_by_weight(norm_in) and all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj")):
-            out.append(Group(f"{name}.input_layernorm", tuple(f"{name}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj"))))
-        if mlp is not None and all(isinstance(getattr(mlp, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
+        if (
+            attn is not None
+            and _scales_by_weight(norm_in)
+            and all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj"))
+        ):
+            out.append(
+                Group(f"{name}.input_layernorm", tuple(f"{name}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")))
+            )
+        if mlp is not None and all(
+            isinstance(getattr(mlp, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")
+        ):
             if _scales_by_weight(norm_post):
                 out.append(Group(f"{name}.post_attention_layernorm", (f"{name}.mlp.gate_proj", f"{name}.mlp.up_proj")))
             if mlp.up_proj.bias is None:
@@ -99,9 +107,11 @@ def recording(model: nn.Module, found: list[Group]) -> Iterator[dict[str, torch.
     maxima: dict[str, torch.Tensor] = {}
     hooks = []
     for g in found:
+
         def hook(module, args, key=g.key):  # noqa: ARG001
             x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(0).float()
             maxima[key] = torch.maximum(maxima[key], x) if key in maxima else x
+
         hooks.append(model.get_submodule(g.readers[0]).register_forward_pre_hook(hook))
     try:
         yield maxima
@@ -111,8 +121,9 @@ def recording(model: nn.Module, found: list[Group]) -> Iterator[dict[str, torch.
 
 
 @torch.inference_mode()
-def scales(model: nn.Module, found: list[Group], maxima: dict[str, torch.Tensor], alpha: float = ALPHA
-           ) -> dict[str, torch.Tensor]:
+def scales(
+    model: nn.Module, found: list[Group], maxima: dict[str, torch.Tensor], alpha: float = ALPHA
+) -> dict[str, torch.Tensor]:
     """s per group, from its largest activations and the largest weight per column of the
     layers that read it."""
     out = {}

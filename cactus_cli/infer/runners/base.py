@@ -37,8 +37,9 @@ class Runner(Protocol):
         """Make the cache hold ``prompt[:-1]``, keeping a prefix shared with ``previous`` when
         ``reuse``; return the number of tokens kept."""
 
-    def reserve(self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None,
-                exact: bool = True) -> None:
+    def reserve(
+        self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None, exact: bool = True
+    ) -> None:
         """Room for ``tokens`` cached tokens and steps of these widths (compiling them, if compiled)."""
 
 

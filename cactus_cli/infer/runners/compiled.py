@@ -38,8 +38,10 @@ def plan_capacity(need: int, limit: int, cuda: bool, memory_tokens: int | None =
         return max(need, min(cap, limit)), None
     if memory_tokens is not None and need > memory_tokens:
         cap = max(memory_tokens, MIN_CAPACITY)
-        return cap, (f"the KV cache holds {cap} tokens (what {CUDA_CACHE_SHARE:.0%} of free GPU memory allows); "
-                     "a longer conversation re-sizes it and recompiles")
+        return cap, (
+            f"the KV cache holds {cap} tokens (what {CUDA_CACHE_SHARE:.0%} of free GPU memory allows); "
+            "a longer conversation re-sizes it and recompiles"
+        )
     return need, None
 
 
@@ -61,8 +63,11 @@ def tune_inductor(device_type: str) -> dict[str, object]:
     import torch._inductor.config as cfg
 
     applied: dict[str, object] = {}
-    for path, value in (("coordinate_descent_tuning", True), ("triton.unique_kernel_names", True),
-                        ("fx_graph_cache", True)):
+    for path, value in (
+        ("coordinate_descent_tuning", True),
+        ("triton.unique_kernel_names", True),
+        ("fx_graph_cache", True),
+    ):
         owner, _, name = path.rpartition(".")
         target = getattr(cfg, owner) if owner else cfg
         if hasattr(target, name):
@@ -151,8 +156,9 @@ class CompiledLM(CachedLM):
         else:  # sliding-window and other layers keep more state: their own crop
             self.cache.crop(-n)
 
-    def reserve(self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None,
-                exact: bool = True) -> None:
+    def reserve(
+        self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None, exact: bool = True
+    ) -> None:
         """Size the static cache for ``tokens`` plus the widest step, and compile (with a warm-up)
         each width not compiled yet (``exact=False``: only widths no compiled one can pad to). A
         bigger cache is a new allocation (its contents are lost, so the next prefill starts over)
@@ -162,8 +168,9 @@ class CompiledLM(CachedLM):
         widest = max(widths + tuple(self.widths) + (1,))
         need = tokens + widest
         if need > self.capacity:
-            cap, self.cache_note = plan_capacity(need, self.context_length + widest + 1, self.lm.device.type == "cuda",
-                                                 self._memory_tokens())
+            cap, self.cache_note = plan_capacity(
+                need, self.context_length + widest + 1, self.lm.device.type == "cuda", self._memory_tokens()
+            )
             if self.cache_note and report is not None:
                 report(f"{self.role}: {self.cache_note}")
             self._allocate(cap)
@@ -215,8 +222,14 @@ class CompiledLM(CachedLM):
         return pos, mask
 
     def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, keep: int) -> torch.Tensor:
-        out = self.lm.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                            logits_to_keep=keep, **{self._cache_arg: self.cache})
+        out = self.lm.model(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=keep,
+            **{self._cache_arg: self.cache},
+        )
         return out.logits
 
     @torch.inference_mode()  # as forward runs: a graph traced outside it would be traced again inside

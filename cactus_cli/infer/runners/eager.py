@@ -40,8 +40,9 @@ class CachedLM:
     def cache_len(self) -> int:
         return 0 if self.cache is None else int(self.cache.get_seq_length())
 
-    def reserve(self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None,
-                exact: bool = True) -> None:
+    def reserve(
+        self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None, exact: bool = True
+    ) -> None:
         """Room for ``tokens`` cached tokens and steps of these widths: nothing to do for a dynamic cache."""
 
     @torch.inference_mode()
@@ -76,8 +77,11 @@ class CachedLM:
         tokens, and transformers refuses to crop them once full. Recording the past keeps what
         is appended until the next crop, which cuts the window back: below that point (the
         floor) nothing can be restored, so a crop there forgets the cache instead."""
-        windows = [int(layer.sliding_window) for layer in getattr(self.cache, "layers", ())
-                   if getattr(layer, "is_sliding", False) and getattr(layer, "sliding_window", None)]
+        windows = [
+            int(layer.sliding_window)
+            for layer in getattr(self.cache, "layers", ())
+            if getattr(layer, "is_sliding", False) and getattr(layer, "sliding_window", None)
+        ]
         if not windows or not hasattr(self.cache, "activate_past_recording"):
             return
         self._window = min(windows)

@@ -57,8 +57,10 @@ class LlamaCppRunner:
         params.swa_full = True  # sliding-window layers keep every position, so a crop can go back anywhere
         ctx = ll.llama_init_from_model(self.model.handle, params)
         if not ctx:
-            raise ModelError(f"llama.cpp could not make a {n_ctx}-token context for {self.model.path} "
-                             f"({last_log() or 'out of memory?'})")
+            raise ModelError(
+                f"llama.cpp could not make a {n_ctx}-token context for {self.model.path} "
+                f"({last_log() or 'out of memory?'})"
+            )
         self.ctx, self.n_ctx, self.n_outputs = ctx, int(ll.llama_n_ctx(ctx)), n_outputs
         self.n_batch = int(params.n_batch)
         self.memory = ll.llama_get_memory(ctx)
@@ -81,8 +83,10 @@ class LlamaCppRunner:
     def _room(self, tokens: int, outputs: int) -> None:
         """A context that holds ``tokens`` cached tokens and gives ``outputs`` logits rows."""
         if tokens > self.limit:
-            raise ContextLimitError(f"{tokens} tokens do not fit the model's context window of {self.limit}; "
-                                    "shorten the prompt or --max-tokens")
+            raise ContextLimitError(
+                f"{tokens} tokens do not fit the model's context window of {self.limit}; "
+                "shorten the prompt or --max-tokens"
+            )
         if tokens > self.n_ctx or outputs > self.n_outputs:
             grown = min(self.limit, max(tokens, 2 * self.n_ctx if tokens > self.n_ctx else self.n_ctx))
             self._make_context(grown, max(outputs, self.n_outputs))
@@ -93,8 +97,9 @@ class LlamaCppRunner:
     def cache_len(self) -> int:
         return len(self._ids)
 
-    def reserve(self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None,
-                exact: bool = True) -> None:
+    def reserve(
+        self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None, exact: bool = True
+    ) -> None:
         """Room for ``tokens`` cached tokens and steps of these widths (a larger context if needed)."""
         self._room(min(tokens, self.limit), max(widths, default=1))
 
@@ -129,8 +134,10 @@ class LlamaCppRunner:
             if code != 0:
                 self._ids = self._ids[: start + begin]
                 ll.llama_memory_seq_rm(self.memory, 0, start + begin, -1)
-                raise ModelError(f"llama.cpp could not decode {len(chunk)} tokens at position {start + begin} "
-                                 f"(llama_decode returned {code}{': ' + last_log() if last_log() else ''})")
+                raise ModelError(
+                    f"llama.cpp could not decode {len(chunk)} tokens at position {start + begin} "
+                    f"(llama_decode returned {code}{': ' + last_log() if last_log() else ''})"
+                )
             self._ids.extend(chunk)
             begin = end
         if not keep:

@@ -22,8 +22,9 @@ CMD_SLOTS = 64  # [op, n, arg, ids...]: a step's ids ride inline; a longer forwa
 _INLINE = CMD_SLOTS - 3
 
 
-def command(op: str, arg: int = 0, ids: torch.Tensor | None = None,
-            device: torch.device = torch.device("cpu")) -> tuple[torch.Tensor, torch.Tensor | None]:
+def command(
+    op: str, arg: int = 0, ids: torch.Tensor | None = None, device: torch.device = torch.device("cpu")
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A runner call as a fixed-size int64 tensor on ``device``, plus the ids that do not fit inline."""
     n = 0 if ids is None else ids.numel()  # a shape: known without a sync
     inline = min(n, _INLINE)
@@ -119,8 +120,9 @@ class ShardedRunner:
     def prefill(self, prompt: list[int], previous: list[int], reuse: bool) -> int:
         return prefill(self, prompt, previous, reuse)
 
-    def reserve(self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None,
-                exact: bool = True) -> None:
+    def reserve(
+        self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None, exact: bool = True
+    ) -> None:
         self.inner.reserve(tokens, widths, report, exact)
 
     def close(self) -> None:

@@ -84,17 +84,22 @@ def check_tp(tp: int, config: Any, device: torch.device, verifier: str) -> None:
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     if not getattr(cfg, "base_model_tp_plan", None):
         arch = ", ".join(getattr(config, "architectures", None) or [type(config).__name__])
-        raise ConfigError(f"--tp {tp}: transformers has no tensor-parallel plan for {arch} ({verifier}); "
-                          "run it without --tp")
+        raise ConfigError(
+            f"--tp {tp}: transformers has no tensor-parallel plan for {arch} ({verifier}); run it without --tp"
+        )
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
     kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
     if heads % tp or kv % tp:
-        raise ConfigError(f"--tp {tp}: the verifier has {heads} attention heads and {kv} key/value heads; "
-                          f"N must divide both (e.g. --tp {max(d for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0 and d <= tp)})")
+        raise ConfigError(
+            f"--tp {tp}: the verifier has {heads} attention heads and {kv} key/value heads; "
+            f"N must divide both (e.g. --tp {max(d for d in range(1, kv + 1) if heads % d == 0 and kv % d == 0 and d <= tp)})"
+        )
     if device.type == "cuda":
         visible = torch.cuda.device_count()
         if tp > visible:
-            raise ConfigError(f"--tp {tp}: only {visible} GPU{'s' if visible != 1 else ''} visible; use --tp {visible} or fewer")
+            raise ConfigError(
+                f"--tp {tp}: only {visible} GPU{'s' if visible != 1 else ''} visible; use --tp {visible} or fewer"
+            )
 
 
 # --------------------------------------------------------------------------- the group
@@ -105,8 +110,10 @@ def start(tp: int, device: torch.device, load: dict[str, Any]) -> None:
     did) and join the process group. ``load`` tells the followers what to load."""
     global _started
     if _started:  # the followers are serving the first verifier: a second load would hang them
-        raise ConfigError("--tp: this process already runs a tensor-parallel group; load one verifier per run "
-                          "(one --quantize value, no model switch in chat)")
+        raise ConfigError(
+            "--tp: this process already runs a tensor-parallel group; load one verifier per run "
+            "(one --quantize value, no model switch in chat)"
+        )
     _started = True
     rank, world = rank_and_world()
     if world > 1:  # under torchrun (or already started)
@@ -121,8 +128,15 @@ def start(tp: int, device: torch.device, load: dict[str, Any]) -> None:
         # and the ranks' own connections (gloo pairs, NCCL's bootstrap) on loopback only
         loopback = "lo0" if sys.platform == "darwin" else "lo"
         local = {name: os.environ.get(name, loopback) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
-        base = dict(os.environ, WORLD_SIZE=str(tp), TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1",
-                    TQDM_DISABLE="1", **{STORE_ENV: store}, **local)
+        base = dict(
+            os.environ,
+            WORLD_SIZE=str(tp),
+            TRANSFORMERS_VERBOSITY="error",
+            HF_HUB_DISABLE_PROGRESS_BARS="1",
+            TQDM_DISABLE="1",
+            **{STORE_ENV: store},
+            **local,
+        )
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does
             threads = max(1, (os.cpu_count() or 1) // tp)
             base["OMP_NUM_THREADS"] = str(threads)
@@ -134,9 +148,14 @@ def start(tp: int, device: torch.device, load: dict[str, Any]) -> None:
             env = dict(base, RANK=str(r), LOCAL_RANK=str(r), **{FOLLOWER_ENV: json.dumps(load), LOG_ENV: name})
             with open(log, "w") as err:
                 # stdin: a pipe only this process writes to, and never does: its end tells the follower we are gone
-                proc = subprocess.Popen([sys.executable, "-m", FOLLOWER_MODULE], env=env,
-                                        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
-                                        start_new_session=True)  # Ctrl-C reaches rank 0 only
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", FOLLOWER_MODULE],
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    start_new_session=True,
+                )  # Ctrl-C reaches rank 0 only
             _followers.append((proc, log))
         os.environ.update(WORLD_SIZE=str(tp), RANK="0", LOCAL_RANK="0", **{STORE_ENV: store}, **local)
         atexit.register(stop_followers)
@@ -157,8 +176,10 @@ def init(device: torch.device) -> None:
     rank, world = rank_and_world()
     store_path = os.environ.get(STORE_ENV)
     if store_path is None and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-        raise ConfigError(f"WORLD_SIZE={world} and RANK={rank} are set but MASTER_ADDR/MASTER_PORT are not; "
-                          "run under torchrun, or unset WORLD_SIZE and RANK and let --tp start its own ranks")
+        raise ConfigError(
+            f"WORLD_SIZE={world} and RANK={rank} are set but MASTER_ADDR/MASTER_PORT are not; "
+            "run under torchrun, or unset WORLD_SIZE and RANK and let --tp start its own ranks"
+        )
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -176,8 +197,10 @@ def init(device: torch.device) -> None:
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=wait)
     except (RuntimeError, ValueError) as err:
         first = " ".join(str(err).split())[:160]
-        raise ConfigError(f"tensor parallel: not all {world} ranks joined within {seconds:g} s at {where} "
-                          f"({first}); check that every rank was started") from None
+        raise ConfigError(
+            f"tensor parallel: not all {world} ranks joined within {seconds:g} s at {where} "
+            f"({first}); check that every rank was started"
+        ) from None
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     _set_pg_timeout(timedelta(minutes=COLLECTIVE_MINUTES))
@@ -196,8 +219,10 @@ def _end_if_a_follower_died() -> None:
         code = proc.poll()
         if code is not None and code != 0 and not getattr(proc, "_told_to_stop", False):
             last = _last_line(log)
-            sys.stderr.write(f"error: tensor-parallel rank {r} exited with code {code}"
-                             f"{': ' + last if last else ''}; stopping every rank\n")
+            sys.stderr.write(
+                f"error: tensor-parallel rank {r} exited with code {code}"
+                f"{': ' + last if last else ''}; stopping every rank\n"
+            )
             sys.stderr.flush()
             stop_followers(kill=True)
             os._exit(1)
