@@ -185,6 +185,8 @@ def read_jsonl(path: str, flag: str, what: str) -> list[tuple[int, dict, str]]:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path}:{n}: not valid JSON ({err.msg})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}:{n}: nested too deeply to read; each line must be a flat object") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise ConfigError(f"{path}:{n}: each line must be an object with a non-empty string 'prompt'")
         rows.append((n, row, f"{path}:{n}"))

@@ -4,7 +4,9 @@ a long run starts, and one policy for text that is not valid UTF-8."""
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -20,9 +22,19 @@ def _umask_mode() -> int:
 
 def atomic_write(path: str | Path, text: str, mode: int | None = None) -> Path:
     """Write ``text`` to ``path`` atomically, with the mode a plain ``open`` would give (the umask's)
-    unless ``mode`` says (0o600 for what the user typed). The parent folder must exist: callers
-    create it only where the user asked for a new place."""
+    unless ``mode`` says (0o600 for what the user typed). A symlink is written through (its target
+    is replaced, the link stays); a character device or FIFO (``/dev/stdout``, a pipe) is written in
+    place, as no rename can replace one; a read-only file is refused (PermissionError), never
+    replaced. The parent folder must exist: callers create it only where the user asked for it."""
     path = Path(path).expanduser()
+    if path.is_symlink():
+        path = path.resolve()
+    if _is_stream(path):
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return path
+    if _read_only(path):
+        raise PermissionError(errno.EACCES, "the file is read-only", str(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(
@@ -39,15 +51,35 @@ def atomic_write(path: str | Path, text: str, mode: int | None = None) -> Path:
     return path
 
 
+def _read_only(path: Path) -> bool:
+    """A regular file with no write bit: the user protected it (root included, whom the kernel
+    would let write anyway)."""
+    return path.is_file() and not os.stat(path).st_mode & 0o222
+
+
+def _is_stream(path: Path) -> bool:
+    """A character device or FIFO: what is written there is read, not stored under a name."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode)
+
+
 def check_output_file(path: str | Path, flag: str) -> Path:
     """Fail now, before a long run, if ``path`` cannot be written: a directory, a missing or
     read-only folder, a pseudo-file system. Tries a temp file in the folder, then removes it."""
     path = Path(path).expanduser()
-    if path.is_dir():
+    target = path.resolve() if path.is_symlink() else path
+    if target.is_dir():
         raise ConfigError(f"{flag} {path}: is a directory; give a file path")
-    if not path.parent.is_dir():
-        raise ConfigError(f"{flag} {path}: folder {path.parent} does not exist")
-    _try_write_in(path.parent, f"{flag} {path}")
+    if _is_stream(target):
+        return path  # a device or FIFO: written in place
+    if not target.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: folder {target.parent} does not exist")
+    if _read_only(target):
+        raise ConfigError(f"{flag} {path}: the file is read-only; make it writable or give another path")
+    _try_write_in(target.parent, f"{flag} {path}")
     return path
 
 

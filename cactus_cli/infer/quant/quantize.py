@@ -453,7 +453,7 @@ def _remove_stale(path: Path) -> None:
     """Caches of the same model and method under other keys (older weights or format)."""
     method, model, _ = path.name.split("-", 2)
     for stale in path.parent.glob(f"{method}-{model}-*.safetensors"):
-        if stale != path:
+        if stale != path and stale.is_file() and not stale.is_symlink():  # (only files this code wrote)
             stale.unlink(missing_ok=True)
 
 

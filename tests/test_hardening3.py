@@ -1,0 +1,66 @@
+"""The third hardening sweep (issue 41): each test names its cause and fails before its fix."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+
+import pytest
+
+from cactus_cli.core import fileio
+from cactus_cli.core.errors import ConfigError
+
+
+def test_3_a_symlink_is_written_through_to_its_target(tmp_path):
+    target = tmp_path / "results.csv"
+    target.write_text("old\n")
+    link = tmp_path / "link.csv"
+    link.symlink_to(target)
+    fileio.check_output_file(link, "--csv")
+    fileio.atomic_write(link, "new\n")
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert target.read_text() == "new\n"
+
+
+def test_3_a_read_only_file_is_refused_before_the_run_and_never_replaced(tmp_path):
+    kept = tmp_path / "kept.yaml"
+    kept.write_text("mine\n")
+    kept.chmod(0o444)
+    with pytest.raises(ConfigError, match="read-only"):
+        fileio.check_output_file(kept, "--save")
+    with pytest.raises(PermissionError):
+        fileio.atomic_write(kept, "theirs\n")  # (as root too: the kernel would let root write)
+    assert kept.read_text() == "mine\n" and stat.S_IMODE(kept.stat().st_mode) == 0o444
+
+
+def test_3_a_fifo_is_written_in_place_not_replaced(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, encoding="utf-8").read()))
+    reader.start()
+    fileio.check_output_file(fifo, "--csv")
+    fileio.atomic_write(fifo, "a,b\n1,2\n")
+    reader.join(timeout=10)
+    assert got == ["a,b\n1,2\n"]
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert [p.name for p in tmp_path.iterdir()] == ["pipe"]  # no temp file left beside it
+
+
+def test_4_a_folder_matching_the_stale_cache_glob_is_left_alone(tmp_path):
+    from cactus_cli.infer.quant.quantize import _remove_stale
+
+    (tmp_path / "w8a8-model-oldkey.safetensors").mkdir()
+    (tmp_path / "w8a8-model-older.safetensors").write_bytes(b"x")
+    _remove_stale(tmp_path / "w8a8-model-newkey.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w8a8-model-oldkey.safetensors"]
+
+
+def test_5_a_deeply_nested_jsonl_line_is_one_line_naming_file_and_line(tmp_path):
+    from cactus_cli.app.prompts import read_jsonl
+
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"prompt": "fine"}\n' + "[" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match=rf"{f}:2: nested too deeply"):
+        read_jsonl(str(f), "--prompts", "prompts")
