@@ -64,3 +64,13 @@ def test_5_a_deeply_nested_jsonl_line_is_one_line_naming_file_and_line(tmp_path)
     f.write_text('{"prompt": "fine"}\n' + "[" * 100_000 + "\n")
     with pytest.raises(ConfigError, match=rf"{f}:2: nested too deeply"):
         read_jsonl(str(f), "--prompts", "prompts")
+
+
+@pytest.mark.parametrize("lookup", ["ngram", "suffix"])
+def test_9_cross_vocab_with_a_draft_that_has_no_model_is_an_error(tiny, lookup):
+    from tests.helpers import assert_one_line_error, invoke
+
+    args = ["--verifier", tiny["verifier"], "--draft", lookup, "--device", "cpu", "--dtype", "float32"]
+    assert_one_line_error(
+        invoke("generate", "hi", *args, "--cross-vocab", "intersection", "-n", "2"), f"--draft {lookup} has no model"
+    )

@@ -358,8 +358,15 @@ def check_flags_apply(settings: Settings, flags: dict[str, Any]) -> None:
             raise ConfigError(f"--{key.replace('_', '-')} applies only to prompt lookup (--draft ngram or ngram+MODEL)")
     if flags.get("remember", ...) is not ... and not uses_lookup(settings.draft, "suffix"):
         raise ConfigError("--remember applies only to the suffix drafter (--draft suffix or suffix+MODEL)")
-    if flags.get("cross_vocab", ...) is not ... and settings.draft is None:
-        raise ConfigError("--cross-vocab applies to a draft model with another tokenizer; pass --draft")
+    if flags.get("cross_vocab", ...) is not ... and parse_draft(settings.draft)[1] is None:
+        raise ConfigError(
+            "--cross-vocab applies to a draft model with another tokenizer; "
+            + (
+                "pass --draft"
+                if settings.draft is None
+                else f"--draft {settings.draft} has no model (try {settings.draft}+MODEL)"
+            )
+        )
     if flags.get("max_draft_tokens", ...) is not ... and settings.num_draft_tokens != "auto":
         raise ConfigError("--max-draft-tokens only applies with -k auto")
 
