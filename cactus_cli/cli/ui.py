@@ -117,14 +117,23 @@ class LiveView:
         return Group(*parts)
 
 
+# Control characters a model may generate (ESC, BEL, CR, C1 controls...) shown as \xNN on a terminal,
+# where an "ESC ]" sequence could retitle or confuse it; newline and tab pass. Pipes and files get the
+# text as generated.
+CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if c not in (0x09, 0x0A)}
+
+
 class PlainView:
     """Just the text, streamed, for pipes and --plain; with ``err``, the stats line goes there
-    at the end (a scripted chat: each turn's figures on stderr, the replies alone on stdout)."""
+    at the end (a scripted chat: each turn's figures on stderr, the replies alone on stdout).
+    On a terminal, control characters are escaped (CONTROLS)."""
 
     def __init__(self, out: TextIO | None = None, err: Console | None = None):
         self.out = out or sys.stdout
         self.err = err
         self.stats = SpecStats()
+        isatty = getattr(self.out, "isatty", None)
+        self.escape = bool(isatty and isatty())
 
     def __enter__(self) -> PlainView:
         return self
@@ -137,7 +146,7 @@ class PlainView:
 
     def update(self, ev: StepEvent) -> None:
         self.stats.update(ev)
-        self.out.write(ev.text)
+        self.out.write(ev.text.translate(CONTROLS) if self.escape else ev.text)
         self.out.flush()
 
 
