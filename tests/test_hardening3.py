@@ -93,3 +93,10 @@ def test_15_plain_text_escapes_control_characters_on_a_terminal_only(tty):
     text = "a\x1b]0;owned\x07\rb\tc\n\x9bd"
     view.update(SimpleNamespace(text=text))
     assert out.getvalue() == (r"a\x1b]0;owned\x07\x0db" + "\tc\n" + r"\x9bd" if tty else text)
+
+
+def test_12_numbers_in_e_notation_are_read_as_numbers_everywhere_yaml_is(tiny):
+    from cactus_cli.app.settings import parse_params, parse_yaml
+
+    assert parse_params(["epsilon=1e-3", "scale=2E+2"]) == {"epsilon": 0.001, "scale": 200.0}
+    assert parse_yaml("delta: 5e-1\nname: 1e3x\n", "profile.yaml") == {"delta": 0.5, "name": "1e3x"}

@@ -7,6 +7,7 @@ lists, --draft values. Settings are frozen: change one with ``dataclasses.replac
 from __future__ import annotations
 
 import math
+import re
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -231,6 +232,29 @@ def build_settings(*layers: tuple[dict[str, Any], str]) -> Settings:
 # --------------------------------------------------------------------------- parsing what users type
 
 
+def _loader():
+    """yaml's SafeLoader that also reads numbers as users write them: YAML 1.1 (PyYAML) takes
+    ``1e-3`` for a string (it wants ``1.0e-3``); YAML 1.2 and every other parser read a float."""
+    import yaml
+
+    global _LOADER
+    if _LOADER is None:
+
+        class Loader(yaml.SafeLoader):
+            pass
+
+        Loader.add_implicit_resolver(
+            "tag:yaml.org,2002:float",
+            re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+            list("-+0123456789"),
+        )
+        _LOADER = Loader
+    return _LOADER
+
+
+_LOADER = None
+
+
 def parse_yaml(text: str, where: str) -> Any:
     """``yaml.safe_load`` for what users write (profiles, --param, /set), with every failure one
     ConfigError line naming ``where``. Aliases are refused before anything is built: a few
@@ -244,7 +268,7 @@ def parse_yaml(text: str, where: str) -> Any:
                     f"{where}:{event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not "
                     "allowed here; write the value out"
                 )
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_loader())
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
