@@ -100,3 +100,74 @@ def test_12_numbers_in_e_notation_are_read_as_numbers_everywhere_yaml_is(tiny):
 
     assert parse_params(["epsilon=1e-3", "scale=2E+2"]) == {"epsilon": 0.001, "scale": 200.0}
     assert parse_yaml("delta: 5e-1\nname: 1e3x\n", "profile.yaml") == {"delta": 0.5, "name": "1e3x"}
+
+
+def _temp_files(folder):
+    return sorted(p.name for p in folder.glob(".*.tmp")) if folder.is_dir() else []
+
+
+def test_1_an_interrupted_first_quantization_removes_its_partial_cache(tiny, monkeypatch):
+    from cactus_cli.infer.quant import quantize
+    from tests.helpers import quantize_tiny
+
+    folder = quantize.cache_file(quantize.weights_key(tiny["verifier"]), "int8").parent
+    real, calls = quantize.quantize_int8, []
+
+    def interrupted(w):
+        calls.append(1)
+        if len(calls) == 3:  # a few layers in: the partial file exists
+            assert _temp_files(folder)
+            raise KeyboardInterrupt
+        return real(w)
+
+    monkeypatch.setattr(quantize, "quantize_int8", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_tiny(tiny)
+    assert _temp_files(folder) == [] and not list(folder.glob("*.safetensors"))
+
+
+SIGTERM_DURING_QUANTIZATION = """
+import sys, time
+from cactus_cli.core.signals import treat_sigterm_as_sigint
+from cactus_cli.infer.quant import quantize
+import torch
+from transformers import AutoModelForCausalLM
+treat_sigterm_as_sigint()
+real, calls = quantize.quantize_int8, []
+def slow(w):
+    calls.append(1)
+    if len(calls) == 2:
+        print("writing", flush=True)
+        time.sleep(60)
+    return real(w)
+quantize.quantize_int8 = slow
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+try:
+    quantize.quantize_model(model, "int8", sys.argv[1])
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_1_sigterm_during_the_first_quantization_leaves_no_partial_cache(tiny, isolated_home):
+    import signal
+    import subprocess
+    import sys
+
+    from cactus_cli.infer.quant import quantize
+
+    folder = quantize.cache_file(quantize.weights_key(tiny["verifier"]), "int8").parent
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGTERM_DURING_QUANTIZATION, tiny["verifier"]],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, CACTUS_HOME=str(isolated_home)),
+    )
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        assert _temp_files(folder)  # the partial file is there while it writes
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 130
+    finally:
+        proc.kill()
+    assert _temp_files(folder) == []

@@ -104,8 +104,9 @@ class CacheReader:
 
 class CacheWriter:
     """Writes ``specs`` (name -> (dtype, shape)) to ``path``: ``add`` each tensor as it comes,
-    then ``finish``. Any failure (a full disk, a tensor other than announced) leaves no file
-    and costs only the next start, which quantizes again."""
+    then ``finish`` (or ``abort``). Any failure (a full disk, a tensor other than announced, an
+    interrupted run) leaves no file and costs only the next start, which quantizes again; only a
+    SIGKILL leaves the partial file, which the next quantizing start removes."""
 
     def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
         self.path, self.specs = path, specs
@@ -187,6 +188,10 @@ class CacheWriter:
         except OSError:
             self._fail()
             return False
+
+    def abort(self) -> None:
+        """Give up (an interrupted or failed quantization): the partial file is removed now."""
+        self._fail()
 
     def _fail(self) -> None:
         self.failed = True

@@ -213,12 +213,17 @@ def quantize_model(
     def replace(names: list[str]) -> None:
         _replace_layers(model, {n: plan[n] for n in names}, cached, fresh, dtype, device)
 
-    factors, before, after = _smooth_and_replace(model, plan, found, ids, known, gate is not None, replace)
-    if fresh is not None:
-        for k in extra:
-            fresh.add(k, factors[k])
-        fresh.finish()
-        _remove_stale(path)
+    try:
+        factors, before, after = _smooth_and_replace(model, plan, found, ids, known, gate is not None, replace)
+        if fresh is not None:
+            for k in extra:
+                fresh.add(k, factors[k])
+            fresh.finish()
+            _remove_stale(path)
+    except BaseException:  # Ctrl-C, SIGTERM (raised as KeyboardInterrupt), an error: no partial file left
+        if fresh is not None:
+            fresh.abort()
+        raise
     trim_heap()
     text = describe_plan(plan, method, device.type)
     if before is not None:
