@@ -90,7 +90,7 @@ def lookup(kind: str | None, settings: Settings, pair: ModelPair, reporter=None)
         if reporter is not None:
             if note:
                 reporter.warn(note)
-            history.on_error = reporter.warn
+            history.on_error = history.on_note = reporter.warn
     return Lookup(SUFFIX, history=history)
 
 

@@ -47,7 +47,7 @@ Remember = Annotated[
     Optional[str],
     typer.Option(
         "--remember",
-        help="With --draft suffix: load the history tree (earlier prompts and outputs) from this file and save it back after every answer, so the next run drafts from what this one wrote. Off by default: nothing you type is written to disk unless you ask.",
+        help="With --draft suffix: load the history tree (earlier prompts and outputs) from this file and save it back after every answer, so the next run drafts from what this one wrote. Off by default: nothing you type is written to disk unless you ask. The file keeps the most recent documents within 65,536 tokens (at most 4,096 documents, 16 MB); runs sharing it merge their documents under a lock; a file it cannot use (another format or tokenizer, damaged, too large) is moved aside to FILE.bad-<time>, never overwritten.",
         rich_help_panel=MODEL,
     ),
 ]

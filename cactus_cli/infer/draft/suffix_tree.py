@@ -17,13 +17,18 @@ least recently used document, and saves itself to a file when asked (``--remembe
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 import random
+import stat
+import time
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from cactus_cli.core.fileio import atomic_write
 
@@ -177,16 +182,24 @@ class History:
     """Earlier documents (a request's prompt and output, or a chat so far) in one suffix tree,
     at most ``budget`` tokens, the least recently used evicted first (a draft uses the document
     of the most recent occurrence it followed). With ``path`` it is saved after every change
-    (atomically), for the next run (``--remember``)."""
+    (``--remember``): under a lock, merged with what other runs saved there since (read, add,
+    write atomically), so runs sharing a file lose nothing; a file it cannot use is moved aside
+    (``FILE.bad-<time>``), never overwritten. A file is at most MAX_FILE_BYTES and MAX_DOCS
+    documents; loading reads it once and indexes only the most recent documents within the
+    budget."""
 
-    def __init__(self, budget: int = HISTORY_TOKENS, path: Path | None = None, key: str = ""):
-        self.budget, self.path, self.key = budget, path, key
+    def __init__(
+        self, budget: int = HISTORY_TOKENS, path: Path | None = None, key: str = "", vocab_size: int | None = None
+    ):
+        self.budget, self.path, self.key, self.vocab_size = budget, path, key, vocab_size
         self.tree = SuffixTree()
         self.order: OrderedDict[int, None] = OrderedDict()  # document ids, least recently used first
         self.tokens = 0
         self.next_id = 1  # (0 is the request's own document in a drafter's request tree)
         self.last: int | None = None  # the document added last (a chat's next turn extends it)
         self.on_error: Callable[[str], None] | None = None  # told once when saving fails (the run goes on)
+        self.on_note: Callable[[str], None] | None = None  # told when an unusable file is moved aside
+        self.saved: dict[int, list[int]] = {}  # our documents as the file last held them (to merge)
 
     def add(self, seq: Sequence[int]) -> None:
         """Remember a finished sequence; one that continues the last one added (the next chat
@@ -222,14 +235,14 @@ class History:
     def save(self) -> None:
         if self.path is None:
             return
-        data = {
-            "format": FORMAT,
-            "schema": SCHEMA,
-            "key": self.key,
-            "docs": [self.tree.docs[d].tolist() for d in self.order],
-        }
         try:
-            atomic_write(self.path, json.dumps(data, separators=(",", ":")), mode=0o600)  # (what the user typed)
+            with _locked(self.path.parent):
+                ours = {d: self.tree.docs[d].tolist() for d in self.order}
+                docs = self._others() + list(ours.values())  # theirs first (older), ours most recent
+                docs = _within(docs, self.budget)
+                data = {"format": FORMAT, "schema": SCHEMA, "key": self.key, "docs": docs}
+                atomic_write(self.path, json.dumps(data, separators=(",", ":")), mode=0o600)  # (what the user typed)
+                self.saved = ours
         except OSError as err:
             if self.on_error is not None:
                 self.on_error(
@@ -238,29 +251,90 @@ class History:
                 )
                 self.on_error = None
 
+    def _others(self) -> list[list[int]]:
+        """The documents in the file now that are not this run's (other runs saved them, or this
+        run has evicted them); a file that cannot be used is moved aside first."""
+        data, problem = _read(self.path, self.key, self.vocab_size)
+        if problem is not None:
+            if self.path.is_file():
+                aside = self.path.with_name(f"{self.path.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}")
+                os.replace(self.path, aside)
+                if self.on_note is not None:
+                    self.on_note(f"--remember {self.path}: {problem}; moved it aside to {aside.name} (nothing deleted)")
+            return []
+        docs = data["docs"]
+        for tokens in self.saved.values():  # this run's earlier versions: replaced by what it holds now
+            with contextlib.suppress(ValueError):
+                docs.remove(tokens)
+        return docs
+
     @classmethod
     def load(cls, path: Path, key: str, vocab_size: int, budget: int = HISTORY_TOKENS) -> tuple[History, str | None]:
         """The history saved at ``path`` (kept there as it grows), or an empty one when there is
-        no file yet; a file that is unreadable, truncated, of another format or written for
-        another tokenizer gives an empty history and a one-line warning (it is overwritten at
-        the next save)."""
-        history = cls(budget, path=path, key=key)
+        no file yet; a file that is unreadable, too large, of another format or written for
+        another tokenizer gives an empty history and a one-line warning (the file is moved aside
+        at the first save, never overwritten)."""
+        history = cls(budget, path=path, key=key, vocab_size=vocab_size)
         if not path.exists():
             return history, None
-        try:
-            data: Any = json.loads(path.read_text(encoding="utf-8"))
-            problem = _problem(data, key, vocab_size)
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
-            problem = f"it cannot be read ({type(err).__name__})"
+        data, problem = _read(path, key, vocab_size)
         if problem is not None:
-            return history, f"--remember {path}: {problem}; starting with an empty history (the file is replaced)"
-        for tokens in data["docs"]:
+            return history, (
+                f"--remember {path}: {problem}; starting with an empty history (the file is moved aside "
+                f"to {path.name}.bad-<time> at the first save, not deleted)"
+            )
+        for tokens in _within(data["docs"], budget):  # one pass: only what the budget keeps is indexed
             history._add(tokens)
+            history.saved[history.last] = list(tokens)
             history.last = None  # (each saved document stands alone)
         return history, None
 
 
-def _problem(data: Any, key: str, vocab_size: int) -> str | None:
+MAX_FILE_BYTES = 16 << 20  # a --remember file is at most this (the token budget saves ~0.5 MB)
+MAX_DOCS = 4096  # and at most this many documents
+
+
+def _within(docs: list[list[int]], budget: int) -> list[list[int]]:
+    """The most recent documents (the list's end) that fit ``budget`` tokens and MAX_DOCS."""
+    kept, total = [], 0
+    for tokens in reversed(docs[-MAX_DOCS:]):
+        total += min(len(tokens), budget)
+        if total > budget and kept:
+            break
+        kept.append(tokens[-budget:])
+    return kept[::-1]
+
+
+def _read(path: Path, key: str, vocab_size: int | None) -> tuple[Any, str | None]:
+    """A history file's data, or why it cannot be used."""
+    try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # a device or FIFO (--remember /dev/null): written to, never read
+            return {"docs": []}, None
+        size = st.st_size
+        if size > MAX_FILE_BYTES:
+            return None, f"it is {size / 2**20:.0f} MB, over the {MAX_FILE_BYTES >> 20} MB a history file may be"
+        data: Any = json.loads(path.read_text(encoding="utf-8"))
+        return data, _problem(data, key, vocab_size)
+    except FileNotFoundError:
+        return {"docs": []}, None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        return None, f"it cannot be read ({type(err).__name__})"
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """An exclusive lock on ``folder`` (flock on the directory itself: no lock file is left
+    behind), held while a history file in it is read, merged and replaced."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (closing releases the lock)
+
+
+def _problem(data: Any, key: str, vocab_size: int | None) -> str | None:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         return "not a cactus suffix history"
     if data.get("schema") != SCHEMA:
@@ -270,6 +344,8 @@ def _problem(data: Any, key: str, vocab_size: int) -> str | None:
     docs = data.get("docs")
     if not isinstance(docs, list) or not all(isinstance(d, list) for d in docs):
         return "its documents are malformed"
-    if not all(type(t) is int and 0 <= t < vocab_size for d in docs for t in d):
+    if len(docs) > MAX_DOCS:
+        return f"it holds {len(docs)} documents, over the {MAX_DOCS} a history file may hold"
+    if vocab_size is not None and not all(type(t) is int and 0 <= t < vocab_size for d in docs for t in d):
         return f"it holds token ids outside this vocabulary (0..{vocab_size - 1})"
     return None
