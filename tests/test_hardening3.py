@@ -274,3 +274,45 @@ def test_14_a_history_file_is_bounded_and_loaded_in_one_pass(tmp_path, monkeypat
     many.write_text(json.dumps({"format": suffix_tree.FORMAT, "schema": 1, "key": "k", "docs": [[1]] * 5000}))
     _, warning = History.load(many, "k", 200)
     assert "5000 documents, over the 4096" in warning
+
+
+def _broken(tmp_path, tiny, how):
+    import json
+    import shutil
+
+    folder = tmp_path / how
+    shutil.copytree(tiny["verifier"], folder)
+    weights = folder / "model.safetensors"
+    config = folder / "config.json"
+    if how == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "pickle":
+        weights.unlink()
+        (folder / "pytorch_model.bin").write_bytes(b"\x80\x04 never unpickled")
+    elif how == "not-json":
+        config.write_text("{ not json")
+    elif how == "unknown-architecture":
+        doc = json.loads(config.read_text())
+        config.write_text(json.dumps({**doc, "model_type": "foo", "architectures": ["FooForCausalLM"]}))
+    elif how == "mistyped":
+        config.write_text(json.dumps({**json.loads(config.read_text()), "hidden_size": "big"}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "how, needle",
+    [
+        ("truncated", "truncated or corrupt"),
+        ("pickle", "pickle checkpoint (pytorch_model.bin)"),
+        ("not-json", "config.json is not valid JSON"),
+        ("unknown-architecture", "does not know (model_type 'foo'"),
+        ("mistyped", "hidden_size"),
+    ],
+)
+def test_6_a_model_folder_that_does_not_load_is_one_line_naming_it(tmp_path, tiny, how, needle):
+    from tests.helpers import assert_one_line_error, invoke
+
+    folder = _broken(tmp_path, tiny, how)
+    r = invoke("generate", "hi", "--verifier", folder, "--draft", "ngram", "--device", "cpu", "-n", "2")
+    assert_one_line_error(r, needle)
+    assert str(folder) in r.output

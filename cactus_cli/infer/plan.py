@@ -236,8 +236,9 @@ def tp_plan(
         raise ModelError(f"--quantize {quantize} does not combine with --tp yet; use one or the other")
     try:
         config = AutoConfig.from_pretrained(vsrc.location, local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise ModelError(f"could not read the verifier's config from {vsrc.location}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - any config transformers cannot read
+        first = " ".join(str(err).split())[:300] or type(err).__name__
+        raise ModelError(f"could not read the verifier's config from {vsrc.location}: {first}") from None
     group.check_tp(tp, config, dev, verifier)
     if dev.type == "cuda" and dev.index not in (None, 0):
         raise ModelError(

@@ -5,6 +5,7 @@ file, embedded model), resolved without loading anything; the files each backend
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,7 @@ def resolve_source(name: str) -> Source:
                 f"{name} is a folder but not a model folder (it has no config.json); "
                 "give a folder saved by transformers, a .gguf file or a hub id"
             )
+        _check_folder(path, name)
         return Source("folder", str(path))
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
@@ -113,6 +115,31 @@ def resolve_source(name: str) -> Source:
             f"download the model first (`huggingface-cli download {name}`)"
         )
     return Source("hub", name)
+
+
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")  # pickle checkpoints: never unpickled
+
+
+def _check_folder(path: Path, name: str) -> None:
+    """A model folder's config.json must be a JSON object, and its weights safetensors: a pickle
+    checkpoint (pytorch_model.bin) can run code when loaded, so it is refused, not loaded."""
+    config = path / "config.json"
+    if config.is_file():
+        try:
+            doc = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+            where = f" (line {err.lineno}: {err.msg})" if isinstance(err, json.JSONDecodeError) else ""
+            raise ModelError(f"model folder {name}: config.json is not valid JSON{where}; fix or replace it") from None
+        if not isinstance(doc, dict):
+            raise ModelError(f"model folder {name}: config.json is not a JSON object; fix or replace it")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.safetensors.index.json")):
+        pickles = sorted(p.name for pattern in PICKLE_WEIGHTS for p in path.glob(pattern))
+        if pickles:
+            raise ModelError(
+                f"model folder {name}: its weights are a pickle checkpoint ({pickles[0]}), which cactus does not "
+                "load (unpickling can run code); convert it to safetensors, e.g. load it once in a trusted "
+                "Python and call model.save_pretrained(folder, safe_serialization=True)"
+            )
 
 
 def hub_cached(repo_id: str) -> bool:
@@ -165,14 +192,30 @@ def model_files(src: Source, backend: str, reporter=None) -> tuple[Source, Sourc
 
 def _from_pretrained(loader, src: Source, what: str, **kwargs):
     """Call a transformers from_pretrained, turning 'not found / offline' into one clear line."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # its warnings are not for our users; failures are one line below
     location = src.location
+    if what != "tokenizer":
+        kwargs["use_safetensors"] = True  # never a pickle checkpoint (a hub cache may hold one)
     try:
         if src.kind == "hub":
             kwargs["local_files_only"] = True  # hub ids come from the local cache: no network round trips
         return loader.from_pretrained(location, **kwargs)
-    except (OSError, ValueError) as err:
+    except Exception as err:  # noqa: BLE001 - a folder that does not load, whatever the library raises
         # the whole message on one line (transformers' first line often ends in a colon)
         first = " ".join(str(err).split())[:400] or type(err).__name__
+        if not isinstance(err, (OSError, ValueError)):
+            first = f"{type(err).__name__}: {first}"
+        if "does not recognize this architecture" in first or "Unrecognized model" in first:
+            import transformers
+
+            first = (
+                f"config.json names an architecture transformers {transformers.__version__} does not know "
+                f"({_model_type(location)}); use a supported model or a newer transformers"
+            )
+        elif "safetensors" in type(err).__module__ or "deserializ" in first:
+            first = f"its safetensors weights are truncated or corrupt ({first})"
         if src.kind == "hub":
             offline = os.environ.get("HF_HUB_OFFLINE") == "1"
             hint = (
@@ -185,6 +228,14 @@ def _from_pretrained(loader, src: Source, what: str, **kwargs):
                 f"download it with `huggingface-cli download {src.location}` or pass a local folder ({first})"
             ) from None
         raise ModelError(f"could not load {what} from {src.location}: {first}") from None
+
+
+def _model_type(location: str) -> str:
+    try:
+        doc = json.loads((Path(location) / "config.json").read_text(encoding="utf-8"))
+        return f"model_type {doc.get('model_type')!r}, architectures {doc.get('architectures')}"
+    except (OSError, ValueError, AttributeError):
+        return "unreadable config.json"
 
 
 def load_tokenizer(src: Source):
