@@ -10,6 +10,12 @@ import pytest
 
 from cactus_cli.core import fileio
 from cactus_cli.core.errors import ConfigError
+from tests.test_embedded import fake_model  # noqa: F401 (a fixture: fake embedded parts)
+
+
+@pytest.fixture
+def fake_model_cache(fake_model):  # noqa: F811
+    return fake_model[0]
 
 
 def test_3_a_symlink_is_written_through_to_its_target(tmp_path):
@@ -316,3 +322,46 @@ def test_6_a_model_folder_that_does_not_load_is_one_line_naming_it(tmp_path, tin
     r = invoke("generate", "hi", "--verifier", folder, "--draft", "ngram", "--device", "cpu", "-n", "2")
     assert_one_line_error(r, needle)
     assert str(folder) in r.output
+
+
+def test_7_a_damaged_quantized_cache_is_said_in_a_line_that_stays(tiny):
+    from cactus_cli.infer.quant import quantize
+    from tests.helpers import invoke
+
+    args = ["generate", "the cat", "--verifier", tiny["verifier"], "--draft", "none", "--device", "cpu"]
+    args += ["--quantize", "int8", "-n", "2", "--plain"]
+    assert invoke(*args).exit_code == 0
+    path = quantize.cache_file(quantize.weights_key(tiny["verifier"]), "int8")
+    path.write_bytes(path.read_bytes()[:100])
+    r = invoke(*args)
+    assert r.exit_code == 0, r.output
+    assert f"warning: the quantized cache {path} is damaged (" in " ".join(r.stderr.split())
+
+
+def test_7_every_rebuilt_cache_says_why(tiny, fake_model_cache, capsys):
+    from cactus_cli.infer import devices, embedded
+    from cactus_cli.infer.quant import quantize
+
+    def said() -> str:
+        return " ".join(capsys.readouterr().err.split())
+
+    verdict = quantize.verdict_path(tiny["verifier"])
+    assert quantize.quality_verdict(tiny["verifier"]) is None and said() == ""  # not measured yet: nothing to say
+    verdict.parent.mkdir(parents=True, exist_ok=True)
+    verdict.write_text('{"nll_delta": "x"}')
+    assert quantize.quality_verdict(tiny["verifier"]) is None
+    assert f"warning: the w8a8 quality verdict {verdict} is unreadable; measuring" in said()
+
+    devices._timed_once("t-", [1], ("a",), lambda name: 0.5)
+    assert said() == ""  # measured the first time
+    (path,) = (devices.cache_path({}, "").parent).glob("t-*.json")
+    path.write_text("not json")
+    devices._timed_once("t-", [1], ("a",), lambda name: 0.5)
+    assert f"warning: the timing cache {path} is unreadable; measuring again" in said()
+
+    (embedded.models_dir() / "fake").mkdir(parents=True)  # a conversion that never finished
+    embedded.prepare_embedded("fake")
+    assert "fake is an incomplete conversion (no cactus-conversion.json); making it again" in said()
+    (embedded.models_dir() / "fake.gguf").write_bytes(b"short")
+    embedded.embedded_gguf("fake")
+    assert f"fake.gguf is 5 bytes, not {fake_model_cache.size}; assembling it again" in said()

@@ -1,5 +1,13 @@
 """A small error hierarchy. Messages are shown to the user as one line; the CLI edge
-turns any CactusError into that line and exit code 2."""
+turns any CactusError into that line and exit code 2. ``warn``: one persistent line on stderr
+for what the user should know but need not stop for (a cache rebuilt, and why)."""
+
+import sys
+
+
+def warn(message: str) -> None:
+    """One line on stderr that stays (a spinner's text disappears)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 class CactusError(Exception):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from cactus_cli.core.errors import ModelError
+from cactus_cli.core.errors import ModelError, warn
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.paths import cache_path
 from cactus_cli.infer.quant.qlayers import (
@@ -134,8 +134,13 @@ def _timed_once(prefix: str, shape: list[int], names: tuple[str, ...], seconds) 
         times = {name: float(v) for name, v in doc["seconds"].items() if name in names}
         if len(times) == len(names) and all(0 < t < 60 for t in times.values()):
             return times, True
+        problem = "holds invalid or incomplete timings"
+    except FileNotFoundError:
+        problem = None  # the first time on this machine
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        pass
+        problem = "is unreadable"
+    if problem:
+        warn(f"the timing cache {path} {problem}; measuring again and replacing it")
     times = {name: seconds(name) for name in names}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

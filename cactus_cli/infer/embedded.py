@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
-from cactus_cli.core.errors import ModelError
+from cactus_cli.core.errors import ModelError, warn
 from cactus_cli.core.paths import cache_dir
 
 MARKER = "cactus-conversion.json"
@@ -137,10 +137,15 @@ def is_installed(m: EmbeddedModel) -> bool:
         return False
 
 
-def prepared_path(key: str) -> Path | None:
-    """The cache folder for ``key`` if a complete conversion is there."""
+def prepared_path(key: str, quiet: bool = False) -> Path | None:
+    """The cache folder for ``key`` if a complete conversion is there (an incomplete one is said
+    in one line unless ``quiet``: the caller makes it again)."""
     folder = models_dir() / key
-    return folder if (folder / MARKER).is_file() else None
+    if (folder / MARKER).is_file():
+        return folder
+    if folder.exists() and not quiet:
+        warn(f"{folder} is an incomplete conversion (no {MARKER}); making it again")
+    return None
 
 
 def prepare_embedded(name: str, reporter: Reporter | None = None) -> Path:
@@ -199,9 +204,15 @@ def _gguf_path(m: EmbeddedModel) -> Path:
 
 
 def _assembled(m: EmbeddedModel) -> Path | None:
-    """The assembled GGUF if it is in the cache (only ever renamed there complete and checked)."""
+    """The assembled GGUF if it is in the cache (only ever renamed there complete and checked);
+    a file of another size there is said in one line, then assembled again."""
     path = _gguf_path(m)
-    return path if path.is_file() and path.stat().st_size == m.size else None
+    if not path.is_file():
+        return None
+    if path.stat().st_size == m.size:
+        return path
+    warn(f"the assembled model {path} is {path.stat().st_size} bytes, not {m.size}; assembling it again")
+    return None
 
 
 def gguf_key(path: str | Path) -> str:

@@ -35,7 +35,7 @@ def list_cmd() -> None:
         for col in ("model", "source", "status", "size", "path"):
             table.add_column(col, overflow="fold")
         for m in embedded.EMBEDDED.values():
-            path = embedded.prepared_path(m.name)
+            path = embedded.prepared_path(m.name, quiet=True)
             if path:
                 status, size = "ready", _gb(embedded.folder_size(path))
             elif embedded.is_installed(m):

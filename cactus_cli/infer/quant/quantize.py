@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from cactus_cli.core.errors import warn
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.paths import cache_dir, cache_path
 from cactus_cli.infer.quant import layerwise, smooth
@@ -160,12 +161,19 @@ def verdict_path(location: str) -> Path:
 
 
 def quality_verdict(location: str) -> float | None:
-    """w8a8's measured NLL change on these weights, or None when not measured (or unreadable)."""
+    """w8a8's measured NLL change on these weights, or None when not measured (or unreadable:
+    said in one line, as it is measured again)."""
+    path = verdict_path(location)
     try:
-        value = json.loads(verdict_path(location).read_text(encoding="utf-8"))["nll_delta"]
-        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
-    except (OSError, ValueError, KeyError, TypeError):
+        value = json.loads(path.read_text(encoding="utf-8"))["nll_delta"]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        pass
+    warn(f"the w8a8 quality verdict {path} is unreadable; measuring w8a8's quality again and replacing it")
+    return None
 
 
 @torch.inference_mode()
@@ -200,7 +208,7 @@ def quantize_model(
     found = smooth.groups(model) if method == "w8a8" else []
     extra = {g.key: (model.get_submodule(g.readers[0]).in_features,) for g in found}
     specs = _cache_specs(model, plan, extra)
-    cached = _open_cache(path, {k: shape for k, (_, shape) in specs.items()}, report)
+    cached = _open_cache(path, {k: shape for k, (_, shape) in specs.items()})
     fresh = CacheWriter(path, specs) if cached is None else None  # written tensor by tensor, never all held
     if cached is None:
         cached = {}
@@ -369,19 +377,17 @@ def _cache_specs(
     return specs
 
 
-def _open_cache(
-    path: Path, want: dict[str, tuple[int, ...]], report: Callable[[str], None] | None
-) -> CacheReader | None:
+def _open_cache(path: Path, want: dict[str, tuple[int, ...]]) -> CacheReader | None:
     """The cache, if the file is whole: every wanted tensor in its shape and the checksum right.
-    Otherwise None (the model is quantized again and the file replaced), said in one line."""
+    Otherwise None (the model is quantized again and the file replaced), said in one line that
+    stays on stderr (a start that takes minutes longer than the last one says why)."""
     if not path.is_file():
         return None
     try:
         return CacheReader(path, want)
     except Exception as err:  # noqa: BLE001 - any damage (truncated, not safetensors) means quantize again
         problem = str(err) if isinstance(err, ValueError) and str(err) else f"it cannot be read ({type(err).__name__})"
-    if report is not None:
-        report(f"the quantized cache {path.name} is damaged ({problem}); quantizing again")
+    warn(f"the quantized cache {path} is damaged ({problem}); quantizing again (once) and replacing it")
     return None
 
 
