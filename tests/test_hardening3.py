@@ -365,3 +365,28 @@ def test_7_every_rebuilt_cache_says_why(tiny, fake_model_cache, capsys):
     (embedded.models_dir() / "fake.gguf").write_bytes(b"short")
     embedded.embedded_gguf("fake")
     assert f"fake.gguf is 5 bytes, not {fake_model_cache.size}; assembling it again" in said()
+
+
+@pytest.mark.parametrize(
+    "flag, value, said",
+    [("-k", "2,2", "-k: 2 given"), ("--delta", "1,1.0", "--delta: 1.0 given"), ("--draft", "suffix,suffix", "suffix")],
+)
+def test_8_a_value_given_twice_runs_once_and_every_row_has_its_own_history(tiny, flag, value, said):
+    import json
+
+    from tests.helpers import invoke
+
+    args = ["bench", "--verifier", tiny["verifier"], "--draft", "suffix", "--device", "cpu", "--dtype", "float32"]
+    args += ["--rules", "cactus", "-k", "2", "--delta", "1", "--limit", "2", "-n", "6", "--json", flag, value]
+    r = invoke(*args)
+    assert r.exit_code == 0, r.output
+    assert said in r.stderr and "given more than once; each runs once" in r.stderr
+    rows = json.loads(r.stdout)["results"]
+    assert [row["config"] for row in rows] == ["verifier alone", "cactus δ=1 k=2"]  # one row, not two
+
+
+def test_8_twin_rows_never_share_a_drafters_memory():
+    from cactus_cli.app.grid import build_grid
+
+    grid = build_grid(["sps", "sps"], [1.0], [2, 2], {}, False, variants=[("torch", "none", False, "suffix", "")])
+    assert [c.label for c in grid] == ["verifier alone", "sps k=2"]

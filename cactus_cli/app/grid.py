@@ -114,7 +114,10 @@ def build_grid(
         grid += [
             BenchConfig("hf-assisted", None, k, quantize=q, compiled=c, draft=d, cross=x) for k in ks if k != "auto"
         ]
-    return grid
+    rows: dict[str, BenchConfig] = {}
+    for c in grid:  # one row per label (the lists were made unique, said then): a row's results and
+        rows.setdefault(c.label, c)  # its drafter's memory are keyed by it, never shared with a twin
+    return list(rows.values())
 
 
 def _grid(
@@ -235,7 +238,7 @@ def run_one(
         seed=base.seed + i + sample * SAMPLE_STRIDE,
         stop=base.stop + tuple(stop),
         memory=cfg.label,
-    )  # (a drafter with memory learns from this row's own answers only)
+    )  # (a drafter with memory learns from this row's own answers only: labels are unique, build_grid)
     s, text = SpecStats(), []
     for ev in engine.generate(ids, params):
         s.update(ev)
@@ -369,6 +372,6 @@ def warm_up(engine: SpeculativeEngine, ids: list[int], base: GenerationParams, k
 
 def parse_drafts(text: str) -> list[str]:
     """bench and eval's --draft list, each value checked (ngram, suffix, models, KIND+MODEL)."""
-    drafts = list(dict.fromkeys(parse_list(text, str, "--draft")))
+    drafts = parse_list(text, str, "--draft")
     check_each("draft", drafts, "--draft")  # (a KIND+ without a model included)
     return drafts

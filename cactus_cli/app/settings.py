@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from cactus_cli.core import defaults
 from cactus_cli.core.acceptance import RULES, resolve_params
-from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.errors import ConfigError, warn
 from cactus_cli.core.fileio import clean_text
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -328,19 +328,33 @@ def parse_k(text: str | int, flag: str) -> int | str:
 
 
 def parse_list(text: str, cast: Callable[[str], Any], flag: str) -> list[Any]:
-    """A comma list (bench and calibrate sweep several values)."""
+    """A comma list (bench and calibrate sweep several values), each value once: a value given
+    twice (``-k 2,2``, ``--delta 1,1.0``) runs once, said in one line. Numbers must be finite."""
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise ConfigError(f"{flag}: give a comma-separated list, e.g. {flag} 1,2")
     try:
-        return [cast(t) for t in items]
+        values = [cast(t) for t in items]
     except ValueError:
         raise ConfigError(f"{flag}: cannot read {text!r} as a comma-separated list of {cast.__name__}s") from None
+    for v in values:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{flag}: each value must be a finite number, got {v!r}")
+    return unique(values, flag)
+
+
+def unique(values: list[Any], flag: str) -> list[Any]:
+    """``values`` without repeats (first kept), a repeat said in one line."""
+    kept = list(dict.fromkeys(values))
+    if len(kept) < len(values):
+        twice = [v for i, v in enumerate(values) if v in values[:i]]
+        warn(f"{flag}: {', '.join(dict.fromkeys(str(v) for v in twice))} given more than once; each runs once")
+    return kept
 
 
 def parse_ks(text: str) -> list[int | str]:
-    """A -k list: integers and ``auto``."""
-    return [parse_k(t, "-k") for t in parse_list(text, str, "-k")]
+    """A -k list: integers and ``auto``, each once."""
+    return unique([parse_k(t, "-k") for t in parse_list(text, str, "-k")], "-k")
 
 
 def flags_to_settings(**flags: Any) -> dict[str, Any]:

@@ -236,7 +236,7 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
 
     crosses = None  # bench and eval take a comma list: each method a variant of the drafts of another vocabulary
     if isinstance(shared.flags.get("cross_vocab"), str):
-        crosses = list(dict.fromkeys(parse_list(shared.flags["cross_vocab"], str, "--cross-vocab")))
+        crosses = parse_list(shared.flags["cross_vocab"], str, "--cross-vocab")
         check_each("cross_vocab", crosses, "--cross-vocab")
         shared = replace(shared, flags={**shared.flags, "cross_vocab": crosses[0]})
     settings = resolve_settings(shared.profile, shared.flags)
@@ -255,9 +255,7 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
         "rules": parse_list(flags.rules, str, "--rules"),
         "compile": parse_list(flags.compiles, str, "--compile") if flags.compiles else [settings.compile],
         "quantize": parse_list(flags.quantizes, str, "--quantize") if flags.quantizes else [settings.quantize],
-        "backend": list(dict.fromkeys(parse_list(flags.backends, str, "--backend")))
-        if flags.backends
-        else [settings.backend],
+        "backend": parse_list(flags.backends, str, "--backend") if flags.backends else [settings.backend],
     }
     check_each("compile", lists["compile"], "--compile")
     check_each("quantize", lists["quantize"], "--quantize")
