@@ -390,3 +390,37 @@ def test_8_twin_rows_never_share_a_drafters_memory():
 
     grid = build_grid(["sps", "sps"], [1.0], [2, 2], {}, False, variants=[("torch", "none", False, "suffix", "")])
     assert [c.label for c in grid] == ["verifier alone", "sps k=2"]
+
+
+@pytest.mark.parametrize("number", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    "command, flag",
+    [
+        ("calibrate", "--max-divergence"),
+        ("calibrate", "--max-quality-drop"),
+        ("calibrate", "--max-accuracy-drop"),
+        ("bench", "--delta"),
+        ("generate", "--param"),
+        ("generate", "--top-p"),
+    ],
+)
+def test_10_a_number_that_is_not_finite_is_refused_in_one_line(tiny, command, flag, number):
+    from tests.helpers import assert_one_line_error, invoke
+
+    value = f"epsilon={'.' + number.lstrip('-') if number != '-inf' else '-.inf'}" if flag == "--param" else number
+    args = [command, *(["hi"] if command == "generate" else []), "--verifier", tiny["verifier"]]
+    args += ["--draft", tiny["draft"], "--device", "cpu"]
+    args += ["--rules", "cactus"] if command == "bench" else ["--rule", "tas" if flag == "--param" else "cactus"]
+    if command == "calibrate" and flag == "--max-accuracy-drop":
+        args += ["--tasks", "humaneval"]
+    r = invoke(*args, flag, value)
+    assert_one_line_error(r, "must be")
+    assert "finite" in r.output or "in 0..100" in r.output or "in (0, 1]" in r.output
+
+
+def test_10_a_profile_or_set_value_that_is_not_finite_is_refused():
+    from cactus_cli.app.settings import check_layer, parse_yaml
+
+    for text in ("delta: .nan\n", "top_p: .inf\n", "rule_params: {epsilon: .nan}\n"):
+        with pytest.raises(ConfigError, match="finite number"):
+            check_layer(parse_yaml(text, "p.yaml"), "p.yaml")

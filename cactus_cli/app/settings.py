@@ -139,6 +139,12 @@ def check_value(key: str, value: Any) -> str | None:
         return f"must be {_type_name(types)}, got {value!r}"
     if value is None:
         return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, got {value!r}"
+    if key == "rule_params":
+        for name, v in value.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                return f"{name} must be a finite number, got {v!r}"
     if key == "delta" and not (math.isfinite(value) and 0 <= value <= MAX_DELTA):
         return f"must be a number in 0..{MAX_DELTA:g}, got {value!r}"
     if key == "num_draft_tokens" and (value != "auto" if isinstance(value, str) else not 1 <= value <= 64):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
@@ -156,8 +157,9 @@ def _settings(shared: o.Shared, max_divergence: float | None, max_quality_drop: 
     if settings.temperature == 0:
         raise ConfigError("calibrate needs sampling: at temperature 0 every rule is greedy and delta has no effect")
     budget = cal_mod.DEFAULT_MAX_DIVERGENCE if max_divergence is None else max_divergence
-    if budget < 0 or (max_quality_drop is not None and max_quality_drop < 0):
-        raise ConfigError("--max-divergence and --max-quality-drop must be >= 0")
+    for flag, value in (("--max-divergence", budget), ("--max-quality-drop", max_quality_drop)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{flag} must be a finite number >= 0, got {value!r}")
     if settings.seed is None:
         settings = replace(settings, seed=0)
     if shared.flags.get("max_tokens", ...) is ...:
