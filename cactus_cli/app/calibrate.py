@@ -264,14 +264,17 @@ def _choose_k(
             "mean_k": auto.stats.mean_k,
         }
     )
+    # the choice and the advice come from the rows the table prints (measured tok/s), never from
+    # the cost model's prediction alone: the two must not contradict each other
     cal.chosen_k = max(measured, key=lambda k: measured[k].stats.tokens_per_second or 0.0)
     best = measured[cal.chosen_k].stats.tokens_per_second or 0.0
     plain_tps = cal.plain_tokens_per_second or 0.0
-    if plain_tps >= best or max([0] + list(ks), key=lambda k: measured_speedup(costs, a, k)) == 0:
+    if plain_tps >= best:
+        fastest = f"k = {cal.chosen_k}"
         cal.chosen_k = "auto"  # drafts only when it pays: on this machine, mostly plain decoding
         cal.advice = (
             f"speculation with this draft does not pay on this machine: the verifier alone ran "
-            f"{plain_tps:.2f} tok/s, the best speculative setting {best:.2f} tok/s "
+            f"{plain_tps:.2f} tok/s, the best speculative setting ({fastest}) {best:.2f} tok/s "
             f"(a draft token costs {cal.cost_ratio or 0:.2f} of a 1-token verify, a {max(ks) + 1}-token "
             f"verify {cal.verify_cost_by_width.get(str(max(ks) + 1), 0):.2f}x one); k = auto is chosen, "
             "which falls back to plain decoding (k = 0) and drafts again when it pays. --draft none "
