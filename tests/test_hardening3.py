@@ -453,3 +453,30 @@ def test_11_calibrate_advice_follows_the_rows_it_prints(plain, fast):
         assert c.chosen_k == 2 and c.advice == ""
     else:
         assert c.chosen_k == "auto" and f"{plain:.2f} tok/s" in c.advice and f"{fast:.2f} tok/s" in c.advice
+
+
+def test_13_prompt_files_split_on_newlines_only_keep_ids_and_read_fifos(tmp_path):
+    import json
+    import threading
+
+    from cactus_cli.app.prompts import load_prompts
+    from cactus_cli.app.tasks import load_tasks
+
+    f = tmp_path / "p.jsonl"
+    rows = [{"prompt": "a\u2028b\u2029c\x85d", "id": 7}, {"prompt": "two", "id": "x"}, {"prompt": "three"}]
+    f.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows), encoding="utf-8")
+    got = load_prompts(str(f), None)
+    assert [p.id for p in got] == [7, "x", "p3"] and got[0].prompt == rows[0]["prompt"]
+    for bad in (1.5, True, [1], None):
+        f.write_text(json.dumps({"prompt": "p", "id": bad}) + "\n")
+        with pytest.raises(ConfigError, match=rf"{f}:1: 'id' must be a string or an integer"):
+            load_prompts(str(f), None)
+    f.write_text(json.dumps({"prompt": "p", "answer": "1", "id": [2]}) + "\n")
+    with pytest.raises(ConfigError, match="'id' must be"):
+        load_tasks(str(f), None)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text('{"prompt": "from a pipe"}\n'))
+    writer.start()
+    assert [p.prompt for p in load_prompts(str(fifo), None)] == ["from a pipe"]
+    writer.join(10)

@@ -69,7 +69,7 @@ class Checkpoint:
                     )
                     for g in row["generated"]
                 ]
-            except (json.JSONDecodeError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 if n == len(lines):  # a line cut short by a kill: that problem is simply done again
                     self._truncate(lines[: n - 1])
                     break

@@ -14,7 +14,7 @@ from cactus_cli.core.fileio import read_utf8_file
 
 @dataclass(frozen=True)
 class Prompt:
-    id: str
+    id: str | int  # as the file gives it
     category: str
     prompt: str
     where: str = ""  # "FILE:LINE" for prompts read from a file, for error messages
@@ -157,7 +157,7 @@ def load_prompts(path: str | None, limit: int | None, categories: list[str] | No
         prompts = interleaved(BUILTIN_PROMPTS)
     else:
         prompts = [
-            Prompt(str(row.get("id", f"p{n}")), str(row.get("category", "default")), row["prompt"], where)
+            Prompt(row_id(row, f"p{n}", where), str(row.get("category", "default")), row["prompt"], where)
             for n, row, where in read_jsonl(path, "--prompts", "prompts")
         ]
     return select(prompts, categories, limit)
@@ -168,17 +168,32 @@ def check_limit(limit: int | None) -> None:
         raise ConfigError(f"--limit must be >= 1, got {limit}")
 
 
+def row_id(row: dict, default: str, where: str) -> str | int:
+    """A row's 'id' as given (a string or an integer: results name it the same way), else ``default``."""
+    ident = row.get("id", default)
+    if isinstance(ident, bool) or not isinstance(ident, (str, int)):
+        raise ConfigError(f"{where}: 'id' must be a string or an integer, got {ident!r}")
+    return ident
+
+
 def read_jsonl(path: str, flag: str, what: str) -> list[tuple[int, dict, str]]:
     """The rows of a JSONL file of objects with a non-empty string 'prompt', as (line number,
-    row, "FILE:LINE"); anything else is an error naming the file and line."""
+    row, "FILE:LINE"); anything else is an error naming the file and line. Lines end at "\n"
+    only (U+2028 and its kind are text inside a JSON string); a FIFO (``--prompts <(gen)``) is
+    read like a file. A line nested deeper than Python's JSON reader goes (about 1,000 levels)
+    is an error."""
 
     file = Path(path).expanduser()
     if file.is_dir():
         raise ConfigError(f"{flag} {path}: is a directory; give a JSONL file")
-    if not file.is_file():
+    if not file.exists():
         raise ConfigError(f"{flag} {path}: no such file")
+    try:
+        text = read_utf8_file(file, f"the {what} file")
+    except OSError as err:
+        raise ConfigError(f"{flag} {path}: cannot read it ({err.strerror or err})") from None
     rows = []
-    for n, line in enumerate(read_utf8_file(file, f"the {what} file").splitlines(), start=1):
+    for n, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import regex
 
-from cactus_cli.app.prompts import Prompt, check_limit, interleaved, read_jsonl, select
+from cactus_cli.app.prompts import Prompt, check_limit, interleaved, read_jsonl, row_id, select
 from cactus_cli.app.sandbox import run_checks
 from cactus_cli.core.errors import ConfigError
 
@@ -274,7 +274,7 @@ def load_tasks(path: str | None, limit: int | None, categories: list[str] | None
 
 
 def _task(n: int, row: dict, where: str) -> Task:
-    ident, category = str(row.get("id", f"t{n}")), str(row.get("category", "default"))
+    ident, category = row_id(row, f"t{n}", where), str(row.get("category", "default"))
     if "test" in row or "entry_point" in row:
         if "answer" in row:
             raise ConfigError(

@@ -36,7 +36,8 @@ def bench(
     prompts_file: Annotated[
         Optional[Path],
         typer.Option(
-            "--prompts", help="JSONL file with 'prompt' and optional 'id', 'category' (default: the built-in set)."
+            "--prompts",
+            help="JSONL file (or a pipe), one object per line, with 'prompt' and optional 'id' (a string or an integer) and 'category' (default: the built-in set). A line nested deeper than about 1,000 levels is refused.",
         ),
     ] = None,
     limit: Annotated[

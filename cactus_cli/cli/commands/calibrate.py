@@ -59,7 +59,11 @@ def calibrate(
         ),
     ] = None,
     prompts_file: Annotated[
-        Optional[Path], typer.Option("--prompts", help="JSONL prompts (default: the built-in set).")
+        Optional[Path],
+        typer.Option(
+            "--prompts",
+            help="JSONL prompts, as for bench (default: the built-in set; a line nested deeper than about 1,000 levels is refused).",
+        ),
     ] = None,
     tasks_file: Annotated[
         Optional[Path],

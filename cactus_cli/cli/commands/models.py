@@ -103,7 +103,10 @@ def quality_cmd(
     device: Annotated[Optional[str], typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = None,
     prompts_file: Annotated[
         Optional[str],
-        typer.Option("--prompts", help="JSONL file whose 'prompt' texts are scored (default: the built-in prompts)."),
+        typer.Option(
+            "--prompts",
+            help="JSONL file whose 'prompt' texts are scored (default: the built-in prompts; a line nested deeper than about 1,000 levels is refused).",
+        ),
     ] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Score only the first N texts.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of the table.")] = False,
