@@ -480,3 +480,40 @@ def test_13_prompt_files_split_on_newlines_only_keep_ids_and_read_fifos(tmp_path
     writer.start()
     assert [p.prompt for p in load_prompts(str(fifo), None)] == ["from a pipe"]
     writer.join(10)
+
+
+def test_16_chat_keeps_no_typed_history_unless_asked_and_then_only_for_the_user(tmp_path, monkeypatch, isolated_home):
+    import builtins
+
+    from cactus_cli.app.chat import read_turns
+
+    def typed(lines):
+        feed = iter(lines)
+
+        def fake_input(prompt=""):
+            try:
+                return next(feed)
+            except StopIteration:
+                raise EOFError from None
+
+        monkeypatch.setattr(builtins, "input", fake_input)
+
+    typed(["my password is hunter2"])
+    assert list(read_turns(True)) == ["my password is hunter2"]
+    assert not isolated_home.exists() or not any(p.is_file() for p in isolated_home.rglob("*"))  # nothing on disk
+    asked = tmp_path / "chat.history"
+    typed(["keep this"])
+    assert list(read_turns(True, history_file=asked)) == ["keep this"]
+    assert asked.is_file() and stat.S_IMODE(asked.stat().st_mode) == 0o600
+
+
+def test_16_the_chat_command_passes_no_history_file_by_default(tiny, monkeypatch):
+    from cactus_cli.app import chat
+    from tests.helpers import invoke
+
+    seen = []
+    real = chat.read_turns
+    monkeypatch.setattr(chat, "read_turns", lambda *a, **kw: (seen.append(kw.get("history_file")), real(*a, **kw))[1])
+    args = ["chat", "--verifier", tiny["verifier"], "--draft", "none", "--device", "cpu", "-n", "2"]
+    assert invoke(*args, input="hi\n").exit_code == 0
+    assert seen == [None]

@@ -4,6 +4,7 @@ turns (only the new turn is encoded), slash commands, Ctrl-C handling, scripted 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -321,7 +322,8 @@ def read_turns(interactive: bool, prompt: str = "you> ", history_file: Path | No
             try:
                 import readline
 
-                history_file.parent.mkdir(parents=True, exist_ok=True)
+                os.close(os.open(history_file, os.O_WRONLY | os.O_CREAT, 0o600))  # never readable by others
                 readline.write_history_file(history_file)
-            except (ImportError, OSError):
-                pass
+                os.chmod(history_file, 0o600)  # (an older file, made with another mode)
+            except (ImportError, OSError) as err:
+                print(f"warning: --history {history_file}: could not save ({err})", file=sys.stderr)

@@ -50,6 +50,7 @@ class Settings:
     ngram_max: int = defaults.NGRAM_MAX  # prompt lookup (draft: ngram or ngram+MODEL): the longest n-gram matched ...
     ngram_min: int = defaults.NGRAM_MIN  # ... and the shortest
     remember: str | None = None  # draft: suffix or suffix+MODEL: a file the history tree is loaded from and saved to
+    history: str | None = None  # chat: a file keeping the lines typed at its prompt (mode 0600); none by default
     temperature: float = defaults.TEMPERATURE
     top_k: int = defaults.TOP_K
     top_p: float = defaults.TOP_P
@@ -157,7 +158,7 @@ def check_value(key: str, value: Any) -> str | None:
         for kind in LOOKUPS:
             if value.startswith(kind + "+") and not value[len(kind) + 1 :].strip():
                 return f"{kind}+MODEL needs a model after the +, e.g. {kind}+embedded:qwen2.5-coder-0.5b"
-    if key == "remember" and not value.strip():
+    if key in ("remember", "history") and not value.strip():
         return "must be a file path"
     if key == "temperature" and not (math.isfinite(value) and (value == 0 or MIN_TEMPERATURE <= value <= 1e4)):
         return f"must be 0 (greedy) or a number in {MIN_TEMPERATURE:g}..1e4, got {value!r}"

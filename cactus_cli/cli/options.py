@@ -51,6 +51,14 @@ Remember = Annotated[
         rich_help_panel=MODEL,
     ),
 ]
+History = Annotated[
+    Optional[str],
+    typer.Option(
+        "--history",
+        help="Keep the lines typed at chat's prompt (line editing's up-arrow history) in this file, mode 0600, across sessions. Off by default: what you type (keys, passwords) is never written to disk unless you ask.",
+        rich_help_panel=MODEL,
+    ),
+]
 CrossVocabOpt = Annotated[
     Optional[str],
     typer.Option(
@@ -221,6 +229,7 @@ SHARED: dict[str, tuple[Any, str | None]] = {
     "system": (System, "system"),
     "no_color": (NoColor, None),
     "remember": (Remember, "remember"),
+    "history": (History, "history"),
 }
 MODEL_AND_SAMPLING = (
     "profile",

@@ -10,10 +10,10 @@ from cactus_cli.cli import options as o
 from cactus_cli.cli import ui
 from cactus_cli.cli.edge import user_errors
 from cactus_cli.core.errors import ConfigError
-from cactus_cli.core.paths import cache_dir
+from cactus_cli.core.fileio import check_output_file
 
 
-@o.shared_options(*o.GENERATION)
+@o.shared_options(*o.GENERATION, "history")
 def chat(*, shared: o.Shared) -> None:
     """Chat with speculative decoding. Each reply grows live like `generate`; only the new turn
     is encoded (both KV caches carry over). Type /help for commands. Ctrl-C stops a reply and
@@ -35,9 +35,14 @@ def chat(*, shared: o.Shared) -> None:
         from cactus_cli.app.session import Session
 
         settings = with_seed(settings)
+        history = check_output_file(settings.history, "--history") if settings.history else None
         if sys.stdin is None or sys.stdin.closed:
             raise ConfigError("chat: stdin is closed; run it on a terminal or pipe the turns in")
         interactive = sys.stdin.isatty()
+        if history is not None and not interactive:
+            ui.make_console(stderr=True).print(
+                f"--history {history}: stdin is not a terminal, so no typed lines are kept", style="yellow"
+            )
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         out = ui.ChatOutput(ui.make_console(no_color=shared.no_color), err, live=interactive)
 
@@ -52,7 +57,7 @@ def chat(*, shared: o.Shared) -> None:
         if interactive:
             out.info("cactus chat · /help for commands · Ctrl-D to leave")
         try:
-            session.run(read_turns(interactive, history_file=cache_dir() / "chat_history"))
+            session.run(read_turns(interactive, history_file=history))
         except KeyboardInterrupt:  # Ctrl-C at the prompt: leave cleanly
             out.info("")
 
