@@ -464,7 +464,7 @@ def test_13_prompt_files_split_on_newlines_only_keep_ids_and_read_fifos(tmp_path
 
     f = tmp_path / "p.jsonl"
     rows = [{"prompt": "a\u2028b\u2029c\x85d", "id": 7}, {"prompt": "two", "id": "x"}, {"prompt": "three"}]
-    f.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows), encoding="utf-8")
+    f.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows), encoding="utf-8-sig")  # (a BOM)
     got = load_prompts(str(f), None)
     assert [p.id for p in got] == [7, "x", "p3"] and got[0].prompt == rows[0]["prompt"]
     for bad in (1.5, True, [1], None):

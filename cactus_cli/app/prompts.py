@@ -189,7 +189,7 @@ def read_jsonl(path: str, flag: str, what: str) -> list[tuple[int, dict, str]]:
     if not file.exists():
         raise ConfigError(f"{flag} {path}: no such file")
     try:
-        text = read_utf8_file(file, f"the {what} file")
+        text = read_utf8_file(file, f"the {what} file").removeprefix("\ufeff")  # (a byte-order mark some editors write)
     except OSError as err:
         raise ConfigError(f"{flag} {path}: cannot read it ({err.strerror or err})") from None
     rows = []
