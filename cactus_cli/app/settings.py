@@ -131,6 +131,15 @@ _CHOICES = {
 }
 
 
+_INT_RANGES = {
+    "max_draft_tokens": (1, 64),
+    "ngram_max": (1, 16),
+    "ngram_min": (1, 16),
+    "tp": (1, 64),
+    "threads": (1, 1024),
+}
+
+
 def check_value(key: str, value: Any) -> str | None:
     """Why ``value`` is not valid for ``key``, or None. Types first, then ranges."""
     types = _TYPES[key]
@@ -142,18 +151,12 @@ def check_value(key: str, value: Any) -> str | None:
         return None
     if isinstance(value, float) and not math.isfinite(value):
         return f"must be a finite number, got {value!r}"
-    if key == "rule_params":
-        for name, v in value.items():
-            if isinstance(v, float) and not math.isfinite(v):
-                return f"{name} must be a finite number, got {v!r}"
+    if key in _INT_RANGES and not _INT_RANGES[key][0] <= value <= _INT_RANGES[key][1]:
+        return f"must be an integer in {_INT_RANGES[key][0]}..{_INT_RANGES[key][1]}, got {value!r}"
     if key == "delta" and not (math.isfinite(value) and 0 <= value <= MAX_DELTA):
         return f"must be a number in 0..{MAX_DELTA:g}, got {value!r}"
     if key == "num_draft_tokens" and (value != "auto" if isinstance(value, str) else not 1 <= value <= 64):
         return f"must be an integer in 1..64 or auto, got {value!r}"
-    if key == "max_draft_tokens" and not 1 <= value <= 64:
-        return f"must be an integer in 1..64, got {value!r}"
-    if key in ("ngram_max", "ngram_min") and not 1 <= value <= 16:
-        return f"must be an integer in 1..16, got {value!r}"
     if key == "draft":
         for kind in LOOKUPS:
             if value.startswith(kind + "+") and not value[len(kind) + 1 :].strip():
@@ -177,14 +180,13 @@ def check_value(key: str, value: Any) -> str | None:
             key in ("compile", "cross_vocab", "quantize", "backend") and "," in value
         )  # (bench and eval take lists)
         return f"must be one of {', '.join(_CHOICES[key])}, got {value!r}{_LISTS if listed else ''}"
-    if key == "tp" and not 1 <= value <= 64:
-        return f"must be an integer in 1..64, got {value!r}"
-    if key == "threads" and not 1 <= value <= 1024:
-        return f"must be an integer in 1..1024, got {value!r}"
     if key == "rule_params":
         unknown = sorted(set(value) - set(RULE_PARAM_KEYS))
         if unknown:
             return f"has unknown parameter {unknown[0]!r} (known: {', '.join(RULE_PARAM_KEYS)})"
+        bad = next((n for n, v in value.items() if isinstance(v, float) and not math.isfinite(v)), None)
+        if bad is not None:
+            return f"{bad} must be a finite number, got {value[bad]!r}"
     if key == "stop" and not all(isinstance(s, str) and s for s in value):
         return "must be a list of non-empty strings"
     return None
