@@ -34,6 +34,8 @@ FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL"
 
 
 def requantize(src: Path, name: str) -> Path:
+    """``name`` a type (llama.cpp's mix: the output and some tensors in a larger type) or
+    ``TYPE-pure`` (every tensor in TYPE, so every matmul takes that type's kernels)."""
     if name == "Q4_K_M":
         return src
     out = src.with_name(f"{src.stem}-{name}.gguf")
@@ -41,7 +43,8 @@ def requantize(src: Path, name: str) -> Path:
         return out
     ll = gguf.bindings()
     params = ll.llama_model_quantize_default_params()
-    params.ftype = FTYPES[name]
+    params.ftype = FTYPES[name.removesuffix("-pure")]
+    params.pure = name.endswith("-pure")
     params.allow_requantize = True
     params.nthread = gguf.default_threads()
     tmp = out.with_suffix(".tmp")
@@ -106,7 +109,9 @@ def main() -> None:
         )
         if texts is None:
             texts = [
-                ids for ids in (list(pair.tokenizer(p.prompt)["input_ids"]) for p in load_prompts(None)) if len(ids) > 1
+                ids
+                for ids in (list(pair.tokenizer(p.prompt)["input_ids"]) for p in load_prompts(None, None))
+                if len(ids) > 1
             ]
         runner = LlamaCppRunner(pair.verifier, pair.vocab_size, pair.verifier.context_length)
         cost = curve(runner, a.max_width)

@@ -101,6 +101,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return f"{len(vocab)} tokens, sha256 {digest}"
 
 
+CHAT_CONTEXT = 4096  # tokens a chat's llama.cpp context holds from the start
 PROMPT_ALLOWANCE = 512  # tokens of prompt a compiled engine is sized for before it sees the prompt (chat)
 
 
@@ -116,9 +117,12 @@ def prepare(
     when -k auto will run (``k_values`` lists the k a command will use) on a pair never timed on
     this machine, seed the cost model with a short probe. ``whole_context`` (chat): on CUDA the
     static caches are sized once for the whole context window (bounded by free memory), since
-    growing one later re-records every graph of both models."""
+    growing one later re-records every graph of both models; on llama.cpp the context starts at
+    CHAT_CONTEXT tokens (growing one replays the conversation)."""
     if whole_context and engine.compiled and engine.pair.verifier.device.type == "cuda":
         prompt_tokens = engine.context_length - settings.max_tokens
+    elif whole_context and engine.pair.verifier.backend == "llama.cpp":
+        prompt_tokens = max(prompt_tokens, CHAT_CONTEXT - settings.max_tokens)
     ks = k_values if k_values is not None else [settings.num_draft_tokens]
     report = reporter.task if reporter is not None else None
     widths = {w for k in ks for w in engine.step_widths(settings.max_draft_tokens if k == "auto" else int(k))}

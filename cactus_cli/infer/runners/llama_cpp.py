@@ -20,9 +20,9 @@ from cactus_cli.infer.gguf import GGUFModel, bindings, last_log
 from cactus_cli.infer.runners.base import prefill
 from cactus_cli.infer.sources import LoadedModel
 
-FIRST_CONTEXT = 4096  # tokens of KV cache made at first; grown to what a request needs
+FIRST_CONTEXT = 512  # tokens of KV cache made at least, when no reserve() said more; grown to what a request needs
 MAX_BATCH = 512  # tokens per llama_decode call (a longer prefill is split)
-MAX_OUTPUTS = 65  # logits rows a call may ask for at first (k_max + 1); grown when asked for more
+MAX_OUTPUTS = 17  # logits rows a call may ask for at least (the default k_max + 1); grown when asked for more
 
 
 class LlamaCppRunner:
@@ -40,7 +40,9 @@ class LlamaCppRunner:
         self.ctx = None
         self.n_ctx = self.n_outputs = 0
         self._ids: list[int] = []  # what the cache holds (replayed into a larger context)
-        self._make_context(min(FIRST_CONTEXT, self.limit), MAX_OUTPUTS)
+        # (the context is made at the first reserve() or forward(), the size the request needs: its
+        # KV cache and logits rows are the process's memory, and a 4096-token context for a
+        # 300-token request was a tenth of the run's peak)
 
     # ------------------------------------------------------------------ the context
 
@@ -87,7 +89,9 @@ class LlamaCppRunner:
                 f"{tokens} tokens do not fit the model's context window of {self.limit}; "
                 "shorten the prompt or --max-tokens"
             )
-        if tokens > self.n_ctx or outputs > self.n_outputs:
+        if self.ctx is None:
+            self._make_context(min(self.limit, max(tokens, FIRST_CONTEXT)), max(outputs, MAX_OUTPUTS))
+        elif tokens > self.n_ctx or outputs > self.n_outputs:
             grown = min(self.limit, max(tokens, 2 * self.n_ctx if tokens > self.n_ctx else self.n_ctx))
             self._make_context(grown, max(outputs, self.n_outputs))
 
@@ -148,7 +152,7 @@ class LlamaCppRunner:
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` cached tokens."""
-        if length >= len(self._ids):
+        if length >= len(self._ids) or self.ctx is None:
             return
         if not bindings().llama_memory_seq_rm(self.memory, 0, length, -1):
             self.reset()  # (a cache that cannot go back: callers feed again from 0)
@@ -156,7 +160,8 @@ class LlamaCppRunner:
         del self._ids[length:]
 
     def reset(self) -> None:
-        bindings().llama_memory_clear(self.memory, True)
+        if self.ctx is not None:
+            bindings().llama_memory_clear(self.memory, True)
         self._ids = []
 
     def prefill(self, prompt: list[int], previous: list[int], reuse: bool) -> int:
