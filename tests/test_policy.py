@@ -425,3 +425,23 @@ def test_a_corrupt_dtype_cache_is_measured_again(monkeypatch, seconds):
     dtype, why = models.fastest_cpu_dtype(64, 128)  # ZeroDivisionError / "-0.20x faster" before
     assert "(cached)" not in why and "nan" not in why and "-" not in why.split("x faster")[0]
     assert all(v > 0 for v in json.loads(path.read_text())["seconds"].values())
+
+
+def test_a_credible_drop_where_kernels_change_is_kept_noise_is_pooled():
+    # llama.cpp's Q4_K_M on one core, ms by width (benchmarks/gguf_types.py): 16 rows cost less than 12
+    measured = {1: 39, 4: 151, 8: 275, 12: 333, 16: 300, 17: 430}
+    cm = CostModel()
+    for _ in range(3):
+        for w, ms in measured.items():
+            cm.add_verify(w, ms / 1000)
+    assert cm.t_v(16) == pytest.approx(0.300) and cm.t_v(12) == pytest.approx(0.333)  # both as measured
+    assert best_k(cm, 0.95, 16, source="suffix") == 15  # and -k auto may use the cheap width (a free draft)
+    once = CostModel()  # the same curve timed once per width: not enough to believe a drop
+    for w, ms in measured.items():
+        once.add_verify(w, ms / 1000)
+    assert once.t_v(12) == once.t_v(16) == pytest.approx(0.3165)
+    small = CostModel()  # a 5% dip timed often is noise too
+    for _ in range(5):
+        small.add_verify(2, 0.100)
+        small.add_verify(3, 0.095)
+    assert small.t_v(2) == small.t_v(3)

@@ -76,7 +76,10 @@ class CostModel:
     def t_v(self, width: int) -> float:
         """Seconds of a verifier forward over ``width`` tokens: the measured cost of each width,
         made non-decreasing in width (isotonic, weighted by how many timings each has: noise
-        such as t_v(2) < t_v(1) is pooled away, not believed), linear between measured widths,
+        such as t_v(2) < t_v(1) is pooled away, not believed) except where a wider step is
+        credibly cheaper (more than DROP cheaper, each side timed at least DROP_TIMINGS times:
+        where the kernels change, e.g. llama.cpp's 16-token verify measured 10% under its
+        12-token one, and Q4_0's 4-token one 17% under its 3-token one), linear between measured widths,
         and past the widest one extended with the slope of a line fitted to them all. Measured
         values are used as they are because cost is not linear in width everywhere: on an AVX2
         CPU a 9-token verify costs far more than 9/5 of a 5-token one, and a line through all
@@ -107,7 +110,7 @@ class CostModel:
         blocks: list[list[float]] = []
         for w, t, c in pts:
             blocks.append([t, c, 1])
-            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0] and not _credible_drop(blocks[-2], blocks[-1]):
                 t2, c2, n2 = blocks.pop()
                 t1, c1, n1 = blocks[-1]
                 blocks[-1] = [(t1 * c1 + t2 * c2) / (c1 + c2), c1 + c2, n1 + n2]
@@ -151,6 +154,15 @@ class CostModel:
                 else:
                     dropped += 1
         return cm, dropped
+
+
+DROP = 0.07  # a wider verify this much cheaper than a narrower one is believed (a kernel change) ...
+DROP_TIMINGS = 3  # ... when both are timed at least this often (the probe times each width this often)
+
+
+def _credible_drop(before: list[float], after: list[float]) -> bool:
+    """Blocks (cost, timings, widths): ``after`` is cheaper than ``before`` by more than noise."""
+    return min(before[1], after[1]) >= DROP_TIMINGS and after[0] < (1 - DROP) * before[0]
 
 
 def slope(pts: list[tuple[int, float, int]]) -> float:
@@ -388,7 +400,7 @@ def probe(
     draft_forward: Callable[[], None] | None,
     widths: list[int],
     sync: Callable[[], None],
-    repeats: int = 2,
+    repeats: int = DROP_TIMINGS,
 ) -> None:
     """Seed the cost model: time verifier forwards at ``widths`` and one-token draft forwards,
     after one untimed warm-up of each. The callables run a forward and restore the caches."""
