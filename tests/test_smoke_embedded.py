@@ -101,7 +101,7 @@ NEAR_TIE = 1.0  # logits: how far a one-row step and a verify block moved a posi
     "prompt",
     ["Write a Python function that checks whether a number is prime.", "Explain what a hash table is."],
 )
-def test_greedy_speculation_on_the_embedded_pair_equals_plain_greedy_or_parts_at_a_near_tie(prompt, isolated_home):
+def test_greedy_speculation_on_the_embedded_pair_equals_plain_greedy_or_parts_at_a_near_tie(prompt, monkeypatch):
     """64 greedy tokens with the 0.5B draft at k = 4 against the verifier alone, on llama.cpp. Where
     the two part, ggml's batched kernels rounded a near-tie differently (Q4_K quantizes activations
     per 256 values; a verify block and a one-row step differ by up to ~0.7 in a logit): at the first
@@ -110,6 +110,7 @@ def test_greedy_speculation_on_the_embedded_pair_equals_plain_greedy_or_parts_at
         pytest.skip('embedded pair not installed (pip install -e ".[demo]")')
     from cactus_cli.api import Session
 
+    monkeypatch.delenv("CACTUS_HOME")  # the user's cache, as the test above: the pair is assembled once
     spec = Session.load("default", draft="embedded:qwen2.5-coder-0.5b", num_draft_tokens=4, temperature=0.0)
     ids = spec.encode(prompt)
     out = {}
