@@ -22,7 +22,7 @@ FILE = "progress.jsonl"
 
 def run_key(settings: dict[str, Any], labels: list[str], samples: int, problems: list[str]) -> str:
     """What must match for earlier results to count as this run's."""
-    keep = {k: v for k, v in settings.items() if k not in ("description", "remember")}
+    keep = {k: v for k, v in settings.items() if k not in ("description", "remember", "history")}  # (not results)
     doc = json.dumps(
         {"settings": keep, "grid": labels, "samples": samples, "problems": problems}, sort_keys=True, default=str
     )

@@ -236,7 +236,7 @@ class History:
         if self.path is None:
             return
         try:
-            with _locked(self.path.parent):
+            with _locked((self.path.resolve() if self.path.is_symlink() else self.path).parent):
                 ours = {d: self.tree.docs[d].tolist() for d in self.order}
                 docs = self._others() + list(ours.values())  # theirs first (older), ours most recent
                 docs = _within(docs, self.budget)
