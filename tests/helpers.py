@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +20,13 @@ from cactus_cli.infer import costs as policy
 from cactus_cli.infer.quant import quantize
 
 runner = CliRunner()
+
+
+def ctrl_c_as_in_a_terminal() -> None:
+    """preexec_fn for a child that is sent SIGINT: a suite started in the background (`pytest &`,
+    nohup, a script) hands its children SIGINT ignored, and Python then never raises
+    KeyboardInterrupt, so a Ctrl-C test would hang or (worse) pass without testing Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def invoke(*args, **kwargs):

@@ -10,6 +10,7 @@ import pytest
 
 from cactus_cli.core import fileio
 from cactus_cli.core.errors import ConfigError
+from tests.helpers import ctrl_c_as_in_a_terminal
 from tests.test_embedded import fake_model  # noqa: F401 (a fixture: fake embedded parts)
 
 
@@ -572,6 +573,7 @@ def test_17_ctrl_c_at_random_points_leaves_nothing_but_finished_caches(tiny, tmp
             stderr=subprocess.PIPE,
             env=env,
             text=True,
+            preexec_fn=ctrl_c_as_in_a_terminal,
         )
         if command[0] == "chat":
             proc.stdin.write("the cat sat on the mat\n" * 20)

@@ -20,7 +20,7 @@ import torch
 
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.infer.tp.group import check_tp
-from tests.helpers import cactus_run, decoding, listening_addresses, tiny_args, wait_for
+from tests.helpers import cactus_run, ctrl_c_as_in_a_terminal, decoding, listening_addresses, tiny_args, wait_for
 
 
 def cactus(tiny, *args, **kwargs) -> subprocess.CompletedProcess:
@@ -127,7 +127,12 @@ def _start_long_run(tiny):
         "400",
     ]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1")
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        preexec_fn=ctrl_c_as_in_a_terminal,
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # until the follower is up and the run is decoding
