@@ -26,9 +26,7 @@ def atomic_write(path: str | Path, text: str, mode: int | None = None) -> Path:
     is replaced, the link stays); a character device or FIFO (``/dev/stdout``, a pipe) is written in
     place, as no rename can replace one; a read-only file is refused (PermissionError), never
     replaced. The parent folder must exist: callers create it only where the user asked for it."""
-    path = Path(path).expanduser()
-    if path.is_symlink():
-        path = path.resolve()
+    path = write_target(path)
     if _is_stream(path):
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
@@ -51,6 +49,12 @@ def atomic_write(path: str | Path, text: str, mode: int | None = None) -> Path:
     return path
 
 
+def write_target(path: str | Path) -> Path:
+    """The file a write to ``path`` lands on: a symlink's target (the link stays), else the path."""
+    path = Path(path).expanduser()
+    return path.resolve() if path.is_symlink() else path
+
+
 def _read_only(path: Path) -> bool:
     """A regular file with no write bit: the user protected it (root included, whom the kernel
     would let write anyway)."""
@@ -70,7 +74,7 @@ def check_output_file(path: str | Path, flag: str) -> Path:
     """Fail now, before a long run, if ``path`` cannot be written: a directory, a missing or
     read-only folder, a pseudo-file system. Tries a temp file in the folder, then removes it."""
     path = Path(path).expanduser()
-    target = path.resolve() if path.is_symlink() else path
+    target = write_target(path)
     if target.is_dir():
         raise ConfigError(f"{flag} {path}: is a directory; give a file path")
     if _is_stream(target):

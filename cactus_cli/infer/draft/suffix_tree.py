@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from cactus_cli.core.fileio import atomic_write
+from cactus_cli.core.fileio import atomic_write, write_target
 
 MAX_MATCH = 16  # longest context matched (the tree's depth above the drafted path)
 EVIDENCE = 1.0  # the weight of "something not seen yet" after one matched token (follow)
@@ -236,7 +236,7 @@ class History:
         if self.path is None:
             return
         try:
-            with _locked((self.path.resolve() if self.path.is_symlink() else self.path).parent):
+            with _locked(write_target(self.path).parent):  # the folder atomic_write replaces the file in
                 ours = {d: self.tree.docs[d].tolist() for d in self.order}
                 docs = self._others() + list(ours.values())  # theirs first (older), ours most recent
                 docs = _within(docs, self.budget)
