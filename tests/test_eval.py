@@ -27,6 +27,7 @@ from cactus_cli.app.tasks import (
 )
 from cactus_cli.cli.main import app
 from cactus_cli.core.errors import ConfigError
+from tests.helpers import ctrl_c_as_in_a_terminal
 
 cli = CliRunner()
 
@@ -238,14 +239,17 @@ def test_a_backtracking_pattern_gives_up_and_ctrl_c_still_works():
     t0 = time.monotonic()
     assert tasks.extract_answer("x" * 40, r"((x|xx)+)+y(\d)") == tasks.PATTERN_TIMED_OUT
     assert time.monotonic() - t0 < tasks.PATTERN_SECONDS + 3
-    # Ctrl-C as in a terminal: a suite started in the background (`pytest &`, nohup) hands its
-    # children SIGINT ignored, and Python then never raises KeyboardInterrupt (what made this flaky)
     code = (
-        "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from cactus_cli.app.tasks import extract_answer\nimport sys\nprint('ready', flush=True)\n"
         "while True: extract_answer('x' * 40, r'((x|xx)+)+y(\\d)')"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=ctrl_c_as_in_a_terminal,  # (a suite started in the background made this flaky)
+    )
     assert proc.stdout.readline().strip() == "ready"
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
