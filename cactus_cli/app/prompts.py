@@ -1,11 +1,14 @@
-"""The built-in benchmark prompts, written for this project: code, maths word problems,
-instruction following, open-ended writing and input-grounded tasks (in the spirit of HumanEval / GSM8K / IFEval /
-MT-Bench categories, original text). Also the loader for --prompts FILE (JSONL)."""
+"""The built-in benchmark prompts: code, maths word problems, instruction following, open-ended
+writing and input-grounded tasks written for this project (in the spirit of HumanEval / GSM8K /
+IFEval / MT-Bench categories, original text), and ``edit``: 32 real functions of 20-80 lines from
+CPython's standard library, each with an instruction whose answer reproduces most of it (made by
+benchmarks/make_edit_prompts.py; PSF License, NOTICE). Also the loader for --prompts FILE (JSONL)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from cactus_cli.core.errors import ConfigError
@@ -133,6 +136,21 @@ _BUILTIN = {
 BUILTIN_PROMPTS: list[Prompt] = [
     Prompt(f"{cat}-{i + 1}", cat, text) for cat, texts in _BUILTIN.items() for i, text in enumerate(texts)
 ]
+EDIT_FILE = Path(__file__).parent / "data" / "edit.jsonl"
+ON_REQUEST = ("edit",)  # categories used only when --category names them (their prompts are 300-900 tokens)
+
+
+@cache
+def edit_prompts() -> tuple[Prompt, ...]:
+    """The ``edit`` category: a standard-library function and an instruction to change it."""
+    rows = [json.loads(line) for line in EDIT_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return tuple(Prompt(r["id"], r["category"], r["prompt"]) for r in rows)
+
+
+def builtin_prompts(categories: list[str] | None) -> list[Prompt]:
+    """The built-in prompts, interleaved by category; the long ``edit`` ones only when
+    ``categories`` is given (``select`` keeps those named)."""
+    return interleaved(BUILTIN_PROMPTS + list(edit_prompts()) if categories else BUILTIN_PROMPTS)
 
 
 def interleaved(prompts: list[Prompt]) -> list[Prompt]:
@@ -154,7 +172,7 @@ def load_prompts(path: str | None, limit: int | None, categories: list[str] | No
     those categories, then ``limit`` the first N."""
     check_limit(limit)
     if path is None:
-        prompts = interleaved(BUILTIN_PROMPTS)
+        prompts = builtin_prompts(categories)
     else:
         prompts = [
             Prompt(row_id(row, f"p{n}", where), str(row.get("category", "default")), row["prompt"], where)

@@ -48,7 +48,7 @@ def bench(
         Optional[str],
         typer.Option(
             "--category",
-            help="Comma list of prompt categories to keep (built-in: code, math, instructions, writing, grounded).",
+            help="Comma list of prompt categories to keep (built-in: code, math, instructions, writing, grounded; and edit, 32 standard-library functions to change, used only when named).",
         ),
     ] = None,
     meter: Meter = False,
