@@ -15,11 +15,11 @@ from cactus_cli.core.paths import cache_path
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer import costs as policy
 from cactus_cli.infer.costs import (
-    Acceptance,
     CostModel,
     CostStore,
+    Step,
     best_k,
-    expected_tokens,
+    probe_widths,
 )
 from cactus_cli.infer.costs import slope as costs_slope
 from cactus_cli.infer.devices import fastest_cpu_dtype, resolve_dtype
@@ -29,10 +29,10 @@ from cactus_cli.infer.policy import (
     EXPLORE_BUDGET,
     MAX_BACKOFF,
     AdaptiveK,
-    Calibration,
     Overhead,
 )
 from cactus_cli.infer.quant import quantize
+from cactus_cli.infer.rates import Acceptance, Calibration, expected_tokens
 from tests.helpers import (
     quantize_tiny,
     write_costs,
@@ -180,7 +180,7 @@ def test_drafting_still_takes_a_plain_step_now_and_then():
     policy = AdaptiveK()
     policy.store.costs = flat
     for _ in range(100):
-        policy.observe("greedy", 8, 8, 0.08, 0.1)  # every draft accepted
+        policy.observe(Step("greedy", 8, 8, 0.08, 0.1))  # every draft accepted
     policy.store.costs = flat
     picks = [policy.choose("greedy", 8) for _ in range(400)]
     assert 0 < picks.count(0) <= 400 // 64  # t_v(1) is re-measured, at ~1.5% of the steps
@@ -206,8 +206,8 @@ def test_leaving_plain_decoding_is_charged_the_drafts_catch_up():
     fresh.store.costs = cost_model({1: 0.1, 2: 0.12, 5: 0.2}, draft=0.02)
     for _ in range(3):
         for _ in range(5):
-            fresh.observe("greedy", 0, 0, 0.0, 0.1)  # five plain steps ...
-        fresh.observe("greedy", 1, 1, 0.02 + 0.05, 0.12, draft_catch_up=6)  # ... then a draft that caught up on them
+            fresh.observe(Step("greedy", 0, 0, 0.0, 0.1))  # five plain steps ...
+        fresh.observe(Step("greedy", 1, 1, 0.02 + 0.05, 0.12, fed=6))  # ... then a draft that caught up on them
     assert fresh.behind == 0 and fresh.overheads["model"].predict(5) == pytest.approx(0.05)
 
 
@@ -233,16 +233,56 @@ def test_drafts_with_an_estimate_are_sized_by_it():
     assert policy.choose("greedy", 8, "suffix", unlikely) == 0  # not worth a wider verify
     assert policy.choose("greedy", 3, "suffix", likely) == 3  # nor past k_max
     for _ in range(300):  # the rule accepts nothing the tree is sure of: the estimate is overruled
-        policy.observe("greedy", 6, 0, 0.0, 0.18, source="suffix", confidence=likely)
+        policy.observe(Step("greedy", 6, 0, 0.0, 0.18, source="suffix", confidence=likely))
     assert policy.choose("greedy", 8, "suffix", likely) == 0
-    assert policy.calibrations["greedy suffix"].rates([0.5]) == pytest.approx([0.5])  # other estimates untouched
+    assert policy.store.calibrations["greedy suffix fresh"].rates([0.5]) == pytest.approx([0.5])  # others untouched
+
+
+def test_inside_a_run_of_accepted_drafts_the_same_estimate_drafts_longer():
+    """After a fully accepted draft the text is being copied: the calibration learned there
+    (estimates of 0.94 all kept) sizes the next draft, not the one learned after rejections
+    (where a match of the same length was prose matched by chance: its first token rejected)."""
+    policy = AdaptiveK()
+    policy.store.costs = cost_model({1: 0.08, 2: 0.12, 16: 0.31, 32: 0.45, 64: 0.7}, draft=0.0)
+    sure = [0.94] * 63
+    for _ in range(200):
+        for _ in range(4):  # after a rejection: rejected again, three times in four
+            policy.observe(Step("greedy", 16, 0, 0.0, 0.31, source="suffix", confidence=sure))
+        policy.observe(Step("greedy", 2, 2, 0.0, 0.12, source="suffix", confidence=sure))  # a short one kept ...
+        policy.observe(Step("greedy", 63, 63, 0.0, 0.7, source="suffix", confidence=sure))  # ... then the copy
+    assert policy.run  # (the last step kept all 63)
+    assert policy.choose("greedy", 63, "suffix", sure) >= 47  # in a run: as long as it pays
+    policy.observe(Step("greedy", 5, 2, 0.0, 0.2, source="suffix", confidence=sure))  # a rejection ends the run
+    assert not policy.run and policy.choose("greedy", 63, "suffix", sure) <= 2
+
+
+def test_calibrations_are_kept_in_the_cost_store(tmp_path):
+    path = tmp_path / "costs.json"
+    store = CostStore(path, {"pair": "x"})
+    policy = AdaptiveK(store)
+    for _ in range(3):
+        policy.observe(Step("greedy", 8, 8, 0.0, 0.2, source="suffix", confidence=[0.5] * 8))
+    store.save()
+    again = CostStore(path)
+    assert again.calibrations.keys() == store.calibrations.keys()
+    assert again.calibrations["greedy suffix run"].rates([0.55]) == pytest.approx(
+        store.calibrations["greedy suffix run"].rates([0.55])
+    )
+    assert again.calibrations["greedy suffix run"].rates([0.55])[0] > 0.6  # (all kept: it learned)
+
+
+def test_a_probe_times_long_widths_up_to_the_longest_draft():
+    assert probe_widths(8) == list(range(1, 10))
+    assert probe_widths(16) == list(range(1, 18))
+    assert probe_widths(64) == list(range(1, 18)) + [24, 32, 48, 65]  # measured, not extrapolated
+    assert probe_widths(40) == list(range(1, 18)) + [24, 32, 41]
 
 
 def test_cache_round_trip(tmp_path):
     path = tmp_path / "costs.json"
     policy = CostStore(path, {"pair": "x"})
-    policy.observe("greedy", 3, 2, 0.3, 0.2)
-    policy.observe("greedy", 0, 0, 0.0, 0.1)
+    policy.observe(Step("greedy", 3, 2, 0.3, 0.2))
+    policy.observe(Step("greedy", 0, 0, 0.0, 0.1))
     policy.save()
     again = CostStore(path)
     assert again.costs.knows("model") and again.costs.source == "cache"

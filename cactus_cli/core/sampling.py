@@ -24,13 +24,12 @@ class SamplingParams:
 def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k, then top-p
     (the order transformers' warpers use). Not for greedy: the engine takes the argmax there."""
-    x = logits.float() / sp.temperature
-    V = x.shape[-1]
-    if 0 < sp.top_k < V:
-        vals, idx = x.topk(sp.top_k, dim=-1)  # sorted descending, [..., top_k]
-        small = _top_p_sorted(torch.softmax(vals, -1), sp.top_p)
-        return torch.zeros_like(x).scatter_(-1, idx, small)
-    probs = torch.softmax(x, -1)
+    V = logits.shape[-1]
+    if 0 < sp.top_k < V:  # (only the top-k values are scaled: dividing by T > 0 keeps their order)
+        vals, idx = logits.topk(sp.top_k, dim=-1)  # sorted descending, [..., top_k]
+        small = _top_p_sorted(torch.softmax(vals.float() / sp.temperature, -1), sp.top_p)
+        return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, idx, small)
+    probs = torch.softmax(logits.float() / sp.temperature, -1)
     if sp.top_p < 1.0:
         sorted_probs, idx = probs.sort(-1, descending=True)
         probs = torch.zeros_like(probs).scatter_(-1, idx, _top_p_sorted(sorted_probs, sp.top_p))

@@ -9,13 +9,10 @@ costs about what 1 token costs on a GPU or an AVX-512 BF16 CPU, and 4.5x more on
   forward of width ``w``, ``t_v(w)``: medians over the last few timings per width (robust to a
   stray slow step), made non-decreasing in width. Seeded by a short probe (``probe``) when
   nothing is known.
-- ``Acceptance``: decayed estimates of the acceptance at each draft position, conditional on
-  the drafts before it being accepted, one set per (rule, parameters, sampling), since the rule
-  and delta change them. Per position because acceptance comes in runs: once three drafts are
-  accepted the text is easy and the fourth is likelier than the average token (an i.i.d. ``a``
-  undervalues long drafts).
-- ``CostStore``: both, loaded from and saved to ``$CACTUS_HOME/costs`` per (pair, device, dtype,
-  threads, torch), so the next run starts informed.
+- how often drafts are accepted: rates.py (``Acceptance`` per position, ``Calibration`` per
+  drafter estimate); ``Step``: one finished step, as the policy and the store learn from it.
+- ``CostStore``: the costs and the acceptance estimates, loaded from and saved to
+  ``$CACTUS_HOME/costs`` per (pair, device, dtype, threads, torch), so the next run starts informed.
 """
 
 from __future__ import annotations
@@ -36,13 +33,10 @@ from cactus_cli.core.events import MODEL, NGRAM, SUFFIX
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.paths import cache_path
 from cactus_cli.infer.devices import device_name
+from cactus_cli.infer.rates import Acceptance, Calibration, expected_tokens
 from cactus_cli.infer.sources import ModelPair
 
 WINDOW = 15  # timings kept per width (median of these)
-DECAY = 0.97  # per step: the acceptance estimates follow the last ~30 steps
-PRIOR_A = 0.6  # an unseen configuration starts at a = 0.6 ...
-SHRINK = 2.0  # ... and each position leans on the one before it with the weight of 2 tested drafts
-A_MAX = 0.995  # E[tokens] would diverge at a = 1
 SCHEMA = 3
 
 
@@ -194,21 +188,6 @@ def _valid_counts(acc: Any, tested: Any) -> bool:
     return all(a <= t + 1e-9 for a, t in zip(acc, tested))
 
 
-def _rates(a: float | list[float], k: int) -> list[float]:
-    return [a] * k if isinstance(a, (int, float)) else list(a[:k]) + [a[-1] if a else PRIOR_A] * (k - len(a))
-
-
-def expected_tokens(a: float | list[float], k: int) -> float:
-    """Tokens a step emits on average with k drafts: the correction or bonus token plus each draft
-    that is reached and accepted, 1 + a_1 + a_1 a_2 + ... + a_1...a_k, with ``a`` one rate for
-    every position (the i.i.d. model) or the conditional rate per position."""
-    total, reach = 1.0, 1.0
-    for r in _rates(a, k):
-        reach *= min(max(r, 0.0), A_MAX)
-        total += reach
-    return total
-
-
 def tokens_per_second(
     costs: CostModel, a: float | list[float], k: int, source: str = MODEL, overhead: float = 0.0
 ) -> float:
@@ -226,37 +205,18 @@ def best_k(costs: CostModel, a: float | list[float], k_max: int, source: str = M
     return max(range(k_max + 1), key=lambda k: (rates[k], -k))
 
 
-@dataclass
-class Acceptance:
-    accepted: list[float] = field(default_factory=list)  # [i]: decayed count of drafts accepted at position i
-    tested: list[float] = field(default_factory=list)  # [i]: decayed count of drafts the rule tested at i
+@dataclass(frozen=True)
+class Step:
+    """One finished verification step, as the k policy and the cost store learn from it."""
 
-    def rates(self, k: int) -> list[float]:
-        """Conditional acceptance per position 0..k-1, each shrunk toward the position before it."""
-        out, prev = [], PRIOR_A
-        for i in range(k):
-            acc = self.accepted[i] if i < len(self.accepted) else 0.0
-            tested = self.tested[i] if i < len(self.tested) else 0.0
-            prev = (acc + SHRINK * prev) / (tested + SHRINK)
-            out.append(prev)
-        return out
-
-    @property
-    def a(self) -> float:
-        """The pooled per-token rate (accepted over tested), for reports."""
-        tested = sum(self.tested)
-        return (sum(self.accepted) + SHRINK * PRIOR_A) / (tested + SHRINK)
-
-    def add(self, accepted: int, k: int) -> None:
-        """One step: k drafts, the first ``accepted`` kept (the rule tested one more if any was left)."""
-        width = max(len(self.tested), k)
-        self.accepted = [x * DECAY for x in self.accepted] + [0.0] * (width - len(self.accepted))
-        self.tested = [x * DECAY for x in self.tested] + [0.0] * (width - len(self.tested))
-        for i in range(accepted):
-            self.accepted[i] += 1.0
-            self.tested[i] += 1.0
-        if accepted < k:
-            self.tested[accepted] += 1.0
+    akey: str  # the acceptance key: rule, its parameters, sampling (policy.acceptance_key)
+    k: int  # drafts verified (0: a plain step)
+    accepted: int  # of them, kept
+    draft_seconds: float
+    verify_seconds: float
+    fed: int = 1  # tokens the draft model's first forward read (more after plain steps: a catch-up)
+    source: str = MODEL  # where the drafts came from
+    confidence: list[float] | None = None  # the drafter's own estimate of each draft (the suffix trees)
 
 
 def cost_key(pair: ModelPair, compiled: bool = False) -> dict[str, Any]:
@@ -292,6 +252,7 @@ class CostStore:
         self.key = key or {}
         self.costs = CostModel()
         self.acceptance: dict[str, Acceptance] = {}
+        self.calibrations: dict[str, Calibration] = {}  # (akey, source, run or fresh) -> acceptance by estimate
         self.dirty = False
         self.notes: list[str] = []  # what loading the cache had to drop, for the user (one line)
         if path is not None and path.is_file():
@@ -317,6 +278,16 @@ class CostStore:
                     self.acceptance[name] = Acceptance([float(x) for x in acc], [float(x) for x in tested])
                 else:
                     dropped += 1
+            for name, pair in doc.get("calibration", {}).items():
+                acc, tested = pair if isinstance(pair, list) and len(pair) == 2 else (None, None)
+                if (
+                    isinstance(name, str)
+                    and _valid_counts(acc, tested)
+                    and len(acc) == len(tested) == len(Calibration().tested)
+                ):
+                    self.calibrations[name] = Calibration([float(x) for x in acc], [float(x) for x in tested])
+                else:
+                    dropped += 1
         except (OSError, ValueError, TypeError, AttributeError, RecursionError):
             self.costs, self.acceptance = CostModel(), {}  # unreadable: a missed head start, measured again
             self.notes.append(f"the step-cost cache {path.name} is unreadable; measuring again and replacing it")
@@ -333,24 +304,15 @@ class CostStore:
         """The acceptance estimate per draft position for drafts from ``source`` (nothing stored)."""
         return self.acceptance.get(f"{akey} {source}", Acceptance()).rates(k_max)
 
-    def observe(
-        self,
-        akey: str,
-        k: int,
-        accepted: int,
-        draft_seconds: float,
-        verify_seconds: float,
-        draft_catch_up: int = 1,
-        source: str = MODEL,
-    ) -> None:
-        """One finished step: k drafts from ``source``, ``accepted`` of them kept, its timings. A
-        draft forward that caught up on many missed tokens (after k = 0 steps) is not a typical
-        drafted token: its timing is skipped."""
-        if k > 0:
-            self.acceptance.setdefault(f"{akey} {source}", Acceptance()).add(accepted, k)
-            if source != MODEL or draft_catch_up <= 2:
-                self.costs.add_draft(draft_seconds / k, source)
-        self.costs.add_verify(k + 1, verify_seconds)
+    def observe(self, step: Step) -> None:
+        """One finished step: its drafts' acceptance and its timings. A draft forward that caught
+        up on many missed tokens (after k = 0 steps) is not a typical drafted token: its timing
+        is skipped."""
+        if step.k > 0:
+            self.acceptance.setdefault(f"{step.akey} {step.source}", Acceptance()).add(step.accepted, step.k)
+            if step.source != MODEL or step.fed <= 2:
+                self.costs.add_draft(step.draft_seconds / step.k, step.source)
+        self.costs.add_verify(step.k + 1, step.verify_seconds)
         if not self.costs.source.endswith("+online"):
             self.costs.source += "+online"
         self.dirty = True
@@ -385,6 +347,7 @@ class CostStore:
             "saved": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "costs": self.costs.to_json(),
             "acceptance": {k: [v.accepted, v.tested] for k, v in self.acceptance.items()},
+            "calibration": {k: [v.accepted, v.tested] for k, v in self.calibrations.items()},
         }
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -392,6 +355,15 @@ class CostStore:
             self.dirty = False
         except OSError:
             pass
+
+
+def probe_widths(k_max: int) -> list[int]:
+    """The verify widths a probe times for drafts of up to ``k_max`` tokens: every width to 17
+    (costs step where kernels change: llama.cpp's 8-16 cost what 8 does) and a few past it, to
+    ``k_max + 1``, so a long draft's cost is measured, not extrapolated (llama.cpp on a CPU: 64
+    drafts cost 9x one token, not the 17x a line through the first 17 widths says)."""
+    wide = [w for w in (24, 32, 48) if w < k_max + 1]
+    return sorted(set(range(1, min(k_max + 1, 17) + 1)) | set(wide) | {k_max + 1})
 
 
 def probe(

@@ -25,7 +25,7 @@ from cactus_cli.core.errors import ContextLimitError, ModelError
 from cactus_cli.core.events import MODEL, NGRAM, StepEvent
 from cactus_cli.core.exact import meter
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits
-from cactus_cli.infer.costs import CostStore, cost_key, probe
+from cactus_cli.infer.costs import CostStore, Step, cost_key, probe, probe_widths
 from cactus_cli.infer.draft import Drafter, Lookup, Proposal, make_drafter
 from cactus_cli.infer.policy import AdaptiveK, FixedK, KPolicy, acceptance_key
 from cactus_cli.infer.runners.base import Runner, sync, to_device
@@ -192,12 +192,11 @@ class SpeculativeEngine:
             if d is not None:
                 d.forward(dids[:length], keep=1)
             try:
-                # every width to 17 (costs step where kernels change: llama.cpp's 8-16 cost what 8 does)
                 probe(
                     self.costs.costs,
                     verify_forward,
                     draft_forward if d is not None else None,
-                    sorted(set(range(1, min(k_max + 1, 17) + 1)) | {k_max + 1}),
+                    probe_widths(k_max),
                     lambda: sync(self.pair.verifier.device),
                 )
             finally:
@@ -424,12 +423,14 @@ class _Run:
         drafts = proposal.tokens.to(vdev) if k else torch.zeros(0, dtype=torch.int64, device=vdev)  # [k]
         logits = e.verifier.forward(torch.cat([self.last, drafts]), keep=k + 1)  # [k+1, V]
         p = q = None
-        flags = [torch.isnan(logits).any()]  # never a valid output: an overflow in a low-precision dtype
+        # never a valid output (an overflow in a low-precision dtype); a NaN anywhere makes the sum NaN,
+        # one pass without a [k+1, V] mask (at k = 64 the masks cost more than the rule)
+        flags = [torch.isnan(logits.sum())]
         if sp.greedy:
             verdict: Verdict = greedy_verify(drafts.view(1, k), logits.argmax(-1).view(1, k + 1))
         else:
             q = probs_from_logits(logits, sp).unsqueeze(0)  # [1, k+1, V]
-            flags.append(~torch.isfinite(q).all())
+            flags.append(~torch.isfinite(q.sum(-1)).all())
             p = proposal.probs.to(vdev).unsqueeze(0) if k else q[:, :0]  # [1, k, V]
             verdict = verify(self.params.rule, p, q, drafts.view(1, k), generator=self.vgen, **self.params.rule_kwargs)
         host = HostRead.read(HostRead.pack(verdict, drafts, flags), k)
@@ -455,7 +456,7 @@ class _Run:
         e, m, new = self.e, v.accepted, v.new
         self.last = v.next_input  # stays on the device for the next step's input
         self.policy.observe(
-            self.akey, k, m, timing.draft_seconds, timing.verify_seconds, fed, source or MODEL, confidence
+            Step(self.akey, k, m, timing.draft_seconds, timing.verify_seconds, fed, source or MODEL, confidence)
         )
         measured = (
             meter(self.params.rule, self.params.rule_kwargs, v.p, v.q, v.logits, new, m, k)

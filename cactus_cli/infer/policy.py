@@ -28,14 +28,12 @@ from collections import deque
 from typing import Any, Protocol
 
 from cactus_cli.core.events import MODEL
-from cactus_cli.infer.costs import SHRINK, WINDOW, CostModel, CostStore, best_k, slope
+from cactus_cli.infer.costs import WINDOW, Calibration, CostModel, CostStore, Step, best_k, slope
 
 EXPLORE_BUDGET = 0.03  # while k = 0 wins, spend at most ~3% of the time re-testing k = 1 ...
 MAX_BACKOFF = 8  # ... and, as probes keep confirming it, down to 3% / 8 (a probe every 64+ steps) ...
 MAX_SPACING = 64  # ... but never fewer than one probe in 8 * 64 steps (a catch-up that grows with the gap)
 REFRESH_EVERY = 64  # while drafting wins, one plain step in this many keeps t_v(1) fresh (~1% cost)
-BINS = 10  # Calibration: acceptance learned per tenth of the drafter's estimate ...
-CAL_DECAY = 0.995  # ... over the last ~200 drafting steps (ten bins need more than ~30)
 
 
 def acceptance_key(rule: str, rule_kwargs: dict[str, Any], temperature: float, top_k: int, top_p: float) -> str:
@@ -46,33 +44,12 @@ def acceptance_key(rule: str, rule_kwargs: dict[str, Any], temperature: float, t
     return f"{rule}({params}) T={temperature:g} top_k={top_k} top_p={top_p:g}"
 
 
-class Calibration:
-    """How often the rule accepts a draft token that its drafter gave probability ``c``: decayed
-    counts per tenth of ``c``, each shrunk toward ``c`` itself (the drafter's estimate is the
-    prior until steps say otherwise)."""
-
-    def __init__(self) -> None:
-        self.accepted = [0.0] * BINS
-        self.tested = [0.0] * BINS
-
-    @staticmethod
-    def _bin(c: float) -> int:
-        return min(max(int(c * BINS), 0), BINS - 1)
-
-    def rates(self, confidence: list[float]) -> list[float]:
-        """The acceptance expected for each token, given the ones before it were accepted."""
-        return [
-            (self.accepted[b] + SHRINK * c) / (self.tested[b] + SHRINK)
-            for c, b in ((c, self._bin(c)) for c in confidence)
-        ]
-
-    def add(self, confidence: list[float], accepted: int) -> None:
-        """One step that drafted ``confidence``'s tokens, the first ``accepted`` kept."""
-        self.accepted = [x * CAL_DECAY for x in self.accepted]
-        self.tested = [x * CAL_DECAY for x in self.tested]
-        for i, c in enumerate(confidence[: accepted + 1]):
-            self.tested[self._bin(c)] += 1.0
-            self.accepted[self._bin(c)] += 1.0 if i < accepted else 0.0
+def _cal_key(akey: str, source: str, run: bool) -> str:
+    """Calibrations are kept apart inside a run of accepted drafts and outside one: the same
+    estimate means more while the text is being copied (after a fully accepted step, measured:
+    a first draft token kept 9 times in 10) than after a rejection or a plain step, where a long
+    match ends at the next edit or the tree matched prose by chance."""
+    return f"{akey} {source} {'run' if run else 'fresh'}"
 
 
 class Overhead:
@@ -102,18 +79,8 @@ class KPolicy(Protocol):
         """k for the next step (at most ``k_max``), whose drafts will come from ``source``, with
         the drafter's own estimate of each token if it has one (Drafter.confidence)."""
 
-    def observe(
-        self,
-        akey: str,
-        k: int,
-        accepted: int,
-        draft_seconds: float,
-        verify_seconds: float,
-        draft_catch_up: int = 1,
-        source: str = MODEL,
-        confidence: list[float] | None = None,
-    ) -> None:
-        """One finished step (see CostStore.observe); ``confidence``: what the drafter estimated."""
+    def observe(self, step: Step) -> None:
+        """One finished step (see CostStore.observe)."""
 
     def started(self, behind: int = 0) -> None:
         """A new prompt was prefilled; the draft has ``behind`` of its tokens still to read (0 when
@@ -130,19 +97,9 @@ class FixedK:
     def choose(self, akey: str, k_max: int, source: str = MODEL, confidence: list[float] | None = None) -> int:
         return k_max
 
-    def observe(
-        self,
-        akey: str,
-        k: int,
-        accepted: int,
-        draft_seconds: float,
-        verify_seconds: float,
-        draft_catch_up: int = 1,
-        source: str = MODEL,
-        confidence: list[float] | None = None,
-    ) -> None:
+    def observe(self, step: Step) -> None:
         if self.store is not None:
-            self.store.observe(akey, k, accepted, draft_seconds, verify_seconds, draft_catch_up, source)
+            self.store.observe(step)
 
     def started(self, behind: int = 0) -> None:
         pass
@@ -157,7 +114,7 @@ class AdaptiveK(FixedK):
         self.draft_steps = 0  # consecutive k > 0 steps (for the occasional plain step)
         self.backoff = 1  # the probe spacing's multiplier: doubled by each probe after which k = 0 still wins
         self.probed = False  # the last step was a probe
-        self.calibrations: dict[str, Calibration] = {}  # (acceptance key, source) -> acceptance by estimate
+        self.run = False  # the last step drafted and every draft was accepted: the text is being copied
         self.overheads: dict[str, Overhead] = {}  # source -> a drafting step's cost beyond k t_d
         self.behind = (
             0  # tokens the draft has not read: the prompt's it deferred, plus one per plain step since it drafted
@@ -170,31 +127,25 @@ class AdaptiveK(FixedK):
     def started(self, behind: int = 0) -> None:
         self.behind = behind  # (the policy spans runs; the last prompt's plain steps are not this one's catch-up)
 
-    def observe(
-        self,
-        akey: str,
-        k: int,
-        accepted: int,
-        draft_seconds: float,
-        verify_seconds: float,
-        draft_catch_up: int = 1,
-        source: str = MODEL,
-        confidence: list[float] | None = None,
-    ) -> None:
-        super().observe(akey, k, accepted, draft_seconds, verify_seconds, draft_catch_up, source)
-        if k == 0:
+    def observe(self, step: Step) -> None:
+        super().observe(step)
+        run, self.run = self.run, step.k > 1 and step.accepted == step.k
+        if step.k == 0:
             self.behind += 1
             return
-        extra = draft_seconds - k * self.costs.t_d(source)
-        self.overheads.setdefault(source, Overhead()).add(self.behind, extra)
+        extra = step.draft_seconds - step.k * self.costs.t_d(step.source)
+        self.overheads.setdefault(step.source, Overhead()).add(self.behind, extra)
         self.behind = 0
-        if confidence is not None:
-            self.calibrations.setdefault(f"{akey} {source}", Calibration()).add(confidence[:k], accepted)
+        if step.confidence is not None:
+            key = _cal_key(step.akey, step.source, run)
+            self.store.calibrations.setdefault(key, Calibration()).add(step.confidence[: step.k], step.accepted)
 
     def choose(self, akey: str, k_max: int, source: str = MODEL, confidence: list[float] | None = None) -> int:
         if confidence is not None:  # sized by the drafter's estimates, as calibrated (never past its path)
             k_max = min(k_max, len(confidence))
-            rates = self.calibrations.get(f"{akey} {source}", Calibration()).rates(confidence[:k_max])
+            rates = self.store.calibrations.get(_cal_key(akey, source, self.run), Calibration()).rates(
+                confidence[:k_max]
+            )
         else:
             rates = self.store.rates(akey, k_max, source)
         overhead = self.overheads[source].predict(self.behind) if source in self.overheads else 0.0

@@ -28,7 +28,7 @@ from cactus_cli.infer.draft.suffix_tree import History, Match, SuffixTree, follo
 from cactus_cli.infer.runners.base import to_device
 
 MIN_PROB = 0.1  # a draft ends where its path's estimated probability would fall below this
-MAX_DRAFT = 16  # tokens looked ahead when asked whether there is a draft (the k policy caps it)
+MAX_DRAFT = 64  # tokens looked ahead when asked whether there is a draft (the k policy caps it)
 
 
 class SuffixDrafter:
