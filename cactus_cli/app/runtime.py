@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from cactus_cli.app import follower
+from cactus_cli.app.prompts import builtin_prompts
 from cactus_cli.app.settings import Settings, draft_limit, parse_draft
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.events import NGRAM, SUFFIX
@@ -66,6 +67,7 @@ def load_engine(
             backend or settings.backend,
             settings.threads,
             mode,
+            tuple(p.prompt for p in builtin_prompts(None)),  # (a requantized verifier's quality is measured on them)
         )
     compiled, note = resolve_compile(mode, pair)
     if note and reporter is not None:

@@ -189,7 +189,7 @@ def embedded_gguf(name: str, reporter: Reporter | None = None) -> Path:
     parts = part_paths(m)
     root = models_dir()
     root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_work_dirs(root)
+    remove_stale_work(root)
     work = Path(tempfile.mkdtemp(prefix=f".tmp-{m.name}-gguf-{os.getpid()}-", dir=root))
     try:
         _assemble_checked(parts, work / "model.gguf", m, reporter or _Silent())
@@ -268,7 +268,7 @@ def prepare_gguf(path: str | Path, reporter: Reporter | None = None) -> Path:
 def _atomic_build(key: str, build: Callable[[Path, Reporter], dict], reporter: Reporter) -> Path:
     root = models_dir()
     root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_work_dirs(root)
+    remove_stale_work(root)
     work = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-{os.getpid()}-", dir=root))
     final = root / key
     try:
@@ -287,14 +287,17 @@ def _atomic_build(key: str, build: Callable[[Path, Reporter], dict], reporter: R
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _remove_stale_work_dirs(root: Path) -> None:
+def remove_stale_work(root: Path) -> None:
     """Work folders of conversions whose process is gone (killed runs)."""
-    for d in root.glob(".tmp-*"):
+    for d in root.glob(".tmp-*"):  # (folders, and the files a requantization writes: gguf_layout)
         try:
             pid = int(d.name.split("-")[-2])
             os.kill(pid, 0)
         except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
+            if d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)
+            else:
+                d.unlink(missing_ok=True)
         except (ValueError, IndexError, PermissionError):
             continue
 

@@ -132,6 +132,12 @@ class GGUFModel:
             plain,
         )
 
+    def close(self) -> None:
+        """Free the weights (a model loaded only to be timed: gguf_layout.measure)."""
+        if self.handle:
+            bindings().llama_model_free(self.handle)
+            self.handle = None
+
     @property
     def generation_config(self) -> Any:
         """The end-of-generation ids the GGUF names (sources.eos_ids reads them as from transformers)."""

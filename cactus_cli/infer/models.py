@@ -236,6 +236,7 @@ def load_pair(
     backend: str = "torch",
     threads: int | None = None,
     compile_mode: str = "auto",
+    quality_texts: tuple[str, ...] = (),
 ) -> ModelPair:
     """Load verifier, optional draft and the shared tokenizer (the verifier's unless ``tokenizer``
     names another source), as ``plan_load`` decides. A draft with another vocabulary drafts
@@ -254,6 +255,7 @@ def load_pair(
             backend,
             threads,
             compile_mode,
+            quality_texts,
         ),
         reporter,
     )

@@ -9,13 +9,14 @@ pair's own measured step costs (app/runtime.resolve_compile)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from cactus_cli.core import defaults
 from cactus_cli.core.errors import ModelError
-from cactus_cli.infer import gguf
+from cactus_cli.infer import embedded, gguf, gguf_layout
 from cactus_cli.infer.devices import (
     fastest_cpu_quantization,
     quantized_dtype,
@@ -24,6 +25,7 @@ from cactus_cli.infer.devices import (
     resolve_quantize,
 )
 from cactus_cli.infer.quant.quantize import quality_verdict
+from cactus_cli.infer.quant.smooth import CALIBRATION_TEXT
 from cactus_cli.infer.sources import (
     GGUF_KINDS,
     Source,
@@ -53,7 +55,7 @@ class LoadPlan:
     device: torch.device
     dtype: torch.dtype
     dtype_reason: str
-    quantize: str  # none, int8, int4, w8a8 (torch); gguf (llama.cpp: the file's own types)
+    quantize: str  # none, int8, int4, w8a8 (torch); gguf (llama.cpp: the file's own types) or q4_0 (requantized)
     quantize_reason: str
     gate: float | None  # w8a8's quality gate (nats/token), on its first quantization
     tp: int
@@ -85,8 +87,10 @@ def plan_load(
     backend: str = "torch",
     threads: int | None = None,
     compile_mode: str = "auto",
+    quality_texts: tuple[str, ...] = (),
 ) -> LoadPlan:
-    """Every choice of a load, resolved now. Sources are all resolved first, so a missing one
+    """Every choice of a load, resolved now. ``quality_texts``: what a requantized GGUF's quality
+    is measured on (the built-in prompts; the calibration text when none are given). Sources are all resolved first, so a missing one
     fails before any file is made; then the verifier's files (assembled or converted once)."""
     if not verifier:
         raise ModelError(
@@ -106,8 +110,20 @@ def plan_load(
     files = model_files(vsrc, backend, reporter)
     tp_load, gate = None, None
     if backend == "llama.cpp":
-        method, qwhy = "gguf", "llama.cpp runs the GGUF's own weight types"
-        dt, why = torch.float32, "llama.cpp: the GGUF's own weight types, float32 activations"
+        layout = gguf_layout.choose(
+            Path(files[0].location),
+            vsrc.location if vsrc.kind == "embedded" else embedded.gguf_key(files[0].location),
+            quantize,
+            threads,
+            vsrc.kind == "embedded",
+            lambda: [
+                list(ids) for ids in load_tokenizer(files[1])(list(quality_texts or [CALIBRATION_TEXT]))["input_ids"]
+            ],
+            reporter,
+        )
+        files, threads = (Source("gguf", layout.path), files[1]), layout.threads
+        method, qwhy = layout.quantize, layout.reason
+        dt, why = torch.float32, "llama.cpp: the GGUF's weight types, float32 activations"
     elif tp > 1:
         vocab = len(load_tokenizer(materialize(tsrc, reporter) if tsrc else files[1]))
         tp_load, dt, why = tp_plan(tp, files[0], verifier, dev, dtype, quantize, vocab)
@@ -186,7 +202,7 @@ def choose_backend(
         for flag, on in (
             (f"--tp {tp}", tp > 1),
             ("--compile on", compile_mode == "on"),
-            (f"--quantize {quantize}", quantize not in ("auto", "none")),
+            (f"--quantize {quantize}", quantize not in ("auto", "none", *gguf_layout.TYPES)),
             (f"--dtype {dtype}", dtype != "auto"),
             (f"--device {dev}", dev.type != "cpu"),
         )
@@ -194,7 +210,16 @@ def choose_backend(
     ]
     other = next(((name, src) for name, src in sources if src.kind not in GGUF_KINDS), None)
     if asked == "torch":
+        if quantize in gguf_layout.TYPES:
+            raise ModelError(
+                f"--quantize {quantize} requantizes a GGUF for the llama.cpp backend; on torch use int8, int4 or w8a8"
+            )
         return "torch", "backend torch (asked for)"
+    if quantize in gguf_layout.TYPES and (other is not None or torch_only):
+        raise ModelError(
+            f"--quantize {quantize} requantizes a GGUF for llama.cpp on a CPU, and "
+            + (f"{other[0]!r} is a {other[1].kind}" if other is not None else f"{torch_only[0]} is a torch setting")
+        )
     if asked == "llama.cpp":
         if other is not None:
             raise ModelError(
@@ -214,6 +239,8 @@ def choose_backend(
     if torch_only:
         return "torch", f"backend auto: torch ({torch_only[0]} is a torch setting)"
     if problem := gguf.available():
+        if quantize in gguf_layout.TYPES:
+            raise ModelError(f"--quantize {quantize} needs the llama.cpp backend: {problem}")
         return "torch", f"backend auto: torch, llama.cpp is not available: {problem}"
     return "llama.cpp", "backend auto: llama.cpp (GGUF files on a CPU)"
 
