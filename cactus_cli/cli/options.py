@@ -109,7 +109,11 @@ NumDraft = Annotated[
 ]
 MaxDraft = Annotated[
     Optional[int],
-    typer.Option("--max-draft-tokens", help="Largest k that `-k auto` may pick (default 8).", rich_help_panel=DECODING),
+    typer.Option(
+        "--max-draft-tokens",
+        help="Largest k that `-k auto` may pick (default 64: it drafts only as long as the measured costs and the draft's expected acceptance say pays).",
+        rich_help_panel=DECODING,
+    ),
 ]
 Temperature = Annotated[
     Optional[float],

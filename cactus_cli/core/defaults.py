@@ -5,7 +5,7 @@ them from here; a profile or a flag overrides them (defaults < profile < flags).
 RULE = "cactus"
 DELTA = 1.0  # nats: the divergence budget of cactus / cactus-exact (the paper's delta = 1)
 NUM_DRAFT_TOKENS = 4  # k
-MAX_DRAFT_TOKENS = 8  # k_max for -k auto
+MAX_DRAFT_TOKENS = 64  # k_max for -k auto: free drafts run long where text is copied (docs/performance.md)
 NGRAM_MAX, NGRAM_MIN = 4, 1  # prompt lookup: the longest and shortest n-gram matched
 TEMPERATURE = 0.6
 TOP_K = 20  # 0 = off
