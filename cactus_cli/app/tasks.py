@@ -32,7 +32,7 @@ from pathlib import Path
 import regex
 
 from cactus_cli.app.prompts import Prompt, check_limit, interleaved, read_jsonl, row_id, select
-from cactus_cli.app.sandbox import run_checks
+from cactus_cli.app.sandbox import isolation_problem, run_checks
 from cactus_cli.core.errors import ConfigError
 
 INSTRUCTION = "Solve the problem step by step. End with the final answer on its own line as '#### <answer>'.\n\n"
@@ -394,12 +394,34 @@ def is_correct(task: Task, text: str) -> tuple[bool, str | None]:
     return normalize(got) == normalize(task.answer), got
 
 
-def grade(task: Task, texts: list[str]) -> list[tuple[bool, str | None]]:
+def grade(task: Task, texts: list[str], isolate: bool = True) -> list[tuple[bool, str | None]]:
     """A problem's completions graded: answer tasks by their answer; code tasks by running each
-    program against the tests, in parallel (app/sandbox.py), the outcome recorded as the answer."""
+    program against the tests, in parallel (app/sandbox.py), the outcome recorded as the answer.
+    ``isolate=False`` is --unsafe-exec."""
     if task.kind == "answer":
         return [is_correct(task, text) for text in texts]
-    return [(o.passed, o.status) for o in run_checks([task.program(text) for text in texts])]
+    return [(o.passed, o.status) for o in run_checks([task.program(text) for text in texts], isolate=isolate)]
+
+
+UNSAFE = (
+    "--unsafe-exec: model-written code runs as you, with only a timeout, CPU, memory and process limits and "
+    "an empty folder: it can read and write your files, reach the network and signal your processes"
+)
+
+
+def grader(tasks: list[Task], unsafe_exec: bool, warn=None):
+    """The grade function for ``tasks``, checked before any generation: code tasks run the model's
+    code isolated (app/sandbox.py), and where this machine cannot isolate it they are refused with
+    the reason, unless ``unsafe_exec`` (said once through ``warn``: what it gives up)."""
+    if not any(t.kind == "code" for t in tasks):
+        return grade
+    if unsafe_exec:
+        if warn is not None:
+            warn(UNSAFE)
+        return lambda task, texts: grade(task, texts, isolate=False)
+    if problem := isolation_problem():
+        raise ConfigError(f"code tasks run the model's code, and {problem}; --unsafe-exec runs it without isolation")
+    return grade
 
 
 def paired_difference(

@@ -4,6 +4,7 @@ them, runs the one grid runner (app/grid.py) and prints and writes the results."
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -11,8 +12,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from cactus_cli.app.prompts import load_prompts
-from cactus_cli.app.tasks import grade as grade_task
-from cactus_cli.app.tasks import load_tasks
+from cactus_cli.app.tasks import grader, load_tasks
 from cactus_cli.cli import options as o
 from cactus_cli.cli import tables, ui
 from cactus_cli.cli.edge import user_errors
@@ -95,6 +95,7 @@ class GridFlags:
     backends: str | None = None
     samples: int = 1  # eval: completions per problem
     resume: bool = False  # eval: go on with the run kept in --out
+    unsafe_exec: bool = False  # eval: run code tasks without isolation (where it cannot be had)
 
 
 @dataclass
@@ -270,7 +271,10 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
     if flags.samples < 1:
         raise ConfigError(f"--samples must be >= 1, got {flags.samples}")
     if kind == "eval":
-        prompts, grade = load_tasks(source, flags.limit, categories), grade_task
+        prompts = load_tasks(source, flags.limit, categories)
+        grade = grader(prompts, flags.unsafe_exec, lambda line: print(f"warning: {line}", file=sys.stderr))
+    elif flags.unsafe_exec:
+        raise ConfigError("--unsafe-exec applies to eval's code tasks")
     else:
         prompts = load_prompts(source, flags.limit, categories)
     if settings.seed is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
@@ -11,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from cactus_cli.app.prompts import load_prompts
-from cactus_cli.app.tasks import grade, load_tasks
+from cactus_cli.app.tasks import grader, load_tasks
 from cactus_cli.cli import options as o
 from cactus_cli.cli import tables, ui
 from cactus_cli.cli.edge import user_errors
@@ -69,9 +70,16 @@ def calibrate(
         Optional[Path],
         typer.Option(
             "--tasks",
-            help="Calibrate on graded tasks instead of prompts: `humaneval` or a task file, as for `cactus eval` (code tasks RUN THE MODEL'S CODE, sandboxed). Give --limit too: accuracy needs many problems.",
+            help="Calibrate on graded tasks instead of prompts: `humaneval` or a task file, as for `cactus eval` (code tasks RUN THE MODEL'S CODE, isolated). Give --limit too: accuracy needs many problems.",
         ),
     ] = None,
+    unsafe_exec: Annotated[
+        bool,
+        typer.Option(
+            "--unsafe-exec",
+            help="With code --tasks: run the model's code WITHOUT isolation where this machine cannot isolate it (as for cactus eval).",
+        ),
+    ] = False,
     limit: Annotated[int, typer.Option("--limit", help="Number of prompts.")] = 8,
     plot: Annotated[
         Optional[Path], typer.Option("--plot", help="Draw delta vs accepted length vs realized divergence to this PNG.")
@@ -101,7 +109,7 @@ def calibrate(
         k_list = parse_list(ks, int, "-k") if ks else list(cal_mod.DEFAULT_KS)
         cal_mod.validate(settings, delta_list, k_list)
         target, plot = _check_outputs(save, plot)
-        prompts, grade = _prompts(prompts_file, tasks_file, limit, max_accuracy_drop)
+        prompts, grade = _prompts(prompts_file, tasks_file, limit, max_accuracy_drop, unsafe_exec)
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         with ui.LoadProgress(err) as progress:
@@ -137,7 +145,9 @@ def calibrate(
         _report(doc, cal, settings, shared, target, plot, as_json, err)
 
 
-def _prompts(prompts_file: Path | None, tasks_file: Path | None, limit: int, max_accuracy_drop: float | None):
+def _prompts(
+    prompts_file: Path | None, tasks_file: Path | None, limit: int, max_accuracy_drop: float | None, unsafe: bool
+):
     """The prompts, or with --tasks the graded tasks and their grader."""
     if prompts_file is not None and tasks_file is not None:
         raise ConfigError("--prompts and --tasks: give one (tasks are prompts with a grade)")
@@ -146,7 +156,10 @@ def _prompts(prompts_file: Path | None, tasks_file: Path | None, limit: int, max
     if max_accuracy_drop is not None and not (0 <= max_accuracy_drop <= 100):
         raise ConfigError(f"--max-accuracy-drop must be in 0..100 points, got {max_accuracy_drop:g}")
     if tasks_file is not None:
-        return load_tasks(str(tasks_file), limit), grade
+        tasks = load_tasks(str(tasks_file), limit)
+        return tasks, grader(tasks, unsafe, lambda line: print(f"warning: {line}", file=sys.stderr))
+    if unsafe:
+        raise ConfigError("--unsafe-exec applies to code --tasks")
     return load_prompts(str(prompts_file) if prompts_file else None, limit), None
 
 

