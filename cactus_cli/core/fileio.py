@@ -50,8 +50,12 @@ def atomic_write(path: str | Path, text: str, mode: int | None = None) -> Path:
 
 
 def write_target(path: str | Path) -> Path:
-    """The file a write to ``path`` lands on: a symlink's target (the link stays), else the path."""
+    """The file a write to ``path`` lands on: a symlink's target (the link stays), else the path;
+    a device or FIFO reached through links (``/dev/stdout`` in a pipe: /proc/self/fd/1, then
+    ``pipe:[N]``, which is no path) is written through the name given."""
     path = Path(path).expanduser()
+    if _is_stream(path):
+        return path
     return path.resolve() if path.is_symlink() else path
 
 
