@@ -14,8 +14,9 @@
 4. llama.cpp's plain decoding of the same prompts: llama-server with --spec-type none (both sides pay
    the same context), one request per prompt, its own timings.
 5. llama.cpp's free-draft speculation: llama-speculative-simple --spec-type ngram-simple, ngram-mod and
-   ngram-cache at their default draft sizes, and ngram-simple / ngram-mod with longer drafts; the best
-   is the reference. (It overshoots -n by up to a draft: each row says how many tokens it decoded.)
+   ngram-cache at their default draft sizes, and ngram-simple / ngram-mod with longer drafts (it
+   overshoots -n by up to a draft of fast copying: each row says how many tokens it decoded), and the
+   same through llama-server, which stops at exactly -n tokens; the best row is the reference.
    With --draft-model, llama-speculative with the 0.5B draft too (--spec-n).
 6. cactus bench: the verifier alone and the default profile as it ships (arguments after -- change it).
 7. llama-bench's plain decoding again: a shared machine drifts over minutes, so the anchor is the mean
@@ -23,7 +24,8 @@
 
 Prints every row's decode tokens/s (after each prompt's prefill, as llama-bench's tg and llama.cpp's own
 "decoded" count), its ratio to llama.cpp's plain decoding of the same prompts and to the best ngram
-row, its mean acceptance length (tokens per verifier call) and end-to-end tokens/s; writes JSON with
+row, its mean acceptance length (tokens per verifier call, plain steps included) and end-to-end
+tokens/s; writes JSON with
 --out. Sampling is the profile's (T, top-k, top-p; min-p 0 on llama.cpp's side, as cactus has none),
 or greedy with -t 0. Where cactus runs llama.cpp with plain buffers (AMX builds: gguf.amx_in_use),
 llama.cpp's tools get --repack 0 / --no-repack, so both sides run the same kernels. One benchmark at
@@ -122,7 +124,7 @@ def speculative_simple(
 ) -> dict:
     """llama-speculative-simple over the prompts: decoded tokens / decode seconds, summed."""
     name, spec_type, extra = row
-    tokens = seconds = encode = runs = accepted = drafted = 0.0
+    tokens = seconds = encode = accepted = drafted = 0.0
     for text in texts:
         cmd = [str(bin_dir / "llama-speculative-simple"), "-m", str(verifier), "-f", str(text), "-n", str(n)]
         cmd += ["-t", str(threads), "-c", "4096", "--spec-type", spec_type, *extra, *sampling_args(sampling)]
@@ -134,14 +136,14 @@ def speculative_simple(
         encode += float(re.search(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log).group(1))
         accepted += int(re.search(r"n_accept\s+=\s+(\d+)", log).group(1))
         drafted += int(re.search(r"n_drafted\s+=\s+(\d+)", log).group(1))
-        runs += int(re.search(r"\beval time =.*?/\s+(\d+) runs", log).group(1))  # the target's verify calls
+
     return {
         "row": f"llama-speculative-simple {name}",
         "tokens": int(tokens),
         "decode_seconds": seconds,
         "decode_tokens_per_second": tokens / seconds,
         "end_to_end_tokens_per_second": tokens / (seconds + encode),
-        "mean_acceptance_length": tokens / runs if runs else None,
+        "mean_acceptance_length": tokens / (tokens - accepted),  # per verifier call: each emits one not drafted
         "acceptance": accepted / drafted if drafted else None,
     }
 
@@ -152,11 +154,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_plain(bin_dir: Path, verifier: Path, texts: list[Path], threads: int, plain: bool, n: int, sampling: dict):
-    """llama-server with --spec-type none: plain decoding of the same prompts, its own timings."""
+def server(
+    bin_dir: Path, verifier: Path, texts: list[Path], threads: int, plain: bool, n: int, sampling: dict, row: tuple
+):
+    """llama-server with ``row``'s --spec-type (none: plain decoding) over the same prompts, one
+    request each, its own timings: exactly ``n`` tokens a prompt, where llama-speculative-simple
+    overshoots by up to a draft."""
+    name, spec_type, extra = row
     port = _free_port()
     cmd = [str(bin_dir / "llama-server"), "-m", str(verifier), "-t", str(threads), "-c", "4096", "-np", "1"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--spec-type", "none"] + (["--no-repack"] if plain else [])
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--spec-type", spec_type, *extra]
+    cmd += ["--no-repack"] if plain else []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(600):
@@ -165,7 +173,7 @@ def server_plain(bin_dir: Path, verifier: Path, texts: list[Path], threads: int,
                 break
             except OSError:
                 time.sleep(0.2)
-        tokens = decode = prompt = 0.0
+        tokens = decode = prompt = drafted = accepted = 0.0
         for text in texts:
             body = {"prompt": text.read_text(), "n_predict": n, "cache_prompt": False, "temperature"
                     : sampling["temperature"], "top_k": sampling["top_k"], "top_p": sampling["top_p"], "min_p": 0.0,
@@ -177,16 +185,19 @@ def server_plain(bin_dir: Path, verifier: Path, texts: list[Path], threads: int,
             tokens += timings["predicted_n"]
             decode += timings["predicted_ms"] / 1000
             prompt += timings["prompt_ms"] / 1000
+            drafted += timings.get("draft_n", 0)
+            accepted += timings.get("draft_n_accepted", 0)
     finally:
         proc.terminate()
         proc.wait()
     return {
-        "row": "llama.cpp plain decoding (llama-server, --spec-type none)",
+        "row": "llama.cpp plain decoding (llama-server)" if spec_type == "none" else f"llama-server {name}",
         "tokens": int(tokens),
         "decode_seconds": decode,
         "decode_tokens_per_second": tokens / decode,
         "end_to_end_tokens_per_second": tokens / (decode + prompt),
-        "mean_acceptance_length": 1.0,
+        "mean_acceptance_length": tokens / (tokens - accepted) if tokens > accepted else None,  # per verifier call
+        "acceptance": accepted / drafted if drafted else None,
     }
 
 
@@ -198,6 +209,7 @@ def main() -> None:
     ap.add_argument("--category", default=None, help="built-in prompt categories (edit: standard-library edits)")
     ap.add_argument("-t", "--temperature", type=float, default=None, help="both sides (default: the profile's)")
     ap.add_argument("--draft-model", action="store_true", help="also llama-speculative with the 0.5B draft")
+    ap.add_argument("--ngram", default=None, help="only these ngram rows (comma list of their names)")
     ap.add_argument("--spec-n", default="2,4", help="llama-speculative draft lengths (comma list)")
     ap.add_argument("--out", type=Path, default=None, help="write the whole result as JSON here")
     ap.add_argument("bench_args", nargs="*", help="after --: more cactus bench arguments")
@@ -214,7 +226,17 @@ def main() -> None:
 
     settings = resolve_settings(None, {"threads": a.threads} if a.threads else {})
     bin_dir = build_tools(log)
-    plan = plan_load(settings.verifier, None, None, "cpu", "auto", None, settings.quantize, threads=settings.threads)
+    plan = plan_load(
+        settings.verifier,
+        None,
+        None,
+        "cpu",
+        "auto",
+        None,
+        settings.quantize,
+        backend="llama.cpp",
+        threads=settings.threads,
+    )
     verifier, threads = Path(plan.verifier_files[0].location), plan.threads
     plain = gguf.amx_in_use()
     log(f"verifier {verifier.name} ({plan.quantize_reason}); threads {threads}")
@@ -245,10 +267,14 @@ def main() -> None:
         texts[-1].write_text(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
     rows = result["rows"]
     log("llama-server: plain decoding of the same prompts")
-    rows.append(server_plain(bin_dir, verifier, texts, threads, plain, a.n, sampling))
-    for row in NGRAM_ROWS:
+    rows.append(server(bin_dir, verifier, texts, threads, plain, a.n, sampling, ("plain", "none", [])))
+    wanted = a.ngram.split(",") if a.ngram else [r[0] for r in NGRAM_ROWS]
+    for row in (r for r in NGRAM_ROWS if r[0] in wanted):
         log(f"llama-speculative-simple --spec-type {row[1]} {' '.join(row[2])}")
         rows.append(speculative_simple(bin_dir, verifier, texts, threads, plain, a.n, sampling, row))
+        if row[1] != "ngram-cache":  # (the server's ngram-cache needs cache files)
+            log(f"llama-server --spec-type {row[1]} {' '.join(row[2])}")
+            rows.append(server(bin_dir, verifier, texts, threads, plain, a.n, sampling, row))
     if a.draft_model:
         draft = embedded.embedded_gguf("qwen2.5-coder-0.5b")
         for k in a.spec_n.split(","):
@@ -268,7 +294,7 @@ def main() -> None:
                 "tokens": r["num_output_tokens"],
                 "decode_tokens_per_second": r["decode_tokens_per_second"],
                 "end_to_end_tokens_per_second": r["tokens_per_second"],
-                "mean_acceptance_length": r["mean_acceptance_length"] or 1.0,
+                "mean_acceptance_length": 1 / r["verifier_forward_passes_per_token"],  # tokens per verifier call
                 "mean_k": r["mean_k"],
             }
         )

@@ -457,3 +457,20 @@ def test_realized_kl_is_zero_at_delta_zero_and_grows_with_delta():
         assert kls[0] < 1e-12
         assert all(b >= a - 1e-12 for a, b in zip(kls, kls[1:])), kls
         assert kls[-1] > 1e-3
+
+
+def test_a_plain_steps_token_is_drawn_exactly_from_the_top_k():
+    """A plain step draws among the top-k probabilities only (no full row): the same distribution
+    as the full row they come from (false-failure odds 1e-6), and the same draw for the same seed."""
+    from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample_among, top_probs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, generator=g) * 3
+    sp = SamplingParams(temperature=0.7, top_k=8, top_p=0.9)
+    small, ids = top_probs(logits, sp)
+    draws = torch.cat([sample_among(small, ids, g) for _ in range(20000)])
+    assert_matches(draws, probs_from_logits(logits, sp), false_failure_odds=1e-6)
+    a, b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert [sample_among(small, ids, a).item() for _ in range(20)] == [
+        sample_among(small, ids, b).item() for _ in range(20)
+    ]

@@ -25,15 +25,31 @@ def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k, then top-p
     (the order transformers' warpers use). Not for greedy: the engine takes the argmax there."""
     V = logits.shape[-1]
-    if 0 < sp.top_k < V:  # (only the top-k values are scaled: dividing by T > 0 keeps their order)
-        vals, idx = logits.topk(sp.top_k, dim=-1)  # sorted descending, [..., top_k]
-        small = _top_p_sorted(torch.softmax(vals.float() / sp.temperature, -1), sp.top_p)
+    if 0 < sp.top_k < V:
+        small, idx = top_probs(logits, sp)
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, idx, small)
     probs = torch.softmax(logits.float() / sp.temperature, -1)
     if sp.top_p < 1.0:
         sorted_probs, idx = probs.sort(-1, descending=True)
         probs = torch.zeros_like(probs).scatter_(-1, idx, _top_p_sorted(sorted_probs, sp.top_p))
     return probs
+
+
+def top_probs(logits: torch.Tensor, sp: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """With top-k on: the probabilities of the top-k tokens ([..., top_k] float32, the rest of
+    the row is 0) and their ids, sorted descending. Only those values are scaled by T (dividing
+    by T > 0 keeps their order)."""
+    vals, idx = logits.topk(sp.top_k, dim=-1)  # [..., top_k]
+    return _top_p_sorted(torch.softmax(vals.float() / sp.temperature, -1), sp.top_p), idx
+
+
+def sample_among(probs: torch.Tensor, ids: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One of ``ids`` [n] drawn by ``probs`` [n] (a few nonzero values: top_probs), as ``sample``
+    draws from the full row they came from: one uniform, the inverse CDF in float64. [1]."""
+    cum = probs.double().cumsum(-1)  # [n]
+    u = torch.rand((1,), generator=generator, device=probs.device, dtype=torch.float64)
+    i = torch.searchsorted(cum, _below(u * cum[-1:], cum[-1:]), right=True).clamp(max=len(ids) - 1)
+    return ids[i]
 
 
 def _top_p_sorted(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:

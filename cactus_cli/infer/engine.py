@@ -24,7 +24,7 @@ from cactus_cli.core.acceptance import Verdict, greedy_verify, verify
 from cactus_cli.core.errors import ContextLimitError, ModelError
 from cactus_cli.core.events import MODEL, NGRAM, StepEvent
 from cactus_cli.core.exact import meter
-from cactus_cli.core.sampling import SamplingParams, probs_from_logits
+from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample_among, top_probs
 from cactus_cli.infer.costs import CostStore, Step, cost_key, probe, probe_widths
 from cactus_cli.infer.draft import Drafter, Lookup, Proposal, make_drafter
 from cactus_cli.infer.policy import AdaptiveK, FixedK, KPolicy, acceptance_key
@@ -428,6 +428,13 @@ class _Run:
         flags = [torch.isnan(logits.sum())]
         if sp.greedy:
             verdict: Verdict = greedy_verify(drafts.view(1, k), logits.argmax(-1).view(1, k + 1))
+        elif k == 0 and 0 < sp.top_k < logits.shape[-1] and not self.params.measure:
+            # a plain step: its token comes from the verifier's top-k alone (q is 0 elsewhere), drawn
+            # as verify draws it, with no [V] row built (0.5 ms a token on a CPU)
+            small, ids = top_probs(logits[0], sp)  # [top_k] each
+            flags.append(~torch.isfinite(small.sum()))
+            token = sample_among(small, ids, self.vgen).view(1, 1)
+            verdict = Verdict(torch.zeros(1, dtype=torch.int64, device=vdev), token, small.new_zeros(1, 0))
         else:
             q = probs_from_logits(logits, sp).unsqueeze(0)  # [1, k+1, V]
             flags.append(~torch.isfinite(q.sum(-1)).all())
