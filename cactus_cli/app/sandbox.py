@@ -281,6 +281,41 @@ class _Cgroup:
                     time.sleep(0.02)
 
 
+def _launch(work: Path, token_fd: int, result_fd: int, isolate: bool, timeout: float) -> tuple[dict, str]:
+    """The environment and the bootstrap program of one check."""
+    env = {
+        "PATH": os.defpath,
+        "LANG": "C.UTF-8",
+        "HOME": str(work),
+        "TMPDIR": str(work),
+        "PYTHONHASHSEED": "0",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    boot = _BOOT.format(
+        token_fd=token_fd,
+        result_fd=result_fd,
+        isolate=isolate,
+        nobody=NOBODY,
+        limits=_limits(timeout),
+        read_roots=read_roots(),
+    )
+    return env, boot
+
+
+def _watch(proc: subprocess.Popen, t0: float, timeout: float, isolate: bool) -> tuple[str | None, str | None]:
+    """Wait for a check; stop at its timeout or its process limit. Returns (why it was
+    stopped or None, its PID namespace)."""
+    ns = None
+    while proc.poll() is None:
+        ns = ns or (_namespace_of(proc.pid) if isolate else None)
+        if time.monotonic() - t0 > timeout:
+            return "timeout", ns
+        if len(_processes(proc.pid, proc.pid, ns)) + (ns is not None) >= MAX_PROCESSES:  # (+ the launcher)
+            return "too many processes", ns
+        time.sleep(0.05)
+    return None, ns
+
+
 def run_check(program: str, timeout: float | None = None, isolate: bool = True) -> Outcome:
     """Run ``program`` (the model's code, then the task's tests) and say whether it passed
     (``timeout``: seconds of wall clock, TIMEOUT_SECONDS by default). ``isolate=False``
@@ -300,22 +335,7 @@ def run_check(program: str, timeout: float | None = None, isolate: bool = True) 
         os.write(token_write, token)
         os.close(token_write)
         token_write = -1
-        env = {
-            "PATH": os.defpath,
-            "LANG": "C.UTF-8",
-            "HOME": str(work),
-            "TMPDIR": str(work),
-            "PYTHONHASHSEED": "0",
-            "PYTHONDONTWRITEBYTECODE": "1",
-        }
-        boot = _BOOT.format(
-            token_fd=token_read,
-            result_fd=result_write,
-            isolate=isolate,
-            nobody=NOBODY,
-            limits=_limits(timeout),
-            read_roots=read_roots(),
-        )
+        env, boot = _launch(work, token_read, result_write, isolate, timeout)
         proc = subprocess.Popen(
             [sys.executable, "-I", "-c", boot],
             cwd=work,
@@ -334,16 +354,7 @@ def run_check(program: str, timeout: float | None = None, isolate: bool = True) 
         kept = bytearray()
         reader = threading.Thread(target=_drain, args=(proc.stdout, kept), daemon=True)
         reader.start()
-        status, ns = None, None
-        while proc.poll() is None:
-            ns = ns or (_namespace_of(proc.pid) if isolate else None)
-            if time.monotonic() - t0 > timeout:
-                status = "timeout"
-            elif len(_processes(proc.pid, proc.pid, ns)) + (ns is not None) >= MAX_PROCESSES:  # (+ the launcher)
-                status = "too many processes"
-            if status:
-                break
-            time.sleep(0.05)
+        status, ns = _watch(proc, t0, timeout, isolate)
         _kill(proc.pid, ns)
         proc.wait()
         reader.join(timeout=2)
