@@ -1,4 +1,4 @@
-"""The one device script (issue 20): on one GPU, within about 8 minutes including compiles,
+"""The one device script: on one GPU, within about 8 minutes including compiles,
 
 (a) runs the test suite's CUDA-marked tests and the CPU proofs of the CUDA fixes,
 (b) proves each fix on tiny models on the device: crop/reset outside inference mode, int4

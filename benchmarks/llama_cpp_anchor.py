@@ -35,6 +35,7 @@ a time: nothing else should run on the machine meanwhile.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -222,21 +223,13 @@ def main() -> None:
 
     from cactus_cli.app.profiles import resolve_settings
     from cactus_cli.app.prompts import load_prompts
+    from cactus_cli.app.runtime import load_request
     from cactus_cli.infer.plan import plan_load
 
     settings = resolve_settings(None, {"threads": a.threads} if a.threads else {})
     bin_dir = build_tools(log)
-    plan = plan_load(
-        settings.verifier,
-        None,
-        None,
-        "cpu",
-        "auto",
-        None,
-        settings.quantize,
-        backend="llama.cpp",
-        threads=settings.threads,
-    )
+    request = dataclasses.replace(load_request(settings, device="cpu", backend="llama.cpp"), draft=None)
+    plan = plan_load(request)  # the verifier as cactus runs it
     verifier, threads = Path(plan.verifier_files[0].location), plan.threads
     plain = gguf.amx_in_use()
     log(f"verifier {verifier.name} ({plan.quantize_reason}); threads {threads}")

@@ -259,3 +259,28 @@ def test_plot_draws_speed_against_the_realized_divergence(tiny, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = bench(tiny, "--rules", "sps", "-k", "2", "--plot", png)
     assert r.exit_code == 2 and "add --meter" in r.output
+
+
+@pytest.mark.parametrize(
+    "flag, value, said",
+    [("-k", "2,2", "-k: 2 given"), ("--delta", "1,1.0", "--delta: 1.0 given"), ("--draft", "suffix,suffix", "suffix")],
+)
+def test_a_value_given_twice_runs_once_and_every_row_has_its_own_history(tiny, flag, value, said):
+    import json
+
+    from tests.helpers import invoke
+
+    args = ["bench", "--verifier", tiny["verifier"], "--draft", "suffix", "--device", "cpu", "--dtype", "float32"]
+    args += ["--rules", "cactus", "-k", "2", "--delta", "1", "--limit", "2", "-n", "6", "--json", flag, value]
+    r = invoke(*args)
+    assert r.exit_code == 0, r.output
+    assert said in r.stderr and "given more than once; each runs once" in r.stderr
+    rows = json.loads(r.stdout)["results"]
+    assert [row["config"] for row in rows] == ["verifier alone", "cactus δ=1 k=2"]  # one row, not two
+
+
+def test_twin_rows_never_share_a_drafters_memory():
+    from cactus_cli.app.grid import build_grid
+
+    grid = build_grid(["sps", "sps"], [1.0], [2, 2], {}, False, variants=[("torch", "none", False, "suffix", "")])
+    assert [c.label for c in grid] == ["verifier alone", "sps k=2"]

@@ -205,3 +205,32 @@ def test_calibrate_save_to_a_bad_place_fails_before_the_run(tiny, tmp_path, wher
 def test_calibrate_validates_before_loading(tmp_path, args, needle):
     r = invoke("calibrate", "--verifier", tmp_path / "missing", "--draft", tmp_path / "missing2", *args)
     assert_one_line_error(r, needle)
+
+
+@pytest.mark.parametrize("plain, fast", [(10.0, 12.0), (12.0, 10.0)])
+def test_calibrate_advice_follows_the_rows_it_prints(plain, fast):
+    from cactus_cli.app import calibrate as cal
+    from cactus_cli.app.grid import ConfigResult
+    from cactus_cli.core.stats import SpecStats
+    from cactus_cli.infer.costs import CostModel
+
+    costs = CostModel()  # a steep verify: the model predicts that no k pays
+    costs.add_draft(0.01)
+    for w in range(1, 8):
+        costs.add_verify(w, 0.1 * w)
+
+    def result(tps, a=0.5):
+        s = SpecStats()
+        s.num_output_tokens, s.total_seconds = int(tps * 10), 10.0
+        s.num_draft_tokens, s.num_accepted_tokens = 10, int(10 * a)
+        return ConfigResult(None, s, {}, 1)
+
+    def time_config(cfg, label):
+        return result(plain if cfg.k == 0 else fast if cfg.k == 2 else fast - 1)
+
+    c = cal.Calibration(rule="cactus", k0=2)
+    cal._choose_k(c, costs, cal.DeltaPoint(1.0, result(fast)), [1, 2, 3], {"delta": 1.0}, 8, time_config)
+    if fast > plain:  # the table shows k = 2 beating the verifier alone: that is the choice, no advice against it
+        assert c.chosen_k == 2 and c.advice == ""
+    else:
+        assert c.chosen_k == "auto" and f"{plain:.2f} tok/s" in c.advice and f"{fast:.2f} tok/s" in c.advice

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 
@@ -248,3 +249,40 @@ def test_chat_set_max_draft_tokens_with_a_fixed_k(tiny):
 
     r = chat(tiny, "/set max_draft_tokens=5\n", "-k", "2")
     assert "applies only with -k auto" in r.output
+
+
+def test_chat_keeps_no_typed_history_unless_asked_and_then_only_for_the_user(tmp_path, monkeypatch, isolated_home):
+    import builtins
+
+    from cactus_cli.app.chat import read_turns
+
+    def typed(lines):
+        feed = iter(lines)
+
+        def fake_input(prompt=""):
+            try:
+                return next(feed)
+            except StopIteration:
+                raise EOFError from None
+
+        monkeypatch.setattr(builtins, "input", fake_input)
+
+    typed(["my password is hunter2"])
+    assert list(read_turns(True)) == ["my password is hunter2"]
+    assert not isolated_home.exists() or not any(p.is_file() for p in isolated_home.rglob("*"))  # nothing on disk
+    asked = tmp_path / "chat.history"
+    typed(["keep this"])
+    assert list(read_turns(True, history_file=asked)) == ["keep this"]
+    assert asked.is_file() and stat.S_IMODE(asked.stat().st_mode) == 0o600
+
+
+def test_the_chat_command_passes_no_history_file_by_default(tiny, monkeypatch):
+    from cactus_cli.app import chat
+    from tests.helpers import invoke
+
+    seen = []
+    real = chat.read_turns
+    monkeypatch.setattr(chat, "read_turns", lambda *a, **kw: (seen.append(kw.get("history_file")), real(*a, **kw))[1])
+    args = ["chat", "--verifier", tiny["verifier"], "--draft", "none", "--device", "cpu", "-n", "2"]
+    assert invoke(*args, input="hi\n").exit_code == 0
+    assert seen == [None]

@@ -313,3 +313,22 @@ def test_clear_messages(tiny, tmp_path, monkeypatch):
         2,
     )
     assert_one_line_error(r, f"{long_prompt}:2: prompt 'big' is")
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_plain_text_escapes_control_characters_on_a_terminal_only(tty):
+    import io
+    from types import SimpleNamespace
+
+    from cactus_cli.cli.ui import PlainView
+
+    class Out(io.StringIO):
+        def isatty(self):
+            return tty
+
+    out = Out()
+    view = PlainView(out=out)
+    view.stats = SimpleNamespace(update=lambda ev: None, num_output_tokens=0)
+    text = "a\x1b]0;owned\x07\rb\tc\n\x9bd"
+    view.update(SimpleNamespace(text=text))
+    assert out.getvalue() == (r"a\x1b]0;owned\x07\x0db" + "\tc\n" + r"\x9bd" if tty else text)

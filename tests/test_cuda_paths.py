@@ -1,4 +1,4 @@
-"""What a GPU user meets first, proved on the CPU where a CPU can show it (issue 20): the
+"""What a GPU user meets first, proved on the CPU where a CPU can show it: the
 compiled cache edited outside inference mode, CUDA's int4 shape rule, one host sync per step,
 one kernel per crop, a cache sized once on CUDA, native-bf16 and compute-capability checks,
 quantizing without holding two copies, the tensor-parallel command tensor and GPU placement.
@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 from cactus_cli.core.errors import ModelError
-from cactus_cli.core.events import NGRAM
 from cactus_cli.core.sampling import SamplingParams, sample
 from cactus_cli.infer import devices, models
-from cactus_cli.infer.draft import Lookup
+from cactus_cli.infer.draft import Free
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
 from cactus_cli.infer.quant import quantize
@@ -134,7 +133,9 @@ class _SyncCounter:
 
 @pytest.mark.parametrize("draft", ["model", "ngram+model"])
 def test_a_sampled_step_syncs_the_host_at_most_twice(pair, monkeypatch, draft):
-    engine = SpeculativeEngine(pair, Lookup(NGRAM, 3, 1) if draft.startswith("ngram") else None)
+    engine = SpeculativeEngine(
+        pair, Free("ngram", {"ngram_max": 3, "ngram_min": 1}) if draft.startswith("ngram") else None
+    )
     params = GenerationParams(
         sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0),
         rule="cactus",

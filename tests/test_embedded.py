@@ -170,3 +170,12 @@ def test_the_gguf_readers_own_progress_bar_is_silenced_while_converting():
     assert reader.tqdm(items, desc="Converting") is items  # a pass-through: nothing drawn
     restore()
     assert reader.tqdm is original
+
+
+def test_a_folder_matching_the_stale_cache_glob_is_left_alone(tmp_path):
+    from cactus_cli.infer.quant.quantize import _remove_stale
+
+    (tmp_path / "w8a8-model-oldkey.safetensors").mkdir()
+    (tmp_path / "w8a8-model-older.safetensors").write_bytes(b"x")
+    _remove_stale(tmp_path / "w8a8-model-newkey.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w8a8-model-oldkey.safetensors"]

@@ -298,8 +298,7 @@ def test_a_plain_step_says_it_drafted_from_nowhere(pairs, monkeypatch):
 
 
 def test_tokens_past_a_stop_inside_a_verified_block_are_neither_counted_nor_remembered(pairs):
-    from cactus_cli.core.events import SUFFIX
-    from cactus_cli.infer.draft import Lookup
+    from cactus_cli.infer.draft import Free
 
     pair = pairs["self"]  # the verifier drafts for itself: whole blocks are accepted
     ids = prompt_ids(pair)
@@ -307,7 +306,7 @@ def test_tokens_past_a_stop_inside_a_verified_block_are_neither_counted_nor_reme
     full, _, _ = run(SpeculativeEngine(pair), ids, free)
     cut_at = next(i for i in range(3, len(full)) if pair.tokenizer.decode([full[i]]).strip())  # a token with text
     stop = pair.tokenizer.decode([full[cut_at]]).strip()
-    engine = SpeculativeEngine(pair, Lookup(SUFFIX))
+    engine = SpeculativeEngine(pair, Free("suffix"))
     params = dataclasses.replace(free, stop=(stop,))
     tokens, stats, events = run(engine, ids, params)
     assert stats.finish_reason == "stop" and len(tokens) <= cut_at + 1

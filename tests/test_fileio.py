@@ -6,10 +6,12 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from cactus_cli.core import fileio
+from cactus_cli.core.errors import ConfigError
 from tests.helpers import bench_args, calibrate_args, invoke, pair_args
 
 
@@ -56,3 +58,39 @@ def test_output_flags_write_to_dev_stdout_in_a_pipe(tiny, tmp_path):
         "generate", "the cat", *pair_args(tiny), "-n", "4", "--draft", "suffix", "--remember", "/dev/stdout"
     )
     assert r.returncode == 0 and "cactus-suffix-history" in r.stdout, r.stderr
+
+
+def test_a_symlink_is_written_through_to_its_target(tmp_path):
+    target = tmp_path / "results.csv"
+    target.write_text("old\n")
+    link = tmp_path / "link.csv"
+    link.symlink_to(target)
+    fileio.check_output_file(link, "--csv")
+    fileio.atomic_write(link, "new\n")
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert target.read_text() == "new\n"
+
+
+def test_a_read_only_file_is_refused_before_the_run_and_never_replaced(tmp_path):
+    kept = tmp_path / "kept.yaml"
+    kept.write_text("mine\n")
+    kept.chmod(0o444)
+    with pytest.raises(ConfigError, match="read-only"):
+        fileio.check_output_file(kept, "--save")
+    with pytest.raises(PermissionError):
+        fileio.atomic_write(kept, "theirs\n")  # (as root too: the kernel would let root write)
+    assert kept.read_text() == "mine\n" and stat.S_IMODE(kept.stat().st_mode) == 0o444
+
+
+def test_a_fifo_is_written_in_place_not_replaced(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, encoding="utf-8").read()))
+    reader.start()
+    fileio.check_output_file(fifo, "--csv")
+    fileio.atomic_write(fifo, "a,b\n1,2\n")
+    reader.join(timeout=10)
+    assert got == ["a,b\n1,2\n"]
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert [p.name for p in tmp_path.iterdir()] == ["pipe"]  # no temp file left beside it

@@ -199,3 +199,63 @@ def test_the_tree_is_formatted_and_clean():
     assert fmt.returncode == 0, fmt.stdout[-2000:] + fmt.stderr[-500:]
     lint = subprocess.run([sys.executable, "-m", "ruff", "check", *paths], cwd=root, capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout[-2000:] + lint.stderr[-500:]
+
+
+def named_in_comparisons(names: set[str], outside: str) -> list[str]:
+    """Where a string in ``names`` is compared with something (``==``, ``!=``, ``in``, a match
+    case), in modules outside ``outside``: code that decides by a registry entry's name."""
+    found = []
+    for name, path in MODULES.items():
+        if name.startswith(outside):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare):
+                parts = [node.left, *node.comparators]
+                consts = [c for p in parts for c in ([p] if isinstance(p, ast.Constant) else getattr(p, "elts", []))]
+                hits = [c.value for c in consts if isinstance(c, ast.Constant) and c.value in names]
+                if hits:
+                    found.append(f"{name}:{node.lineno} compares with {hits[0]!r}")
+    return found
+
+
+def test_each_registry_is_the_only_place_its_kind_is_named():
+    """Backends (infer/backends), model-free drafters (infer/draft) and acceptance rules
+    (core/acceptance.py): nothing else decides by comparing a name, so adding one is one module
+    and one registry line."""
+    from cactus_cli.core.acceptance import RULES
+    from cactus_cli.infer.backends import BACKENDS
+    from cactus_cli.infer.draft import KINDS
+
+    assert not named_in_comparisons(set(BACKENDS), "cactus_cli.infer.backends")
+    assert not named_in_comparisons(set(KINDS), "cactus_cli.infer.draft")
+    assert not named_in_comparisons(set(RULES), "cactus_cli.core.acceptance")
+
+
+def test_the_name_check_finds_a_comparison_with_a_registry_name(tmp_path, monkeypatch):
+    """A module that decides by a backend's name, in any of the shapes code takes, is found."""
+    planted = tmp_path / "_planted.py"
+    planted.write_text('a = b == "llama.cpp"\nc = d in ("x", "torch")\n')
+    monkeypatch.setitem(MODULES, "cactus_cli.app._planted", planted)
+    assert named_in_comparisons({"llama.cpp", "torch"}, "cactus_cli.infer.backends") == [
+        "cactus_cli.app._planted:1 compares with 'llama.cpp'",
+        "cactus_cli.app._planted:2 compares with 'torch'",
+    ]
+
+
+def test_the_readme_and_docs_python_blocks_are_formatted():
+    """The Python in README.md and docs/ reads as the code does: ``ruff format`` would not change it."""
+    import re
+    import subprocess
+    import sys
+
+    root = ROOT.parent
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S):
+            fmt = subprocess.run(
+                [sys.executable, "-m", "ruff", "format", "--check", "--stdin-filename", "block.py", "-"],
+                cwd=root,
+                input=block,
+                capture_output=True,
+                text=True,
+            )
+            assert fmt.returncode == 0, f"{page.name}: a python block is not formatted:\n{block}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,12 +18,11 @@ import torch
 from cactus_cli.core.errors import ContextLimitError, ModelError
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.core.stats import SpecStats
-from cactus_cli.infer import gguf, plan
-from cactus_cli.infer.draft import Lookup
+from cactus_cli.infer import backends, gguf, plan
+from cactus_cli.infer.draft import Free
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
 from cactus_cli.infer.runners import llama_cpp
-from cactus_cli.infer.runners.factory import make_runner
 from cactus_cli.infer.runners.llama_cpp import LlamaCppRunner
 from cactus_cli.infer.sources import Source
 from tests.gguf_helpers import write_tiny_gguf
@@ -79,7 +79,8 @@ def test_the_pair_runs_on_llama_cpp_and_says_why(pairs):
     assert pair.verifier.backend == pair.draft.backend == "llama.cpp"
     assert pair.backend_reason == "backend llama.cpp (asked for)"
     assert "all F32" in pair.verifier.quantize_note and pair.verifier.quantize == "gguf"
-    assert isinstance(make_runner(pair.verifier, pair.vocab_size, False, 512, "verifier"), LlamaCppRunner)
+    runner = backends.backend_of(pair.verifier.backend).runner(pair.verifier, pair.vocab_size, False, 512, "verifier")
+    assert isinstance(runner, LlamaCppRunner)
 
 
 def test_forward_crop_reset_and_prefill_agree_with_one_full_forward(pairs):
@@ -131,7 +132,7 @@ def test_the_context_grows_with_the_request_and_keeps_the_cache(pairs, monkeypat
 @pytest.mark.parametrize("draft", ["close", "other", "ngram", "suffix"])
 def test_greedy_speculative_equals_greedy_plain_decoding(pairs, draft, k):
     model = pairs["alone"] if draft in ("ngram", "suffix") else pairs[draft]
-    engine = SpeculativeEngine(model, Lookup(draft) if draft in ("ngram", "suffix") else None)
+    engine = SpeculativeEngine(model, Free(draft) if draft in ("ngram", "suffix") else None)
     plain = SpeculativeEngine(pairs["alone"])
     ids = encode(model)
     n = 40
@@ -189,32 +190,39 @@ def test_the_same_file_on_torch_gives_nearly_the_same_logits(files, pairs):
 def test_auto_picks_llama_cpp_for_gguf_on_a_cpu_and_torch_otherwise(files, tiny, monkeypatch):
     g = Source("gguf", files["verifier"])
     cpu = torch.device("cpu")
-    assert plan.choose_backend("auto", [("v", g)], cpu, "auto", "auto", "auto", 1)[0] == "llama.cpp"
-    assert plan.choose_backend("auto", [("v", g)], cpu, "none", "auto", "auto", 1)[0] == "llama.cpp"
+
+    def choose(asked, sources, **settings):
+        backend, why, note = backends.choose(asked, sources, plan.LoadRequest(verifier="v", **settings), cpu)
+        return backend.name, why, note
+
+    assert choose("auto", [("v", g)])[:2] == ("llama.cpp", "backend auto: llama.cpp")
+    assert choose("auto", [("v", g)], quantize="none")[0] == "llama.cpp"
     folder = Source("folder", tiny["verifier"])
-    assert plan.choose_backend("auto", [("v", g), ("d", folder)], cpu, "auto", "auto", "auto", 1) == (
+    assert choose("auto", [("v", g), ("d", folder)])[:2] == (
         "torch",
-        "backend auto: torch (d is a folder, not a GGUF file)",
+        "backend auto: torch (not llama.cpp: d is a folder)",
     )
-    for args, flag in (
-        ((cpu, "int8", "auto", "auto", 1), "--quantize int8"),
-        ((cpu, "auto", "float32", "auto", 1), "--dtype float32"),
-        ((cpu, "auto", "auto", "on", 1), "--compile on"),
-        ((cpu, "auto", "auto", "auto", 2), "--tp 2"),
+    for settings, flag, owner in (
+        ({"quantize": "int8"}, "--quantize int8", " (it is a torch setting)"),
+        ({"dtype": "float32"}, "--dtype float32", ""),
+        ({"compile": "on"}, "--compile on", ""),
+        ({"tp": 2}, "--tp 2", ""),
     ):
-        assert plan.choose_backend("auto", [("v", g)], *args) == (
-            "torch",
-            f"backend auto: torch ({flag} is a torch setting)",
-        )
-        with pytest.raises(ModelError, match=f"^{flag} does not apply to the llama.cpp backend"):
-            plan.choose_backend("llama.cpp", [("v", g)], *args)
-    with pytest.raises(ModelError, match="runs GGUF files .* is a folder; use --backend torch"):
-        plan.choose_backend("llama.cpp", [("v", folder)], cpu, "auto", "auto", "auto", 1)
+        assert choose("auto", [("v", g)], **settings)[:2] == ("torch", f"backend auto: torch (not llama.cpp: {flag})")
+        with pytest.raises(
+            ModelError, match=f"^{flag} does not apply to the llama.cpp backend{re.escape(owner)}; drop"
+        ):
+            choose("llama.cpp", [("v", g)], **settings)
+    with pytest.raises(ModelError, match="--quantize q4_0 does not apply to the torch backend .it is a llama.cpp"):
+        choose("torch", [("v", g)], quantize="q4_0")
+    with pytest.raises(ModelError, match="--backend llama.cpp cannot run 'v', a folder; use another --backend"):
+        choose("llama.cpp", [("v", folder)])
     monkeypatch.setattr(gguf, "available", lambda: "the llama.cpp backend needs llama-cpp-python (...); install it")
-    backend, why = plan.choose_backend("auto", [("v", g)], cpu, "auto", "auto", "auto", 1)
-    assert backend == "torch" and why.startswith("backend auto: torch, llama.cpp is not available: ")
+    backend, why, note = choose("auto", [("v", g)])
+    assert backend == "torch" and why.startswith("backend auto: torch (not llama.cpp: the llama.cpp backend needs")
+    assert note.startswith("llama.cpp would run these models but is not available: ")
     with pytest.raises(ModelError, match="needs llama-cpp-python"):
-        plan.choose_backend("llama.cpp", [("v", g)], cpu, "auto", "auto", "auto", 1)
+        choose("llama.cpp", [("v", g)])
 
 
 def test_a_tokenizer_that_gives_other_ids_is_refused_at_load(files, tiny, monkeypatch):

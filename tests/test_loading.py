@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import struct
 
+import pytest
+
 from tests.helpers import assert_one_line_error, invoke, pair_args
 
 
@@ -33,3 +35,45 @@ def test_unknown_hub_id_and_mistyped_path_fail_fast(tiny, tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     r = invoke("generate", "hi", "--verifier", "tiny/verifer", "--draft", "none")
     assert_one_line_error(r, "no folder tiny/verifer (in tiny/: verifier)")
+
+
+def _broken(tmp_path, tiny, how):
+    import json
+    import shutil
+
+    folder = tmp_path / how
+    shutil.copytree(tiny["verifier"], folder)
+    weights = folder / "model.safetensors"
+    config = folder / "config.json"
+    if how == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "pickle":
+        weights.unlink()
+        (folder / "pytorch_model.bin").write_bytes(b"\x80\x04 never unpickled")
+    elif how == "not-json":
+        config.write_text("{ not json")
+    elif how == "unknown-architecture":
+        doc = json.loads(config.read_text())
+        config.write_text(json.dumps({**doc, "model_type": "foo", "architectures": ["FooForCausalLM"]}))
+    elif how == "mistyped":
+        config.write_text(json.dumps({**json.loads(config.read_text()), "hidden_size": "big"}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "how, needle",
+    [
+        ("truncated", "truncated or corrupt"),
+        ("pickle", "pickle checkpoint (pytorch_model.bin)"),
+        ("not-json", "config.json is not valid JSON"),
+        ("unknown-architecture", "does not know (model_type 'foo'"),
+        ("mistyped", "hidden_size"),
+    ],
+)
+def test_a_model_folder_that_does_not_load_is_one_line_naming_it(tmp_path, tiny, how, needle):
+    from tests.helpers import assert_one_line_error, invoke
+
+    folder = _broken(tmp_path, tiny, how)
+    r = invoke("generate", "hi", "--verifier", folder, "--draft", "ngram", "--device", "cpu", "-n", "2")
+    assert_one_line_error(r, needle)
+    assert str(folder) in r.output

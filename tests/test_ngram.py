@@ -9,11 +9,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cactus_cli.app.settings import parse_draft
+from cactus_cli.app.parsing import parse_draft
 from cactus_cli.cli.main import app
-from cactus_cli.core.events import NGRAM
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.draft import Lookup
+from cactus_cli.infer.draft import Free
 from cactus_cli.infer.draft.ngram import NgramDrafter
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
@@ -45,7 +44,7 @@ def test_lookup_takes_the_longest_then_most_recent_match():
     d = drafter(seq)
     seq = seq + [1, 2]  # the sequence grows: 1 2 3 4 1 2
     d.accept(seq, 0)
-    assert d.lookup(seq, 2) == [3, 4] and d.next_source(seq) == "ngram"
+    assert d.lookup(seq, 2) == [3, 4] and d.peek(seq).source == "ngram"
     probs = d.propose(seq, 2, SamplingParams(1.0, 0, 1.0), None).probs
     assert probs.shape == (2, 100) and probs[0, 3] == 1.0 and probs.sum() == 2.0  # one-hot rows
 
@@ -71,7 +70,7 @@ def pairs(tiny):
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_greedy_with_lookup_equals_the_verifier_and_caches_stay_exact(pairs, which, adaptive):
     pair = pairs[which]
-    engine = SpeculativeEngine(pair, Lookup(NGRAM, 3, 1))
+    engine = SpeculativeEngine(pair, Free("ngram", {"ngram_max": 3, "ngram_min": 1}))
     ids = pair.tokenizer(REPEATS)["input_ids"]
     n = 40
     params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=adaptive, max_tokens=n, ignore_eos=True)
@@ -100,7 +99,7 @@ def test_sps_with_lookup_drafts_reproduces_the_verifier_distribution(pairs):
     exact = exact_two_tokens(pair, ids, sp)
     cells = sorted(exact)
     index = {c: i for i, c in enumerate(cells)}
-    engine = SpeculativeEngine(pair, Lookup(NGRAM, 2, 1))
+    engine = SpeculativeEngine(pair, Free("ngram", {"ngram_max": 2, "ngram_min": 1}))
     samples, drafted = [], 0
     for seed in range(1500):
         params = GenerationParams(sampling=sp, rule="sps", num_draft_tokens=2, max_tokens=2, ignore_eos=True, seed=seed)

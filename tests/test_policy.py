@@ -60,7 +60,7 @@ def test_flat_verify_cost_and_high_acceptance_draft_long():
 
 
 def test_steep_verify_cost_means_plain_decoding():
-    # the AVX2 CPU of issue 10: 5 tokens cost 4.5x one, a draft token half a verify
+    # an AVX2 CPU as measured: 5 tokens cost 4.5x one, a draft token half a verify
     steep = cost_model({1: 0.154, 5: 0.685, 11: 1.203}, draft=0.078)
     assert best_k(steep, 0.9, 8) == 0
     assert best_k(steep, [0.9, 0.95, 0.97, 0.98], 8) == 0  # even runs of easy text do not pay there

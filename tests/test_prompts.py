@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from cactus_cli.app.prompts import EDIT_FILE, builtin_prompts, edit_prompts, load_prompts
 from cactus_cli.cli.main import app
+from cactus_cli.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -61,3 +64,39 @@ def test_bench_runs_the_edit_category(tiny):
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["prompts"] == ["edit-1"] and set(doc["results"][1]["by_category"]) == {"edit"}
+
+
+def test_a_deeply_nested_jsonl_line_is_one_line_naming_file_and_line(tmp_path):
+    from cactus_cli.app.prompts import read_jsonl
+
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"prompt": "fine"}\n' + "[" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match=rf"{f}:2: nested too deeply"):
+        read_jsonl(str(f), "--prompts", "prompts")
+
+
+def test_prompt_files_split_on_newlines_only_keep_ids_and_read_fifos(tmp_path):
+    import json
+    import threading
+
+    from cactus_cli.app.prompts import load_prompts
+    from cactus_cli.app.tasks import load_tasks
+
+    f = tmp_path / "p.jsonl"
+    rows = [{"prompt": "a\u2028b\u2029c\x85d", "id": 7}, {"prompt": "two", "id": "x"}, {"prompt": "three"}]
+    f.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows), encoding="utf-8-sig")  # (a BOM)
+    got = load_prompts(str(f), None)
+    assert [p.id for p in got] == [7, "x", "p3"] and got[0].prompt == rows[0]["prompt"]
+    for bad in (1.5, True, [1], None):
+        f.write_text(json.dumps({"prompt": "p", "id": bad}) + "\n")
+        with pytest.raises(ConfigError, match=rf"{f}:1: 'id' must be a string or an integer"):
+            load_prompts(str(f), None)
+    f.write_text(json.dumps({"prompt": "p", "answer": "1", "id": [2]}) + "\n")
+    with pytest.raises(ConfigError, match="'id' must be"):
+        load_tasks(str(f), None)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text('{"prompt": "from a pipe"}\n'))
+    writer.start()
+    assert [p.prompt for p in load_prompts(str(fifo), None)] == ["from a pipe"]
+    writer.join(10)

@@ -19,6 +19,7 @@ from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
 from cactus_cli.infer.quant import quantize
 from tests.helpers import invoke, quantize_tiny
+from tests.test_embedded import fake_model  # noqa: F401 (a fixture: fake embedded parts)
 from tests.test_engine import GREEDY, prompt_ids, run
 
 cli = CliRunner()
@@ -566,3 +567,122 @@ def test_the_quantized_cache_streams_tensor_by_tensor_in_the_safetensors_format(
     for k in ("s", "b.q", "a.scales"):
         w.add(k, tensors[k])
     assert not w.finish() and not bad.exists() and not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.fixture
+def fake_model_cache(fake_model):  # noqa: F811
+    return fake_model[0]
+
+
+def _temp_files(folder):
+    return sorted(p.name for p in folder.glob(".*.tmp")) if folder.is_dir() else []
+
+
+def test_an_interrupted_first_quantization_removes_its_partial_cache(tiny, monkeypatch):
+    from cactus_cli.infer.quant import quantize
+    from tests.helpers import quantize_tiny
+
+    folder = quantize.cache_file(quantize.weights_key(tiny["verifier"]), "int8").parent
+    real, calls = quantize.quantize_int8, []
+
+    def interrupted(w):
+        calls.append(1)
+        if len(calls) == 3:  # a few layers in: the partial file exists
+            assert _temp_files(folder)
+            raise KeyboardInterrupt
+        return real(w)
+
+    monkeypatch.setattr(quantize, "quantize_int8", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_tiny(tiny)
+    assert _temp_files(folder) == [] and not list(folder.glob("*.safetensors"))
+
+
+SIGTERM_DURING_QUANTIZATION = """
+import sys, time
+from cactus_cli.core.signals import treat_sigterm_as_sigint
+from cactus_cli.infer.quant import quantize
+import torch
+from transformers import AutoModelForCausalLM
+treat_sigterm_as_sigint()
+real, calls = quantize.quantize_int8, []
+def slow(w):
+    calls.append(1)
+    if len(calls) == 2:
+        print("writing", flush=True)
+        time.sleep(60)
+    return real(w)
+quantize.quantize_int8 = slow
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+try:
+    quantize.quantize_model(model, "int8", sys.argv[1])
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_sigterm_during_the_first_quantization_leaves_no_partial_cache(tiny, isolated_home):
+    import signal
+    import subprocess
+    import sys
+
+    from cactus_cli.infer.quant import quantize
+
+    folder = quantize.cache_file(quantize.weights_key(tiny["verifier"]), "int8").parent
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGTERM_DURING_QUANTIZATION, tiny["verifier"]],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, CACTUS_HOME=str(isolated_home)),
+    )
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        assert _temp_files(folder)  # the partial file is there while it writes
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 130
+    finally:
+        proc.kill()
+    assert _temp_files(folder) == []
+
+
+def test_a_damaged_quantized_cache_is_said_in_a_line_that_stays(tiny):
+    from cactus_cli.infer.quant import quantize
+    from tests.helpers import invoke
+
+    args = ["generate", "the cat", "--verifier", tiny["verifier"], "--draft", "none", "--device", "cpu"]
+    args += ["--quantize", "int8", "-n", "2", "--plain"]
+    assert invoke(*args).exit_code == 0
+    path = quantize.cache_file(quantize.weights_key(tiny["verifier"]), "int8")
+    path.write_bytes(path.read_bytes()[:100])
+    r = invoke(*args)
+    assert r.exit_code == 0, r.output
+    assert f"warning: the quantized cache {path} is damaged (" in " ".join(r.stderr.split())
+
+
+def test_every_rebuilt_cache_says_why(tiny, fake_model_cache, capsys):
+    from cactus_cli.infer import devices, embedded
+    from cactus_cli.infer.quant import quantize
+
+    def said() -> str:
+        return " ".join(capsys.readouterr().err.split())
+
+    verdict = quantize.verdict_path(tiny["verifier"])
+    assert quantize.quality_verdict(tiny["verifier"]) is None and said() == ""  # not measured yet: nothing to say
+    verdict.parent.mkdir(parents=True, exist_ok=True)
+    verdict.write_text('{"nll_delta": "x"}')
+    assert quantize.quality_verdict(tiny["verifier"]) is None
+    assert f"warning: the w8a8 quality verdict {verdict} is unreadable; measuring" in said()
+
+    devices._timed_once("t-", [1], ("a",), lambda name: 0.5)
+    assert said() == ""  # measured the first time
+    (path,) = (devices.cache_path({}, "").parent).glob("t-*.json")
+    path.write_text("not json")
+    devices._timed_once("t-", [1], ("a",), lambda name: 0.5)
+    assert f"warning: the timing cache {path} is unreadable; measuring again" in said()
+
+    (embedded.models_dir() / "fake").mkdir(parents=True)  # a conversion that never finished
+    embedded.prepare_embedded("fake")
+    assert "fake is an incomplete conversion (no cactus-conversion.json); making it again" in said()
+    (embedded.models_dir() / "fake.gguf").write_bytes(b"short")
+    embedded.embedded_gguf("fake")
+    assert f"fake.gguf is 5 bytes, not {fake_model_cache.size}; assembling it again" in said()

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from cactus_cli.app.settings import check_flags_apply, flags_to_settings, parse_params
+from cactus_cli.app.parsing import parse_params
+from cactus_cli.app.settings import check_flags_apply, flags_to_settings
 from cactus_cli.core.errors import ConfigError
 from tests.helpers import (
     ALIAS_BOMB,
@@ -80,3 +81,55 @@ def test_settings_that_do_nothing_are_errors(tiny, tmp_path):
         path = tmp_path / "p.yaml"
         path.write_text(f"verifier: {tiny['verifier']}\n" + body)
         one_line_error(invoke("profiles", "show", path), needle)
+
+
+@pytest.mark.parametrize("lookup", ["ngram", "suffix"])
+def test_cross_vocab_with_a_draft_that_has_no_model_is_an_error(tiny, lookup):
+    from tests.helpers import assert_one_line_error, invoke
+
+    args = ["--verifier", tiny["verifier"], "--draft", lookup, "--device", "cpu", "--dtype", "float32"]
+    assert_one_line_error(
+        invoke("generate", "hi", *args, "--cross-vocab", "intersection", "-n", "2"), f"--draft {lookup} has no model"
+    )
+
+
+def test_numbers_in_e_notation_are_read_as_numbers_everywhere_yaml_is(tiny):
+    from cactus_cli.app.parsing import parse_params, parse_yaml
+
+    assert parse_params(["epsilon=1e-3", "scale=2E+2"]) == {"epsilon": 0.001, "scale": 200.0}
+    assert parse_yaml("delta: 5e-1\nname: 1e3x\n", "profile.yaml") == {"delta": 0.5, "name": "1e3x"}
+
+
+@pytest.mark.parametrize("number", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    "command, flag",
+    [
+        ("calibrate", "--max-divergence"),
+        ("calibrate", "--max-quality-drop"),
+        ("calibrate", "--max-accuracy-drop"),
+        ("bench", "--delta"),
+        ("generate", "--param"),
+        ("generate", "--top-p"),
+    ],
+)
+def test_a_number_that_is_not_finite_is_refused_in_one_line(tiny, command, flag, number):
+    from tests.helpers import assert_one_line_error, invoke
+
+    value = f"epsilon={'.' + number.lstrip('-') if number != '-inf' else '-.inf'}" if flag == "--param" else number
+    args = [command, *(["hi"] if command == "generate" else []), "--verifier", tiny["verifier"]]
+    args += ["--draft", tiny["draft"], "--device", "cpu"]
+    args += ["--rules", "cactus"] if command == "bench" else ["--rule", "tas" if flag == "--param" else "cactus"]
+    if command == "calibrate" and flag == "--max-accuracy-drop":
+        args += ["--tasks", "humaneval"]
+    r = invoke(*args, flag, value)
+    assert_one_line_error(r, "must be")
+    assert "finite" in r.output or "in 0..100" in r.output or "in (0, 1]" in r.output
+
+
+def test_a_profile_or_set_value_that_is_not_finite_is_refused():
+    from cactus_cli.app.parsing import parse_yaml
+    from cactus_cli.app.settings import check_layer
+
+    for text in ("delta: .nan\n", "top_p: .inf\n", "rule_params: {epsilon: .nan}\n"):
+        with pytest.raises(ConfigError, match="finite number"):
+            check_layer(parse_yaml(text, "p.yaml"), "p.yaml")

@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
+from cactus_cli.app.parsing import parse_draft
 from cactus_cli.app.profiles import load_profile
-from cactus_cli.app.settings import parse_draft
 from cactus_cli.infer import embedded
 
 

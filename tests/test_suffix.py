@@ -6,18 +6,19 @@ kept apart per bench row and out of warm-ups, the CLI."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import stat
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from cactus_cli.cli.main import app
-from cactus_cli.core.events import SUFFIX
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer.costs import WINDOW, CostStore
-from cactus_cli.infer.draft import Lookup
-from cactus_cli.infer.draft.suffix import SuffixDrafter
+from cactus_cli.infer.draft import Free
+from cactus_cli.infer.draft.suffix import SUFFIX, SuffixDrafter
 from cactus_cli.infer.draft.suffix_tree import History, SuffixTree, follow
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
@@ -160,7 +161,7 @@ def pairs(tiny):
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_greedy_with_suffix_drafts_equals_the_verifier_and_caches_stay_exact(pairs, which, adaptive):
     pair = pairs[which]
-    engine = SpeculativeEngine(pair, Lookup(SUFFIX))
+    engine = SpeculativeEngine(pair, Free("suffix"))
     if adaptive:  # whether drafting pays must not hang on the timings that other tests (or a
         fixed_costs(engine, {1: 0.1, 5: 0.1, 9: 0.2})  # loaded machine) left in the session's cost cache
     ids = pair.tokenizer("the cat sat on the mat and the dog sat on the mat and the cat")["input_ids"]
@@ -190,7 +191,7 @@ def test_greedy_with_suffix_drafts_equals_the_verifier_and_caches_stay_exact(pai
 
 def test_histories_are_kept_apart_per_memory_and_out_of_warm_ups(pairs):
     pair = pairs["alone"]
-    engine = SpeculativeEngine(pair, Lookup(SUFFIX))
+    engine = SpeculativeEngine(pair, Free("suffix"))
     ids = pair.tokenizer("one two three four")["input_ids"]
     base = GenerationParams(sampling=GREEDY, num_draft_tokens=4, max_tokens=24, ignore_eos=True)
     run(engine, ids, GenerationParams(**{**base.__dict__, "learn": False}))  # a warm-up: remembered nowhere
@@ -215,7 +216,7 @@ def test_sps_with_suffix_drafts_reproduces_the_verifier_distribution(pairs, samp
     exact = exact_two_tokens(pair, ids, sp)
     cells = sorted(exact)
     index = {c: i for i, c in enumerate(cells)}
-    engine = SpeculativeEngine(pair, Lookup(SUFFIX, sampled=sampled))
+    engine = SpeculativeEngine(pair, Free("suffix", {"sampled": sampled}))
     samples, drafted, firsts, ks = [], 0, set(), set()
     if adaptive:  # a draft pays where its acceptance, as calibrated, is over 5% (not this machine's timings)
         fixed_costs(engine, {1: 0.1, 2: 0.105})
@@ -342,3 +343,106 @@ def test_bench_takes_drafts_as_grid_values(tiny):
     assert_one_line_error(
         runner.invoke(app, ["bench", *pair_args(tiny), "--draft", "ngram,suffix+"]), "suffix+MODEL needs a model"
     )
+
+
+def _remember(path, n, tag, barrier):
+    from cactus_cli.infer.draft.suffix_tree import History
+
+    h, _ = History.load(path, "vocab-A", 1000)
+    barrier.wait(30)  # both runs have read the file before either writes
+    for i in range(n):
+        h.add([tag, i % 900 + 1, tag])
+
+
+def test_runs_sharing_a_remember_file_merge_under_a_lock(tmp_path):
+    import json
+    import multiprocessing
+
+    path = tmp_path / "history.json"
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_remember, args=(path, 25, t, barrier)) for t in (7, 8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    docs = json.loads(path.read_text())["docs"]
+    assert sorted(d[0] for d in docs) == [7] * 25 + [8] * 25  # both runs' documents, none lost
+
+
+def test_a_chat_document_that_grows_is_kept_once(tmp_path):
+    import json
+
+    from cactus_cli.infer.draft.suffix_tree import History
+
+    path = tmp_path / "history.json"
+    other, _ = History.load(path, "vocab-A", 100)
+    other.add([9, 9, 9])
+    chat, _ = History.load(path, "vocab-A", 100)  # holds the other run's document too
+    chat.add([1, 2, 3])
+    chat.add([1, 2, 3, 4, 5])  # the next turn repeats the conversation so far
+    assert sorted(json.loads(path.read_text())["docs"]) == [[1, 2, 3, 4, 5], [9, 9, 9]]
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [("{ truncated", "cannot be read"), ('{"format": "other"}', "not a cactus"), (None, "another tokenizer")],
+)
+def test_a_history_file_that_cannot_be_used_is_moved_aside_not_destroyed(tmp_path, content, why):
+    import json
+
+    from cactus_cli.infer.draft.suffix_tree import History
+
+    path = tmp_path / "history.json"
+    if content is None:
+        h, _ = History.load(path, "vocab-B", 100)
+        h.add([5, 6, 7])
+        content = path.read_text()
+    else:
+        path.write_text(content)
+    h, warning = History.load(path, "vocab-A", 100)
+    assert why in warning and "moved aside" in warning and path.read_text() == content  # nothing touched yet
+    notes = []
+    h.on_note = notes.append
+    h.add([1, 2, 3])
+    aside = list(tmp_path.glob("history.json.bad-*"))
+    assert len(aside) == 1 and aside[0].read_text() == content
+    assert len(notes) == 1 and aside[0].name in notes[0]
+    assert json.loads(path.read_text())["docs"] == [[1, 2, 3]]
+
+
+def test_a_device_as_the_remember_file_is_written_in_place_never_moved(tmp_path):
+    from pathlib import Path
+
+    from cactus_cli.infer.draft.suffix_tree import History
+
+    h, warning = History.load(Path("/dev/null"), "vocab-A", 100)
+    assert warning is None
+    h.add([1, 2, 3])
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode) and not list(Path("/dev").glob("null.bad-*"))
+
+
+def test_a_history_file_is_bounded_and_loaded_in_one_pass(tmp_path, monkeypatch):
+    import json
+
+    from cactus_cli.infer.draft import suffix_tree
+    from cactus_cli.infer.draft.suffix_tree import History, SuffixTree
+
+    path = tmp_path / "history.json"
+    docs = [[d % 50 + 1, *range(1, 100)] for d in range(3000)]  # 300k tokens for a 10k budget
+    path.write_text(json.dumps({"format": suffix_tree.FORMAT, "schema": suffix_tree.SCHEMA, "key": "k", "docs": docs}))
+    adds, removes = [], []
+    monkeypatch.setattr(SuffixTree, "remove", lambda self, doc: removes.append(doc))
+    real_add = SuffixTree.add
+    monkeypatch.setattr(SuffixTree, "add", lambda self, doc, t: (adds.append(doc), real_add(self, doc, t)))
+    h, warning = History.load(path, "k", 200, budget=10_000)
+    assert warning is None and h.tokens == 10_000 and len(adds) == 100 and removes == []  # the newest 100, once
+    assert h.tree.docs[h.next_id - 1].tolist() == docs[-1]
+    big = tmp_path / "big.json"
+    big.write_text(" " * (suffix_tree.MAX_FILE_BYTES + 1))
+    _, warning = History.load(big, "k", 200)
+    assert "over the 16 MB" in warning
+    many = tmp_path / "many.json"
+    many.write_text(json.dumps({"format": suffix_tree.FORMAT, "schema": 1, "key": "k", "docs": [[1]] * 5000}))
+    _, warning = History.load(many, "k", 200)
+    assert "5000 documents, over the 4096" in warning

@@ -77,3 +77,34 @@ def test_a_rule_defined_here_runs_in_the_engine(geo, tiny):
     assert all(kl >= 0 for ev in events for kl in ev.realized_kl) and any(
         kl > 0 for ev in events for kl in ev.realized_kl
     )
+
+
+def test_a_rule_defined_here_runs_through_a_profile_the_cli_and_session(geo, tiny, tmp_path):
+    """Its parameter is a profile key, a --param, a chat /set and a Session keyword like any other:
+    nothing outside the registry names it."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from cactus_cli.api import Session
+    from cactus_cli.cli.main import app
+
+    profile = tmp_path / "geo.yaml"
+    profile.write_text(f"verifier: {tiny['verifier']}\ndraft: {tiny['draft_close']}\nrule: geo\nw: 0.25\n")
+    base = ["generate", "the cat sat", "--profile", str(profile), "--device", "cpu", "--dtype", "float32"]
+    base += ["-k", "3", "-n", "6", "--seed", "1", "--json"]
+    r = CliRunner().invoke(app, base)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["settings"]["rule_params"] == {"w": 0.25}  # from the profile
+    r = CliRunner().invoke(app, [*base, "--param", "w=0.75"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["settings"]["rule_params"] == {"w": 0.75}  # the flag over the profile
+    r = CliRunner().invoke(app, [*base, "--param", "w=2"])
+    assert r.exit_code == 2 and "w must be a number in [0, 1], got 2" in r.output, r.output
+    r = CliRunner().invoke(app, [*base, "--delta", "0.5"])
+    assert r.exit_code == 2 and "--delta has no effect with rule 'geo'" in r.output, r.output
+    assert "geo" in CliRunner().invoke(app, ["generate", "--help"]).output  # --help lists the registry
+    session = Session.load(str(profile), device="cpu", dtype="float32", num_draft_tokens=3, max_tokens=6)
+    assert session.settings.rule_kwargs() == {"w": 0.25}
+    assert session.with_settings(rule_params={"w": 0.5}).rule_kwargs() == {"w": 0.5}
+    assert len(session.text("the cat sat")) > 0

@@ -30,6 +30,7 @@ from cactus_cli.app.profiles import (
 )
 from cactus_cli.app.settings import Settings, check_each
 from cactus_cli.app.tasks import paired_difference
+from cactus_cli.core.acceptance import RULES
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.fileio import check_output_file, write_or_fail
 from cactus_cli.infer.costs import CostModel, tokens_per_second
@@ -131,8 +132,9 @@ def choose_delta(
 def validate(settings: Settings, deltas: list[float], ks: list[int]) -> None:
     """Everything a calibration checks, before any model loads."""
 
-    if settings.rule not in ("cactus", "cactus-exact"):
-        raise ConfigError(f"calibrate tunes delta: use --rule cactus or cactus-exact (got {settings.rule!r})")
+    if "delta" not in RULES[settings.rule].param_names():
+        takes = " or ".join(name for name, rule in RULES.items() if "delta" in rule.param_names())
+        raise ConfigError(f"calibrate tunes delta: use --rule {takes} (got {settings.rule!r})")
     check_each("delta", deltas, "--delta")
     check_each("max_draft_tokens", ks, "-k")  # fixed k only: the same 1..64 range
 

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from cactus_cli.app import runtime
+from cactus_cli.app.parsing import parse_yaml
 from cactus_cli.app.profiles import resolve_settings
-from cactus_cli.app.settings import Settings, check_value, parse_yaml
+from cactus_cli.app.settings import Settings, check_rule_param, check_value, rule_param_specs
 from cactus_cli.core.acceptance import RULES
 from cactus_cli.core.errors import CactusError, ConfigError, ContextLimitError
 from cactus_cli.core.fileio import atomic_write, decode_input
@@ -21,7 +22,7 @@ from cactus_cli.core.stats import SpecStats
 HELP = """commands:
   /help               this list
   /stats              session totals (vLLM metric names) and prefill tokens saved by cache reuse
-  /set KEY=VALUE      change rule, delta, k (a number or auto), max_draft_tokens, temperature, top_p,
+  /set KEY=VALUE      change rule, a rule parameter (delta, ...), k (a number or auto), max_draft_tokens, temperature, top_p,
                       top_k or max_tokens from the next turn
   /set                show those settings
   /reset              forget the conversation (and the caches)
@@ -30,9 +31,8 @@ HELP = """commands:
   /exit               leave (Ctrl-D works too)
 multi-line input: end a line with \\ to continue, or wrap a block in triple quotes \"\"\""""
 
-SETTABLE = {
+SETTABLE = {  # (and every rule parameter: /set delta=0.5, /set divergence=chi2)
     "rule": "rule",
-    "delta": "delta",
     "k": "num_draft_tokens",
     "num_draft_tokens": "num_draft_tokens",
     "max_draft_tokens": "max_draft_tokens",
@@ -164,18 +164,22 @@ class ChatSession:
     def set(self, arg: str) -> None:
         if not arg:
             s = self.settings
-            self.out.info("  ".join(f"{k}={getattr(s, v)}" for k, v in SETTABLE.items() if k != "num_draft_tokens"))
+            shown = [f"{k}={getattr(s, v)}" for k, v in SETTABLE.items() if k != "num_draft_tokens"]
+            self.out.info("  ".join(shown[:1] + [f"{k}={v}" for k, v in s.rule_kwargs().items()] + shown[1:]))
             return
         key, sep, raw = arg.partition("=")
         key = key.strip().lower()
-        if not sep or key not in SETTABLE:
-            raise ConfigError(
-                f"/set expects KEY=VALUE with KEY one of: {', '.join(k for k in SETTABLE if k != 'num_draft_tokens')}"
-            )
+        params = rule_param_specs()
+        if not sep or (key not in SETTABLE and key not in params):
+            known = [k for k in SETTABLE if k != "num_draft_tokens"] + list(params)
+            raise ConfigError(f"/set expects KEY=VALUE with KEY one of: {', '.join(known)}")
         try:
             value = parse_yaml(raw.strip(), f"/set {key}")
         except ConfigError:
             value = raw.strip()  # not YAML: taken as the text it is (and checked below)
+        if key in params:
+            self.set_param(key, value)
+            return
         field_name = SETTABLE[key]
         problem = check_value(field_name, value)
         if problem:
@@ -189,11 +193,22 @@ class ChatSession:
             )
 
         trial = Settings(**{**self.settings.to_dict(), field_name: value})
-        if field_name == "delta" and "delta" not in RULES[trial.rule].param_names():
-            raise ConfigError(
-                f"/set delta: has no effect with rule {trial.rule!r}; /set rule=cactus or cactus-exact first"
-            )
         trial.rule_kwargs()  # the rule and its parameters must still agree
+        self.settings = trial
+        self.out.info(f"{key} = {value} (from the next turn)")
+
+    def set_param(self, key: str, value: Any) -> None:
+        """/set for a rule parameter: the session's rule must take it."""
+        if problem := check_rule_param(key, value):
+            raise ConfigError(f"/set {key}: {problem}")
+        if key not in RULES[self.settings.rule].param_names():
+            takes = [name for name, rule in RULES.items() if key in rule.param_names()]
+            raise ConfigError(
+                f"/set {key}: has no effect with rule {self.settings.rule!r}; /set rule={' or '.join(takes)} first"
+            )
+        value = float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+        trial = Settings(**{**self.settings.to_dict(), "rule_params": {**self.settings.rule_params, key: value}})
+        trial.rule_kwargs()
         self.settings = trial
         self.out.info(f"{key} = {value} (from the next turn)")
 
@@ -253,7 +268,8 @@ class ChatSession:
             self.out.info(f"loading the models of profile {name}…")
             self.engine = self.load_engine(new)
         self.settings = new
-        self.out.info(f"profile {name}: rule={new.rule} delta={new.delta} k={new.num_draft_tokens}")
+        params = " ".join(f"{k}={v}" for k, v in new.rule_kwargs().items())
+        self.out.info(f"profile {name}: rule={new.rule} {params} k={new.num_draft_tokens}".replace("  ", " "))
 
 
 def _line_source(interactive: bool, history_file: Path | None) -> Callable[[str], str]:

@@ -12,11 +12,13 @@ from typing import Any, Callable
 
 import torch
 
+from cactus_cli.app.parsing import parse_list
 from cactus_cli.app.prompts import Prompt
-from cactus_cli.app.settings import check_each, parse_list
-from cactus_cli.core.acceptance import RULES, resolve_params
+from cactus_cli.app.settings import check_each
+from cactus_cli.core.acceptance import LOSSLESS, RULES, resolve_params
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.stats import SpecStats, summarize
+from cactus_cli.infer.backends import FALLBACK, backend_of
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.runners.base import sync
 from cactus_cli.infer.text import trim_stop
@@ -34,7 +36,7 @@ class BenchConfig:
     draft: str = ""  # ... and --draft ngram,suffix,MODEL (bench and eval take a list)
     cross: str = ""  # ... and --cross-vocab string,intersection (a draft with another vocabulary; "" otherwise)
     tag: str = ""  # names the engine in the label when a grid has more than one
-    backend: str = "torch"  # ... and --backend torch,llama.cpp
+    backend: str = FALLBACK  # ... and --backend torch,llama.cpp
 
     @property
     def variant(self) -> tuple[str, str, bool, str, str]:
@@ -70,7 +72,7 @@ def build_grid(
     rule_params: dict[str, Any],
     compare_hf: bool,
     k_max: int = 8,
-    variants: list[tuple[str, str, bool, str, str]] = (("torch", "none", False, "", ""),),
+    variants: list[tuple[str, str, bool, str, str]] = ((FALLBACK, "none", False, "", ""),),
 ) -> list[BenchConfig]:
     """Per engine variant (backend, quantize, compiled, draft, cross-vocabulary method): the
     baseline (once per backend, quantize and compiled: it drafts nothing), then each rule (x
@@ -79,11 +81,14 @@ def build_grid(
     grid: list[BenchConfig] = []
     several = [len({v[i] for v in variants}) > 1 for i in range(5)]
 
+    def varies(i: int, backend: str) -> bool:  # (quantize and compiled: among one backend's rows)
+        return len({v[i] for v in variants if v[0] == backend}) > 1
+
     def tag(backend: str, quantize: str, compiled: bool, draft: str, cross: str) -> str:
         parts = (
             backend if several[0] else "",
-            quantize if several[1] and backend != "llama.cpp" else "",
-            ("compiled" if compiled else "eager") if several[2] and backend != "llama.cpp" else "",
+            quantize if varies(1, backend) else "",
+            ("compiled" if compiled else "eager") if varies(2, backend) else "",
             draft if several[3] else "",
             cross if several[4] else "",
         )
@@ -108,9 +113,11 @@ def build_grid(
             for c in rows
         ]
     if compare_hf:
-        b, q, c, d, x = next((v for v in variants if v[0] == "torch"), variants[0])
-        if b != "torch":
-            raise ConfigError("--compare-hf runs transformers' own generate: add torch to --backend")
+        b, q, c, d, x = next((v for v in variants if backend_of(v[0]).transformers), variants[0])
+        if not backend_of(b).transformers:
+            raise ConfigError(
+                "--compare-hf runs transformers' own generate: add a backend that runs transformers models to --backend"
+            )
         grid += [
             BenchConfig("hf-assisted", None, k, quantize=q, compiled=c, draft=d, cross=x) for k in ks if k != "auto"
         ]
@@ -230,7 +237,7 @@ def run_one(
         return _one_hf(engine, cfg, i, ids, base)
     params = dataclasses.replace(
         base,
-        rule=cfg.rule or "sps",
+        rule=cfg.rule or LOSSLESS,
         rule_kwargs=cfg.rule_kwargs,
         num_draft_tokens=cfg.k,
         adaptive_k=cfg.adaptive,
@@ -364,7 +371,7 @@ def warm_up(engine: SpeculativeEngine, ids: list[int], base: GenerationParams, k
     teach the cost store nothing: ``learn=False``)."""
     for kk in {0, k} if engine.drafter is not None else {0}:
         params = GenerationParams(
-            sampling=base.sampling, rule="sps", num_draft_tokens=kk, max_tokens=8, seed=0, learn=False
+            sampling=base.sampling, rule=LOSSLESS, num_draft_tokens=kk, max_tokens=8, seed=0, learn=False
         )
         for _ in engine.generate(ids, params):
             pass

@@ -11,13 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cactus_cli.app.settings import (
-    Settings,
-    build_settings,
-    check_layer,
-    parse_yaml,
-    uses_lookup,
-)
+from cactus_cli.app.parsing import parse_yaml
+from cactus_cli.app.settings import Settings, build_settings, check_layer, kind_setting_problem
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.fileio import read_utf8_file
 from cactus_cli.core.paths import cactus_home
@@ -87,17 +82,11 @@ def load_profile(name_or_path: str) -> tuple[dict[str, Any], Path]:
 def check_profile_keys(data: dict[str, Any], origin: str, lines: dict[str, int]) -> None:
     """Keys of one profile that would do nothing with the profile's other keys: an error."""
     draft = data.get("draft")
-    if isinstance(draft, str) and not uses_lookup(draft, "ngram"):
-        for key in ("ngram_max", "ngram_min"):
-            if key in data:
-                raise ConfigError(
-                    f"{origin}:{lines.get(key, '?')}: {key} applies only to prompt lookup "
-                    f"(draft: ngram or ngram+MODEL), not to draft {draft!r}; remove it"
-                )
-    if isinstance(draft, str) and not uses_lookup(draft, "suffix") and data.get("remember") is not None:
+    given = [k for k, v in data.items() if v is not None]
+    if isinstance(draft, str) and (problem := kind_setting_problem(draft, given)):
+        key, owners = problem
         raise ConfigError(
-            f"{origin}:{lines.get('remember', '?')}: remember applies only to the suffix drafter "
-            f"(draft: suffix or suffix+MODEL), not to draft {draft!r}; remove it"
+            f"{origin}:{lines.get(key, '?')}: {key} applies only to {owners}, not to draft {draft!r}; remove it"
         )
     if "max_draft_tokens" in data and isinstance(data.get("num_draft_tokens"), int):
         raise ConfigError(

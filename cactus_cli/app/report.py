@@ -16,6 +16,7 @@ from cactus_cli import __version__
 from cactus_cli.app.grid import ConfigResult
 from cactus_cli.app.prompts import Prompt
 from cactus_cli.app.tasks import paired_difference, wilson
+from cactus_cli.infer.backends import backend_of
 from cactus_cli.infer.devices import device_name
 from cactus_cli.infer.engine import SpeculativeEngine
 
@@ -26,15 +27,16 @@ def environment(engine: SpeculativeEngine, settings: dict[str, Any]) -> dict[str
     import transformers
 
     dev = engine.pair.verifier.device
-    on_llama = engine.pair.verifier.backend == "llama.cpp"
+    backend = backend_of(engine.pair.verifier.backend)
     return {
         "cactus": __version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "llama_cpp_python": _version("llama-cpp-python"),
-        "backend": engine.pair.verifier.backend,
-        "llama_cpp_threads": engine.pair.verifier.model.threads if on_llama else None,
+        "backend": backend.name,
+        "llama_cpp_threads": None,  # (the llama.cpp backend says)
+        **backend.environment(engine.pair.verifier),
         "platform": platform.platform(),
         "device": str(dev),
         "device_name": device_name(dev),  # the GPU, or the CPU model and the flags that decide matmul speed

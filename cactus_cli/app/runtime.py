@@ -4,24 +4,43 @@ by every command and the lm-eval adapter, so they all behave the same."""
 
 from __future__ import annotations
 
-import hashlib
-import json
+import dataclasses
 from typing import Any
 
 from cactus_cli.app import follower
+from cactus_cli.app.parsing import parse_draft
 from cactus_cli.app.prompts import builtin_prompts
-from cactus_cli.app.settings import Settings, draft_limit, parse_draft
+from cactus_cli.app.settings import Settings, draft_limit
 from cactus_cli.core.errors import ConfigError
-from cactus_cli.core.events import NGRAM, SUFFIX
-from cactus_cli.core.fileio import check_output_file
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.costs import CostStore, cost_key
-from cactus_cli.infer.draft import History, Lookup
+from cactus_cli.infer import draft
+from cactus_cli.infer.backends import backend_of
+from cactus_cli.infer.draft import KINDS, Free
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import load_pair, tp_load_spec
-from cactus_cli.infer.runners.compiled import compile_problem
+from cactus_cli.infer.models import load_plan
+from cactus_cli.infer.plan import LoadRequest, choose_compile, plan_load
 from cactus_cli.infer.sources import ModelPair
 from cactus_cli.infer.tp import group
+
+
+def load_request(settings: Settings, **overrides: Any) -> LoadRequest:
+    """The one load request ``settings`` make (``overrides``, where not None, replace a runtime
+    setting: bench times several backends, quantizations and compile modes)."""
+    request = LoadRequest(
+        verifier=settings.verifier,
+        draft=parse_draft(settings.draft)[1],
+        tokenizer=settings.tokenizer,
+        device=settings.device,
+        dtype=settings.dtype,
+        quantize=settings.quantize,
+        tp=settings.tp,
+        cross_vocab=settings.cross_vocab,
+        backend=settings.backend,
+        threads=settings.threads,
+        compile=settings.compile,
+        quality_texts=tuple(p.prompt for p in builtin_prompts(None)),  # (a requantized verifier's quality)
+    )
+    return dataclasses.replace(request, **{k: v for k, v in overrides.items() if v is not None})
 
 
 def load_engine(
@@ -35,72 +54,40 @@ def load_engine(
     """Load the pair (or take ``pair``, already loaded) and build the engine, compiled or not
     (``compile_mode``, ``quantize`` and ``backend`` override the settings': bench times several).
     A rank > 0 of a torchrun tensor-parallel group never returns: it serves rank 0, then exits."""
-    kind, model = parse_draft(settings.draft)
     if settings.threads:
         import torch
 
         torch.set_num_threads(settings.threads)  # (llama.cpp takes them at load)
+    request = load_request(settings, compile=compile_mode, quantize=quantize, backend=backend)
     if pair is None and settings.tp > 1 and group.is_follower():
-        follower.serve(
-            tp_load_spec(
-                settings.verifier,
-                settings.tokenizer,
-                settings.device,
-                settings.dtype,
-                quantize or settings.quantize,
-                settings.tp,
-            )
-        )
+        follower.serve(plan_load(request).tp_load)
         raise SystemExit(0)
-    mode = compile_mode or settings.compile
     if pair is None:
-        pair = load_pair(
-            settings.verifier,
-            model,
-            settings.tokenizer,
-            settings.device,
-            settings.dtype,
-            reporter,
-            quantize or settings.quantize,
-            settings.tp,
-            settings.cross_vocab,
-            backend or settings.backend,
-            settings.threads,
-            mode,
-            tuple(p.prompt for p in builtin_prompts(None)),  # (a requantized verifier's quality is measured on them)
-        )
-    compiled, note = resolve_compile(mode, pair)
-    if note and reporter is not None:
-        reporter.warn(note)
-    engine = SpeculativeEngine(pair, lookup(kind, settings, pair, reporter), compiled)
+        pair = load_plan(plan_load(request, reporter), reporter)
+    plan = pair.plan
+    if compile_mode is not None and compile_mode != plan.request.compile:  # (bench: the same pair, compiled too)
+        plan = dataclasses.replace(plan, request=dataclasses.replace(plan.request, compile=compile_mode))
+        compiled, why = choose_compile(plan)
+        plan = dataclasses.replace(plan, compiled=compiled, compile_reason=why)
+        pair = dataclasses.replace(pair, plan=plan)
+    if plan.request.compile == "on" and not plan.compiled and reporter is not None:
+        reporter.warn(plan.compile_reason)
+    engine = SpeculativeEngine(
+        pair, free_drafting(parse_draft(settings.draft)[0], settings, pair, reporter), plan.compiled
+    )
     for line in engine.costs.notes if reporter is not None else ():
         reporter.warn(line)
     return engine
 
 
-def lookup(kind: str | None, settings: Settings, pair: ModelPair, reporter=None) -> Lookup | None:
-    """The model-free drafting a draft value asks for; the suffix drafter's remembered history is
-    loaded here (a file that cannot serve is one warning and an empty history)."""
-    if kind == NGRAM:
-        return Lookup(NGRAM, settings.ngram_max, settings.ngram_min)
-    if kind != SUFFIX:
+def free_drafting(kind: str | None, settings: Settings, pair: ModelPair, reporter=None) -> Free | None:
+    """The model-free drafting a draft value asks for (draft/__init__.KINDS), with the settings it
+    reads; its state (the suffix trees' remembered history) loaded now, a problem one warning."""
+    if kind is None:
         return None
-    history = None
-    if settings.remember:
-        path = check_output_file(settings.remember, "--remember")
-        history, note = History.load(path, tokenizer_fingerprint(pair.tokenizer), pair.vocab_size)
-        if reporter is not None:
-            if note:
-                reporter.warn(note)
-            history.on_error = history.on_note = reporter.warn
-    return Lookup(SUFFIX, history=history)
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """Names the vocabulary token ids belong to (a saved history is refused by another one)."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
-    return f"{len(vocab)} tokens, sha256 {digest}"
+    options = {key: getattr(settings, key) for key in KINDS[kind].settings}
+    warn = reporter.warn if reporter is not None else (lambda line: None)
+    return draft.free_drafting(kind, options, pair.tokenizer, pair.vocab_size, warn)
 
 
 CHAT_CONTEXT = 4096  # tokens a chat's llama.cpp context holds from the start
@@ -121,9 +108,10 @@ def prepare(
     static caches are sized once for the whole context window (bounded by free memory), since
     growing one later re-records every graph of both models; on llama.cpp the context starts at
     CHAT_CONTEXT tokens (growing one replays the conversation)."""
-    if whole_context and engine.compiled and engine.pair.verifier.device.type == "cuda":
+    sizing = backend_of(engine.pair.verifier.backend).chat_context(engine.compiled, engine.pair.verifier.device)
+    if whole_context and sizing == "whole":
         prompt_tokens = engine.context_length - settings.max_tokens
-    elif whole_context and engine.pair.verifier.backend == "llama.cpp":
+    elif whole_context and sizing == "chat":
         prompt_tokens = max(prompt_tokens, CHAT_CONTEXT - settings.max_tokens)
     ks = k_values if k_values is not None else [settings.num_draft_tokens]
     report = reporter.task if reporter is not None else None
@@ -137,34 +125,6 @@ def prepare(
         if reporter is not None:
             reporter.task("measuring step costs on this machine (once per pair, device and dtype)")
         engine.probe_costs(settings.max_draft_tokens)
-
-
-def resolve_compile(mode: str, pair: ModelPair) -> tuple[bool, str | None]:
-    """``--compile`` to on/off, and a warning line when "on" cannot be honoured. auto: on for
-    CUDA; on a CPU only where earlier runs of this pair measured the compiled verifier faster
-    (compiling there costs a minute and pays only when a forward is overhead-bound)."""
-    if mode == "off" or pair.verifier.backend == "llama.cpp":  # (--compile on chose torch)
-        return False, None
-    if pair.verifier.tp > 1:
-        return False, ("--compile on does not combine with --tp yet; running eagerly" if mode == "on" else None)
-    device = pair.verifier.device
-    problem = compile_problem(device)
-    if mode == "on":
-        return (False, f"--compile on: {problem}; running eagerly") if problem else (True, None)
-    if problem or device.type != "cuda" and not _measured_faster(pair):
-        return False, None
-    return True, None
-
-
-def _measured_faster(pair: ModelPair) -> bool:
-    """Both cost caches exist and the compiled verifier's one-token step was >= 10% faster."""
-    t = []
-    for compiled in (False, True):
-        costs = CostStore.read(cost_key(pair, compiled)).costs
-        if not costs.verify:
-            return False
-        t.append(costs.t_v(1))
-    return t[1] < 0.9 * t[0]
 
 
 def generation_params(settings: Settings, ignore_eos: bool = False) -> GenerationParams:

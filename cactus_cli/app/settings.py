@@ -1,34 +1,34 @@
-"""Settings: everything a run needs besides the prompt (defaults from core/defaults.py), the
+"""Settings: everything a run needs besides the prompt (defaults from core/defaults.py), and the
 checks every value passes wherever it comes from (a profile, a flag, chat's /set, lm-eval's
-model_args), and the parsing helpers for what users type: --param KEY=VALUE, -k lists, comma
-lists, --draft values. Settings are frozen: change one with ``dataclasses.replace``.
+model_args). What users type is parsed in parsing.py. Settings are frozen: change one with
+``dataclasses.replace``.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Callable
+from typing import Any
 
+from cactus_cli.app.parsing import parse_draft, parse_k, parse_params
 from cactus_cli.core import defaults
 from cactus_cli.core.acceptance import RULES, resolve_params
-from cactus_cli.core.errors import ConfigError, warn
+from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.fileio import clean_text
+from cactus_cli.infer import backends
+from cactus_cli.infer.draft import KINDS
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
-MAX_DELTA = 1e6  # nats; any budget this large already accepts every draft, and larger ones overflow float32
 MIN_TEMPERATURE = 1e-3  # below this, logits / T overflows to inf and probabilities to NaN: use 0 (greedy)
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; bench adds the prompt index
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 COMPILE = ("auto", "on", "off")
-QUANTIZE = ("auto", "none", "int8", "int4", "w8a8", "q4_0")  # q4_0: a GGUF requantized for llama.cpp
+QUANTIZE = ("auto", "none", *dict.fromkeys(q for b in backends.BACKENDS.values() for q in b.quantizations))
 CROSS_VOCAB = ("auto", "string", "intersection")
-BACKENDS = ("auto", "torch", "llama.cpp")
+BACKENDS = ("auto", *backends.BACKENDS)
 _LISTS = " (a comma list is for bench and eval, to compare several in one run)"
-RULE_PARAM_KEYS = ("divergence", "epsilon", "alpha", "topk")  # rule parameters other than delta
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,7 @@ class Settings:
     tokenizer: str | None = None  # tokenizer source for both models (default: the verifier's)
     cross_vocab: str = defaults.CROSS_VOCAB  # a draft with another tokenizer: string (SLEM), intersection (TLI), auto
     rule: str = defaults.RULE
-    delta: float = defaults.DELTA  # divergence budget, for cactus and cactus-exact
-    rule_params: dict[str, Any] = field(default_factory=dict)  # divergence, epsilon, alpha, topk
+    rule_params: dict[str, Any] = field(default_factory=dict)  # the rules' parameters (RULES): delta, divergence, ...
     num_draft_tokens: int | str = (
         defaults.NUM_DRAFT_TOKENS
     )  # k, or "auto": the engine picks k in 0..max_draft_tokens per step
@@ -65,7 +64,7 @@ class Settings:
     tp: int = defaults.TP  # tensor-parallel ranks for the verifier (infer/tp/)
     backend: str = (
         defaults.BACKEND
-    )  # torch, llama.cpp (GGUF files on a CPU), auto: llama.cpp where it can run (models.choose_backend)
+    )  # torch, llama.cpp (GGUF files on a CPU), auto: the first of backends.BACKENDS that runs the models
     threads: int | None = None  # CPU threads for either backend (None: the CPUs this process may use)
     chat_template: bool | None = None  # None: use the tokenizer's chat template when it has one
     system: str | None = None
@@ -73,18 +72,19 @@ class Settings:
     calibration: dict[str, Any] | None = None  # written by `cactus calibrate`
 
     def rule_kwargs(self) -> dict[str, Any]:
-        """The validated parameters of ``self.rule`` (delta only for the rules that take it)."""
+        """The validated parameters of ``self.rule`` (the others' are kept, for another rule)."""
         spec = RULES.get(self.rule)
         if spec is None:
             raise ConfigError(f"unknown rule {self.rule!r}; choose one of: {', '.join(RULES)}")
-        names = spec.param_names()
-        kwargs = {k: v for k, v in self.rule_params.items() if k in names}
-        if "delta" in names:
-            kwargs["delta"] = self.delta
+        kwargs = {k: v for k, v in self.rule_params.items() if k in spec.param_names()}
         try:
             return resolve_params(self.rule, kwargs)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+
+    def param(self, name: str) -> Any:
+        """A rule parameter as set, else its default (``settings.param("delta")``)."""
+        return self.rule_params.get(name, rule_param_specs()[name].default)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,6 +106,17 @@ def _types(hint: Any) -> tuple[type, ...]:
 
 _TYPES: dict[str, tuple[type, ...]] = {name: _types(hint) for name, hint in typing.get_type_hints(Settings).items()}
 assert set(_TYPES) == {f.name for f in fields(Settings)}
+
+
+def rule_param_specs() -> dict[str, Any]:
+    """Every parameter of every registered rule by name (``core.acceptance.Param``: default,
+    validity, type): what a profile key, ``--param`` and ``--delta`` may set. Read from RULES each
+    time, so a rule registered later (a plugin, a test's toy rule) brings its own parameters."""
+    out: dict[str, Any] = {}
+    for rule in RULES.values():
+        for prm in rule.params:
+            out.setdefault(prm.name, prm)
+    return out
 
 
 def _type_name(types: tuple[type, ...]) -> str:
@@ -153,12 +164,10 @@ def check_value(key: str, value: Any) -> str | None:
         return f"must be a finite number, got {value!r}"
     if key in _INT_RANGES and not _INT_RANGES[key][0] <= value <= _INT_RANGES[key][1]:
         return f"must be an integer in {_INT_RANGES[key][0]}..{_INT_RANGES[key][1]}, got {value!r}"
-    if key == "delta" and not (math.isfinite(value) and 0 <= value <= MAX_DELTA):
-        return f"must be a number in 0..{MAX_DELTA:g}, got {value!r}"
     if key == "num_draft_tokens" and (value != "auto" if isinstance(value, str) else not 1 <= value <= 64):
         return f"must be an integer in 1..64 or auto, got {value!r}"
     if key == "draft":
-        for kind in LOOKUPS:
+        for kind in KINDS:
             if value.startswith(kind + "+") and not value[len(kind) + 1 :].strip():
                 return f"{kind}+MODEL needs a model after the +, e.g. {kind}+embedded:qwen2.5-coder-0.5b"
     if key in ("remember", "history") and not value.strip():
@@ -181,56 +190,91 @@ def check_value(key: str, value: Any) -> str | None:
         )  # (bench and eval take lists)
         return f"must be one of {', '.join(_CHOICES[key])}, got {value!r}{_LISTS if listed else ''}"
     if key == "rule_params":
-        unknown = sorted(set(value) - set(RULE_PARAM_KEYS))
+        specs = rule_param_specs()
+        unknown = sorted(set(value) - set(specs))
         if unknown:
-            return f"has unknown parameter {unknown[0]!r} (known: {', '.join(RULE_PARAM_KEYS)})"
-        bad = next((n for n, v in value.items() if isinstance(v, float) and not math.isfinite(v)), None)
-        if bad is not None:
-            return f"{bad} must be a finite number, got {value[bad]!r}"
+            return f"has unknown parameter {unknown[0]!r} (known: {', '.join(specs)})"
+        for name, v in value.items():
+            if problem := check_rule_param(name, v):
+                return f"{name} {problem}"
     if key == "stop" and not all(isinstance(s, str) and s for s in value):
         return "must be a list of non-empty strings"
     return None
 
 
+def check_rule_param(name: str, value: Any) -> str | None:
+    """Why ``value`` is not valid for the rule parameter ``name`` (the rule's own check: the rule
+    a run uses checks it again with its own range), or None."""
+    spec = rule_param_specs()[name]
+    if value is None and spec.default is None:
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, got {value!r}"
+    return None if spec.valid(value) else f"must be {spec.valid_range}, got {value!r}"
+
+
 def check_each(key: str, values: list[Any], flag: str) -> None:
     """Every value of a comma list (bench and calibrate sweep several) valid for ``key``."""
     for value in values:
-        if problem := check_value(key, value):
+        problem = check_rule_param(key, value) if key in rule_param_specs() else check_value(key, value)
+        if problem:
             raise ConfigError(f"{flag}: each value {problem}")
 
 
-FLAG_NAMES = {"rule_params": "--param", "num_draft_tokens": "-k/--num-draft-tokens"}
+FLAG_NAMES = {"rule_params": "--param", "num_draft_tokens": "-k/--num-draft-tokens", "delta": "--delta"}
+
+
+def flag_name(key: str) -> str:
+    """How the command line spells a setting or rule parameter (``--delta``, ``--param KEY``)."""
+    if key in FLAG_NAMES:
+        return FLAG_NAMES[key]
+    return f"--param {key}" if key in rule_param_specs() and key not in _TYPES else "--" + key.replace("_", "-")
 
 
 def check_layer(layer: dict[str, Any], origin: str, lines: dict[str, int] | None = None) -> None:
-    """Every key known, every value valid; errors name the origin (and the line, for a file)
-    and the key (or flag)."""
+    """Every key known (a setting, or a rule parameter: ``delta: 0.5`` in a profile), every
+    value valid; errors name the origin (and the line, for a file) and the key (or flag)."""
+    specs = rule_param_specs()
     for key, value in layer.items():
         if value is ...:
             continue
         where = f"{origin}:{lines.get(key, '?')}" if lines is not None else origin
-        name = FLAG_NAMES.get(key, "--" + key.replace("_", "-")) if origin == "command line" else key
-        if key not in _TYPES:
-            raise ConfigError(f"{where}: unknown key {key!r} (known keys: {', '.join(_TYPES)})")
-        problem = check_value(key, value)
+        name = flag_name(key) if origin == "command line" else key
+        if key not in _TYPES and key not in specs:
+            known = ", ".join([*_TYPES, *specs])
+            raise ConfigError(f"{where}: unknown key {key!r} (known keys: {known})")
+        problem = check_rule_param(key, value) if key in specs and key not in _TYPES else check_value(key, value)
         if problem:
             raise ConfigError(f"{where}: {name} {problem}")
+
+
+def gather_params(layer: dict[str, Any]) -> dict[str, Any]:
+    """A layer with its rule parameters given as keys (``delta: 0.5``, ``--delta``) moved into
+    ``rule_params``, where every rule parameter lives."""
+    specs = rule_param_specs()
+    params = {k: v for k, v in layer.items() if k in specs and k not in _TYPES and v is not ...}
+    if not params:
+        return layer
+    out = {k: v for k, v in layer.items() if k not in params}
+    given = out.get("rule_params", ...)
+    out["rule_params"] = {**(given if isinstance(given, dict) else {}), **params}
+    return out
 
 
 def build_settings(*layers: tuple[dict[str, Any], str]) -> Settings:
     """Defaults, then each (layer, origin) in order, later winning. Values ``...`` are skipped."""
     merged: dict[str, Any] = {}
+    specs = rule_param_specs()
     for layer, origin in layers:
         check_layer(layer, origin)
-        for key, value in layer.items():
+        for key, value in gather_params(layer).items():
             if value is ...:
                 continue
             if key == "rule_params":
+                value = {n: float(v) if specs[n].kind is float and type(v) is int else v for n, v in value.items()}
                 merged[key] = {**merged.get(key, {}), **value}
             else:
                 merged[key] = value
-    if isinstance(merged.get("delta"), int):
-        merged["delta"] = float(merged["delta"])
     settings = Settings(**merged)
     if settings.ngram_min > settings.ngram_max:
         raise ConfigError(f"ngram_min ({settings.ngram_min}) must not exceed ngram_max ({settings.ngram_max})")
@@ -238,132 +282,15 @@ def build_settings(*layers: tuple[dict[str, Any], str]) -> Settings:
     return settings
 
 
-# --------------------------------------------------------------------------- parsing what users type
-
-
-def _loader():
-    """yaml's SafeLoader that also reads numbers as users write them: YAML 1.1 (PyYAML) takes
-    ``1e-3`` for a string (it wants ``1.0e-3``); YAML 1.2 and every other parser read a float."""
-    import yaml
-
-    global _LOADER
-    if _LOADER is None:
-
-        class Loader(yaml.SafeLoader):
-            pass
-
-        Loader.add_implicit_resolver(
-            "tag:yaml.org,2002:float",
-            re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-            list("-+0123456789"),
-        )
-        _LOADER = Loader
-    return _LOADER
-
-
-_LOADER = None
-
-
-def parse_yaml(text: str, where: str) -> Any:
-    """``yaml.safe_load`` for what users write (profiles, --param, /set), with every failure one
-    ConfigError line naming ``where``. Aliases are refused before anything is built: a few
-    hundred bytes of nested aliases expand to 10^8 entries when the result is walked."""
-    import yaml
-
-    try:
-        for event in yaml.parse(text):  # events only: nothing is expanded yet
-            if isinstance(event, yaml.AliasEvent):
-                raise ConfigError(
-                    f"{where}:{event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not "
-                    "allowed here; write the value out"
-                )
-        return yaml.load(text, Loader=_loader())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark else ""
-        problem = " ".join(str(getattr(err, "problem", None) or err).split())
-        raise ConfigError(f"{where}{line}: not valid YAML ({problem})") from None
-    except RecursionError:
-        raise ConfigError(f"{where}: YAML nested too deeply") from None
-
-
-LOOKUPS = ("ngram", "suffix")  # drafting without a model: prompt lookup, the suffix trees
-
-
-def uses_lookup(draft: str | None, kind: str | None = None) -> bool:
-    """Whether a draft value drafts without a model first (``ngram``, ``suffix``, ``KIND+MODEL``);
-    with ``kind``, by that one."""
-    return draft is not None and parse_draft(draft)[0] in ((kind,) if kind else LOOKUPS)
-
-
-def parse_draft(spec: str | None) -> tuple[str | None, str | None]:
-    """A draft value: ``MODEL``; ``ngram`` (prompt lookup) or ``suffix`` (the suffix trees)
-    alone; or ``ngram+MODEL`` / ``suffix+MODEL`` (the model drafts when they have nothing).
-    Returns (the lookup kind or None, the model source or None)."""
-    if spec is None:
-        return None, None
-    if spec in LOOKUPS:
-        return spec, None
-    for kind in LOOKUPS:
-        if spec.startswith(kind + "+"):
-            model = spec[len(kind) + 1 :].strip()
-            if not model:
-                raise ConfigError(
-                    f"--draft {kind}+MODEL: name the draft model after the +, e.g. {kind}+embedded:qwen2.5-coder-0.5b"
-                )
-            return kind, model
-    return None, spec
-
-
-def parse_params(items: list[str] | None) -> dict[str, Any]:
-    """--param KEY=VALUE pairs; values parsed as YAML scalars (numbers, strings)."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--param {item!r}: expected KEY=VALUE, e.g. --param divergence=chi2")
-        out[key.strip()] = parse_yaml(value, f"--param {key.strip()}")
-    return out
-
-
-def parse_k(text: str | int, flag: str) -> int | str:
-    """``auto`` or an integer (range checked with the other settings)."""
-    if isinstance(text, int) or str(text).strip().lower() == "auto":
-        return text if isinstance(text, int) else "auto"
-    try:
-        return int(str(text).strip())
-    except ValueError:
-        raise ConfigError(f"{flag}: expected an integer in 1..64 or auto, got {text!r}") from None
-
-
-def parse_list(text: str, cast: Callable[[str], Any], flag: str) -> list[Any]:
-    """A comma list (bench and calibrate sweep several values), each value once: a value given
-    twice (``-k 2,2``, ``--delta 1,1.0``) runs once, said in one line. Numbers must be finite."""
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise ConfigError(f"{flag}: give a comma-separated list, e.g. {flag} 1,2")
-    try:
-        values = [cast(t) for t in items]
-    except ValueError:
-        raise ConfigError(f"{flag}: cannot read {text!r} as a comma-separated list of {cast.__name__}s") from None
-    for v in values:
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ConfigError(f"{flag}: each value must be a finite number, got {v!r}")
-    return unique(values, flag)
-
-
-def unique(values: list[Any], flag: str) -> list[Any]:
-    """``values`` without repeats (first kept), a repeat said in one line."""
-    kept = list(dict.fromkeys(values))
-    if len(kept) < len(values):
-        twice = [v for i, v in enumerate(values) if v in values[:i]]
-        warn(f"{flag}: {', '.join(dict.fromkeys(str(v) for v in twice))} given more than once; each runs once")
-    return kept
-
-
-def parse_ks(text: str) -> list[int | str]:
-    """A -k list: integers and ``auto``, each once."""
-    return unique([parse_k(t, "-k") for t in parse_list(text, str, "-k")], "-k")
+def kind_setting_problem(draft: str | None, keys: list[str]) -> tuple[str, str] | None:
+    """(a key, the drafters that read it, in words) among ``keys`` that ``draft`` would not read:
+    a setting of model-free drafters (``KINDS[...].settings``) the draft does not use."""
+    used = parse_draft(draft)[0] if draft is not None else None
+    for key in dict.fromkeys(k for kind in KINDS.values() for k in kind.settings):
+        owners = [kind for kind in KINDS.values() if key in kind.settings]
+        if key in keys and used not in [kind.name for kind in owners]:
+            return key, " or ".join(f"{k.summary} (draft {k.name} or {k.name}+MODEL)" for k in owners)
+    return None
 
 
 def flags_to_settings(**flags: Any) -> dict[str, Any]:
@@ -388,23 +315,20 @@ def flags_to_settings(**flags: Any) -> dict[str, Any]:
 def check_flags_apply(settings: Settings, flags: dict[str, Any]) -> None:
     """A flag that would do nothing is an error, not a silent no-op."""
     takes = RULES[settings.rule].param_names()
-    if flags.get("delta", ...) is not ... and "delta" not in takes:
-        raise ConfigError(f"--delta has no effect with rule {settings.rule!r}; use --rule cactus or cactus-exact")
-    for key in flags.get("rule_params") if flags.get("rule_params", ...) is not ... else {}:
+    given = gather_params(flags).get("rule_params", ...)
+    for key in given if given is not ... else {}:
         if key not in takes:
+            rules = [name for name, rule in RULES.items() if key in rule.param_names()]
             raise ConfigError(
-                f"--param {key}: rule {settings.rule!r} has no parameter {key!r} "
-                f"(it takes: {', '.join(takes) or 'no parameters'})"
+                f"{flag_name(key)} has no effect with rule {settings.rule!r} (it takes: "
+                f"{', '.join(takes) or 'no parameters'}); use --rule {' or '.join(rules)}"
             )
     if settings.draft is None:
         for key, flag in (("num_draft_tokens", "-k/--num-draft-tokens"), ("max_draft_tokens", "--max-draft-tokens")):
             if flags.get(key, ...) is not ...:
                 raise ConfigError(f"{flag} has no effect without a draft model; pass --draft")
-    for key in ("ngram_max", "ngram_min"):
-        if flags.get(key, ...) is not ... and not uses_lookup(settings.draft, "ngram"):
-            raise ConfigError(f"--{key.replace('_', '-')} applies only to prompt lookup (--draft ngram or ngram+MODEL)")
-    if flags.get("remember", ...) is not ... and not uses_lookup(settings.draft, "suffix"):
-        raise ConfigError("--remember applies only to the suffix drafter (--draft suffix or suffix+MODEL)")
+    if problem := kind_setting_problem(settings.draft, [k for k in flags if flags[k] is not ...]):
+        raise ConfigError(f"{flag_name(problem[0])} applies only to {problem[1]}")
     if flags.get("cross_vocab", ...) is not ... and parse_draft(settings.draft)[1] is None:
         raise ConfigError(
             "--cross-vocab applies to a draft model with another tokenizer; "

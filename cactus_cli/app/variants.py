@@ -8,11 +8,14 @@ import dataclasses
 from typing import Any
 
 from cactus_cli.app import runtime
+from cactus_cli.app.parsing import parse_draft
 from cactus_cli.app.prompts import Prompt
-from cactus_cli.app.settings import Settings, parse_draft
+from cactus_cli.app.settings import Settings
 from cactus_cli.core.errors import ModelError
+from cactus_cli.infer.backends import backend_of
 from cactus_cli.infer.engine import SpeculativeEngine
-from cactus_cli.infer.models import with_draft
+from cactus_cli.infer.models import load_plan
+from cactus_cli.infer.plan import plan_load
 from cactus_cli.infer.vocab import CrossVocab
 
 
@@ -53,7 +56,9 @@ def load_engines(
                 if models:
                     loaded[models[0]] = first
                 for m in models[1:]:
-                    loaded[m] = with_draft(loaded[None], m, reporter, "auto", settings.tokenizer is None)
+                    request = runtime.load_request(loading, quantize=quantize, backend=backend, compile=mode)
+                    plan = plan_load(dataclasses.replace(request, draft=m), reporter)
+                    loaded[m] = load_plan(plan, reporter, verifier=loaded[None])
                 pairs = _cross_as_asked(loaded, list(crosses))
             for draft in drafts:
                 model = parse_draft(draft)[1]
@@ -81,16 +86,16 @@ def _backend_runs(
     settings: Settings, backends: list[str], quantizes: list[str], compiles: list[str]
 ) -> list[tuple[str, str, list[str]]]:
     """(backend, quantize, compile modes) per verifier to load. With several backends, the
-    quantize and compile lists are the torch rows' (llama.cpp runs the GGUF as it is); with
-    llama.cpp alone, a value it cannot take is an error (models.choose_backend says so)."""
+    quantize and compile lists apply to the backends that take them (backends/: a backend runs
+    only its own quantizations, compiles only if it can); with one backend, a value it cannot
+    take is an error (backends.choose says so)."""
     if len(backends) == 1:
         return [(backends[0], q, compiles) for q in quantizes]
     runs = []
-    for backend in backends:
-        if backend == "llama.cpp":
-            runs.append((backend, "auto", ["auto"]))
-        else:
-            runs += [(backend, q, compiles) for q in quantizes]
+    for name in backends:
+        b = backend_of(name) if name != "auto" else None
+        qs = [q for q in quantizes if b is None or q in ("auto", "none", *b.quantizations)] or ["auto"]
+        runs += [(name, q, compiles if b is None or b.compiles else ["auto"]) for q in qs]
     return runs
 
 

@@ -22,16 +22,14 @@ from cactus_cli.core.fileio import check_output_dir, check_output_file, write_or
 
 Rules = Annotated[
     str,
-    typer.Option(
-        "--rules", help="Comma list of rules: sps,cactus,cactus-exact,tas,topk,interp.", rich_help_panel=o.DECODING
-    ),
+    typer.Option("--rules", help="Comma list of rules ({rules}).", rich_help_panel=o.DECODING),
 ]
 Deltas = Annotated[
     Optional[str],
     typer.Option(
         "--delta",
         "-d",
-        help="Comma list of delta values for the rules that take one (default: the profile's).",
+        help="Comma list of delta values for the rules that take one: {delta_rules} (default: the profile's).",
         rich_help_panel=o.DECODING,
     ),
 ]
@@ -232,8 +230,9 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
     """Settings, the parsed lists, the prompts (or tasks) and the grader, all checked before any
     model loads."""
     from cactus_cli.app import grid as g
+    from cactus_cli.app.parsing import parse_ks, parse_list, uses_lookup
     from cactus_cli.app.profiles import resolve_settings
-    from cactus_cli.app.settings import check_each, parse_ks, parse_list, uses_lookup
+    from cactus_cli.app.settings import check_each
 
     crosses = None  # bench and eval take a comma list: each method a variant of the drafts of another vocabulary
     if isinstance(shared.flags.get("cross_vocab"), str):
@@ -251,7 +250,7 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
     lists = {
         "draft": drafts,
         "cross": crosses or [settings.cross_vocab],
-        "delta": parse_list(flags.deltas, float, "--delta") if flags.deltas else [settings.delta],
+        "delta": parse_list(flags.deltas, float, "--delta") if flags.deltas else [settings.param("delta")],
         "k": parse_ks(flags.ks) if flags.ks else [settings.num_draft_tokens],
         "rules": parse_list(flags.rules, str, "--rules"),
         "compile": parse_list(flags.compiles, str, "--compile") if flags.compiles else [settings.compile],

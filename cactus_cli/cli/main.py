@@ -9,6 +9,7 @@ import typer
 
 from cactus_cli import __version__
 from cactus_cli.cli.commands import register
+from cactus_cli.cli.options import RuleHelpCommand
 from cactus_cli.core.signals import treat_sigterm_as_sigint
 
 app = typer.Typer(
@@ -40,6 +41,8 @@ def _root(
 
 
 register(app)
+for _command in app.registered_commands:  # (their options' help may list the rules: options.rule_help)
+    _command.cls = RuleHelpCommand
 
 
 def main() -> None:

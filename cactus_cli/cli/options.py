@@ -9,7 +9,9 @@ import inspect
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Optional
 
+import click
 import typer
+from typer.core import TyperCommand
 
 from cactus_cli.cli.edge import user_errors
 
@@ -77,16 +79,14 @@ Tokenizer = Annotated[
 ]
 Rule = Annotated[
     Optional[str],
-    typer.Option(
-        "--rule", "-r", help="Acceptance rule: sps, cactus, cactus-exact, tas, topk, interp.", rich_help_panel=DECODING
-    ),
+    typer.Option("--rule", "-r", help="Acceptance rule: {rules}.", rich_help_panel=DECODING),
 ]
 Delta = Annotated[
     Optional[float],
     typer.Option(
         "--delta",
         "-d",
-        help="Divergence budget for cactus / cactus-exact (0 = lossless SpS).",
+        help="Divergence budget of {delta_rules} (the parameter delta; 0 = lossless SpS).",
         rich_help_panel=DECODING,
     ),
 ]
@@ -94,10 +94,42 @@ Param = Annotated[
     Optional[list[str]],
     typer.Option(
         "--param",
-        help="Other rule parameter as KEY=VALUE (divergence, epsilon, alpha, topk); repeatable.",
+        help="A rule parameter as KEY=VALUE, repeatable: {params}.",
         rich_help_panel=DECODING,
     ),
 ]
+
+
+def rule_help(text: str) -> str:
+    """``text`` with {rules}, {delta_rules} and {params} filled in from the rule registry (RULES):
+    what --help lists is what the registry holds, a rule registered later included. Imported
+    when a command's help is shown, not at start (the registry imports torch)."""
+    if "{" not in text:
+        return text
+    from cactus_cli.core.acceptance import RULES
+
+    params = {}
+    for rule in RULES.values():
+        for prm in rule.params:
+            params.setdefault(prm.name, (prm, []))[1].append(rule.name)
+    listed = "; ".join(f"{name} ({', '.join(rules)}: {prm.valid_range})" for name, (prm, rules) in params.items())
+    return text.format(
+        rules=", ".join(RULES),
+        delta_rules=" / ".join(r.name for r in RULES.values() if "delta" in r.param_names()),
+        params=listed,
+    )
+
+
+class RuleHelpCommand(TyperCommand):
+    """A command whose options' help may name the rules and their parameters (``rule_help``)."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        for param in self.params:
+            if getattr(param, "help", None):
+                param.help = rule_help(param.help)
+        super().format_help(ctx, formatter)
+
+
 NumDraft = Annotated[
     Optional[str],
     typer.Option(

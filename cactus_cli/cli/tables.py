@@ -284,6 +284,8 @@ def plot_tradeoff_png(doc: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from cactus_cli.core.acceptance import RULES
+
     rows = [r for r in doc["results"] if r["kind"] == "speculative" and r.get("realized_kl_mean") is not None]
     alone = next((r for r in doc["results"] if r["kind"] == "autoregressive"), None)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.8), dpi=120)
@@ -292,7 +294,7 @@ def plot_tradeoff_png(doc: dict, path) -> None:
         (ax2, "mean_acceptance_length", "mean acceptance length"),
     ):
         for r in rows:
-            sps = r["rule"] == "sps"
+            sps = RULES[r["rule"]].lossless
             ax.plot(r["realized_kl_mean"], r[key] or 0, "D" if sps else "o", color="black" if sps else "tab:green")
             delta = r["rule_params"].get("delta")
             ax.annotate(

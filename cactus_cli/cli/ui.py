@@ -40,14 +40,23 @@ def make_console(no_color: bool = False, stderr: bool = False, file: TextIO | No
     return Console(no_color=no_color or None, stderr=stderr, file=file, highlight=False, soft_wrap=False)
 
 
+FREE_STYLE = "italic"  # the accepted drafts of a model-free drafter without a style of its own here
+
+
+def style(kind: str) -> str:
+    """The style of a piece of text by where its token came from (a model-free drafter's label)."""
+    return STYLES.get(kind, FREE_STYLE)
+
+
 def legend() -> Text:
+    from cactus_cli.infer.draft import KINDS  # (the registry: a drafter added there shows here too)
+
     t = Text("legend: ", style=STYLES["dim"])
     t.append("accepted draft", style=STYLES["accepted"])
     t.append("  ")
-    t.append("copied (n-gram)", style=STYLES["copied"])
-    t.append("  ")
-    t.append("remembered (suffix)", style=STYLES["remembered"])
-    t.append("  ")
+    for kind in KINDS.values():
+        t.append(f"{kind.label} ({kind.name})", style=style(kind.label))
+        t.append("  ")
     t.append("verifier correction", style=STYLES["correction"])
     t.append("  ")
     t.append("verifier bonus", style=STYLES["bonus"])
@@ -97,7 +106,7 @@ class LiveView:
     def update(self, ev: StepEvent) -> None:
         self.stats.update(ev)
         for piece in ev.pieces:
-            self.text.append(piece.text, style=STYLES[piece.kind])
+            self.text.append(piece.text, style=style(piece.kind))
         self.rejected = Text()
         if ev.rejected_text:
             self.rejected.append("rejected: ", style=STYLES["dim"])

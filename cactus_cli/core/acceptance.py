@@ -96,7 +96,8 @@ def _pos_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
-_DELTA = Param("delta", defaults.DELTA, _nonneg, "a finite number >= 0")
+MAX_DELTA = 1e6  # nats: any budget this large already accepts every draft, and larger ones overflow float32
+_DELTA = Param("delta", defaults.DELTA, lambda v: _nonneg(v) and v <= MAX_DELTA, f"a number in 0..{MAX_DELTA:g}")
 
 
 class Rule:
@@ -106,6 +107,7 @@ class Rule:
     name: str = ""
     summary: str = ""
     params: tuple[Param, ...] = ()
+    lossless: bool = False  # emits exactly the verifier's distribution (reports mark it: the reference)
 
     def param_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.params)
@@ -229,6 +231,7 @@ class ScaledRule(TargetRule):
 
 class SpS(ScaledRule):
     name, summary = "sps", "standard speculative sampling: h = q, lossless"
+    lossless = True
 
     def g(self, prm, q_n):
         return q_n
@@ -314,6 +317,7 @@ class TopK(Rule):
 
 
 RULES: dict[str, Rule] = {r.name: r for r in (SpS(), Cactus(), CactusExact(), TypicalAcceptance(), TopK(), Interp())}
+LOSSLESS = "sps"  # the rule every lossless comparison and warm-up runs
 
 
 def resolve_params(rule: str, params: dict[str, Any] | None = None) -> dict[str, Any]:

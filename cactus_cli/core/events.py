@@ -5,11 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-MODEL, NGRAM, SUFFIX = (
-    "model",
-    "ngram",
-    "suffix",
-)  # draft sources: a draft model, prompt lookup, the suffix trees (both free)
+MODEL = "model"  # the draft source of a draft model; a model-free drafter's is its kind (infer/draft KINDS)
 ExtraKind = Literal["correction", "bonus", "verifier"]  # verifier: autoregressive step, no drafts
 
 
@@ -18,14 +14,14 @@ class Piece:
     """A piece of emitted text and where its token came from."""
 
     text: str
-    kind: Literal["accepted", "copied", "remembered", "correction", "bonus", "verifier"]  # copied: an accepted
-    # prompt-lookup draft; remembered: an accepted suffix-tree draft
+    kind: str  # accepted (a model's draft), a model-free drafter's label (copied, remembered: its KINDS entry),
+    # correction, bonus or verifier
 
 
 @dataclass(frozen=True)
 class StepEvent:
     num_drafted: int  # k for this step (may shrink near max_tokens or the context limit)
-    draft_source: str | None  # "model", "ngram" (prompt lookup) or "suffix" (suffix trees); None for a plain step
+    draft_source: str | None  # "model", or a model-free drafter's kind ("ngram", "suffix"); None for a plain step
     accepted: tuple[int, ...]  # draft tokens the verifier kept
     rejected: tuple[int, ...]  # draft tokens thrown away
     extra: int  # the correction (after a rejection), the bonus (all accepted), or the verifier's token

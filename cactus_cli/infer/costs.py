@@ -29,10 +29,12 @@ from typing import Any, Callable
 
 import torch
 
-from cactus_cli.core.events import MODEL, NGRAM, SUFFIX
+from cactus_cli.core.events import MODEL
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.paths import cache_path
+from cactus_cli.infer.backends import backend_of
 from cactus_cli.infer.devices import device_name
+from cactus_cli.infer.draft import KINDS
 from cactus_cli.infer.rates import Acceptance, Calibration, expected_tokens
 from cactus_cli.infer.sources import ModelPair
 
@@ -115,8 +117,7 @@ class CostModel:
         return {
             "source": self.source,
             "draft_seconds_per_token": self.t_d() if self.draft.get(MODEL) else None,
-            "lookup_seconds_per_token": self.t_d(NGRAM) if self.draft.get(NGRAM) else None,
-            "suffix_seconds_per_token": self.t_d(SUFFIX) if self.draft.get(SUFFIX) else None,
+            **{f"{name}_seconds_per_token": self.t_d(name) if self.draft.get(name) else None for name in KINDS},
             "verify_seconds_by_width": {str(w): self.t_v(w) for w in range(1, widths + 1)} if self.verify else {},
             "measured_widths": sorted(self.verify),
         }
@@ -134,7 +135,7 @@ class CostModel:
         cm, dropped = cls(source=source), 0
         for src, values in doc.get("draft", {}).items():
             for s in values:
-                if src in (MODEL, NGRAM, SUFFIX) and _valid_seconds(s):
+                if (src == MODEL or src in KINDS) and _valid_seconds(s):
                     cm.add_draft(float(s), src)
                 else:
                     dropped += 1
@@ -220,24 +221,54 @@ class Step:
 
 
 def cost_key(pair: ModelPair, compiled: bool = False) -> dict[str, Any]:
-    """What step costs depend on: the models, device, dtype, threads, torch, backend and compilation."""
+    """What step costs depend on: the models, device, dtype, threads, torch, what the backend adds
+    (backends/), quantization (as it ran: int8 where w8a8 failed its gate), compilation and --tp."""
     v = pair.verifier
+    return _key(
+        v.path,
+        pair.draft.path if pair.draft else None,
+        v.device,
+        v.dtype,
+        v.backend,
+        v.threads,
+        v.quantize,
+        v.tp,
+        compiled,
+    )
+
+
+def key_of(plan: Any, compiled: bool = False) -> dict[str, Any]:
+    """``cost_key`` of the pair a load plan (plan.LoadPlan) will load, before it is loaded."""
+    draft = plan.draft_files[0].location if plan.draft_files else None
+    return _key(
+        plan.verifier_files[0].location,
+        draft,
+        plan.device,
+        plan.dtype,
+        plan.backend,
+        plan.threads,
+        plan.quantize,
+        plan.tp,
+        compiled,
+    )
+
+
+def _key(verifier, draft, device, dtype, backend, threads, quantize, tp, compiled) -> dict[str, Any]:
     key = {
-        "verifier": v.path,
-        "draft": pair.draft.path if pair.draft else None,
-        "device": device_name(v.device),
-        "dtype": str(v.dtype).removeprefix("torch."),
+        "verifier": verifier,
+        "draft": draft,
+        "device": device_name(device),
+        "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        **backend_of(backend).cost_key(threads),  # (nothing for torch: its earlier caches still apply)
     }
-    if v.backend != "torch":  # (absent for torch, so caches from earlier versions still apply)
-        key.update(backend=v.backend, threads=v.model.threads, extra_buffers=not v.model.plain_buffers)
     if compiled:
         key["compiled"] = True  # (absent when eager, so eager caches from earlier versions still apply)
-    if v.quantize != "none":
-        key["quantize"] = v.quantize
-    if v.tp > 1:
-        key["tp"] = v.tp
+    if quantize != "none":
+        key["quantize"] = quantize
+    if tp > 1:
+        key["tp"] = tp
     return key
 
 

@@ -22,15 +22,15 @@ import torch
 from cactus_cli.core import defaults
 from cactus_cli.core.acceptance import Verdict, greedy_verify, verify
 from cactus_cli.core.errors import ContextLimitError, ModelError
-from cactus_cli.core.events import MODEL, NGRAM, StepEvent
+from cactus_cli.core.events import MODEL, StepEvent
 from cactus_cli.core.exact import meter
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample_among, top_probs
+from cactus_cli.infer.backends import backend_of
 from cactus_cli.infer.costs import CostStore, Step, cost_key, probe, probe_widths
-from cactus_cli.infer.draft import Drafter, Lookup, Proposal, make_drafter
+from cactus_cli.infer.draft import Drafter, Free, Proposal, make_drafter
 from cactus_cli.infer.policy import AdaptiveK, FixedK, KPolicy, acceptance_key
 from cactus_cli.infer.runners.base import Runner, sync, to_device
 from cactus_cli.infer.runners.compiled import CompileUnavailable
-from cactus_cli.infer.runners.factory import make_runner
 from cactus_cli.infer.sources import ModelPair, eos_ids
 from cactus_cli.infer.text import TextStream
 
@@ -60,12 +60,12 @@ MAX_GRAPHS = 4  # verifier widths compiled as asked; a longer list (a sweep over
 
 
 class SpeculativeEngine:
-    def __init__(self, pair: ModelPair, lookup: Lookup | None = None, compiled: bool = False):
-        """``lookup`` drafts by prompt lookup or from the suffix trees, with the pair's draft model
+    def __init__(self, pair: ModelPair, free: Free | None = None, compiled: bool = False):
+        """``free`` drafts without a model (draft/__init__.KINDS: prompt lookup, the suffix trees), with the pair's draft model
         (if any) for when they have nothing. ``compiled``: static caches and compiled steps
         (runners/compiled.py)."""
         self.pair = pair
-        self.lookup = lookup
+        self.free = free
         self.eos = eos_ids(pair)
         limits = [pair.verifier.context_length] + ([pair.draft.context_length] if pair.draft else [])
         self.context_length = min(limits)
@@ -79,10 +79,13 @@ class SpeculativeEngine:
         """Runners, drafter and cost store; called again if compiling turns out not to work."""
         pair = self.pair
         self.compiled = compiled
-        self.verifier: Runner = make_runner(pair.verifier, pair.vocab_size, compiled, self.context_length, "verifier")
+        backend = backend_of(pair.verifier.backend)
+        self.verifier: Runner = backend.runner(
+            pair.verifier, pair.vocab_size, compiled, self.context_length, "verifier"
+        )
         draft = None
         if pair.draft is not None:  # (a draft with its own tokenizer runs eagerly: its token count differs)
-            draft = make_runner(
+            draft = backend.runner(
                 pair.draft,
                 pair.cross.rows if pair.cross else pair.vocab_size,
                 compiled and pair.cross is None,
@@ -90,7 +93,7 @@ class SpeculativeEngine:
                 "draft",
             )
         self.drafter: Drafter | None = make_drafter(
-            draft, self.lookup, pair.vocab_size, pair.verifier.device, pair.cross, pair.tokenizer
+            draft, self.free, pair.vocab_size, pair.verifier.device, pair.cross, pair.tokenizer
         )
         self.tokens = []
         self.costs = CostStore.read(cost_key(pair, compiled))  # what a step costs here
@@ -145,8 +148,8 @@ class SpeculativeEngine:
 
     @property
     def cost_source(self) -> str:
-        """Whose draft costs a choice of k mostly rests on: the draft model's, or (lookup alone) none."""
-        return self.drafter.source if self.drafter is not None else NGRAM
+        """Whose draft costs a choice of k mostly rests on: the draft model's, else the free drafter's."""
+        return MODEL if self.draft_runner is not None or self.free is None else self.free.kind
 
     def reset(self) -> None:
         """Forget both caches (the next generate prefills from scratch; a drafter rebuilds the rest
@@ -397,10 +400,10 @@ class _Run:
             return 0, None, None
         room = e.context_length - len(e.tokens)  # positions left for new tokens
         k = max(0, min(params.num_draft_tokens, room - 1, params.max_tokens - self.produced - 1))
-        source = drafter.next_source(e.tokens) if k else None
-        if source is None:
+        peek = drafter.peek(e.tokens) if k else None
+        if peek is None:
             return 0, None, None  # a lookup with nothing to copy: a plain step, at no drafting cost
-        confidence = drafter.confidence(e.tokens)
+        source, confidence = peek.source, peek.confidence
         # from past steps and the tree's counts only, never this step's draws: SpS stays lossless
         return self.policy.choose(self.akey, k, source, confidence), source, confidence
 

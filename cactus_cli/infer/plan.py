@@ -1,288 +1,198 @@
-"""One load, decided up front. ``plan_load`` resolves every choice a load makes into one frozen
-``LoadPlan``, each with its reason: the sources and the files each backend reads from them
-(embedded parts assembled, a GGUF converted for torch), the backend, the device, the dtype, the
-quantization method and its quality gate, tensor parallelism. ``models.load_plan`` then loads
-from it in one pass, and ``generate --json`` reports it as it is (``describe``). Nothing here
-loads weights or starts processes; compilation is decided with the engine, which reads the
-pair's own measured step costs (app/runtime.resolve_compile)."""
+"""One load, decided up front. ``plan_load`` takes one ``LoadRequest`` (app/runtime.load_request
+builds it from the resolved settings) and resolves every choice a load makes into one frozen
+``LoadPlan``, each with its reason: the sources and the files each model loads (embedded parts
+assembled, a GGUF converted or requantized), the backend (backends/), the device, the dtype, the
+quantization with its fallback, the threads, tensor parallelism, whether the draft drafts across
+vocabularies, and compilation. ``models.load_plan`` then loads from it in one pass (a
+tensor-parallel follower included), and ``generate --json`` reports it as it is (``describe``).
+Nothing here loads weights or starts processes."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from cactus_cli.core import defaults
 from cactus_cli.core.errors import ModelError
-from cactus_cli.infer import embedded, gguf, gguf_layout
-from cactus_cli.infer.devices import (
-    fastest_cpu_quantization,
-    quantized_dtype,
-    resolve_device,
-    resolve_dtype,
-    resolve_quantize,
-)
-from cactus_cli.infer.quant.quantize import quality_verdict
-from cactus_cli.infer.quant.smooth import CALIBRATION_TEXT
-from cactus_cli.infer.sources import (
-    GGUF_KINDS,
-    Source,
-    load_tokenizer,
-    materialize,
-    mlp_shape,
-    model_files,
-    resolve_source,
-)
-from cactus_cli.infer.tp import group
+from cactus_cli.infer import backends
+from cactus_cli.infer.costs import CostStore, key_of
+from cactus_cli.infer.devices import resolve_device
+from cactus_cli.infer.runners.compiled import compile_problem
+from cactus_cli.infer.sources import Source, load_tokenizer, materialize, resolve_source
 
-BACKENDS = ("auto", "torch", "llama.cpp")
+BACKENDS = ("auto", *backends.BACKENDS)  # what --backend takes
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadRequest:
+    """What a load is asked for: the models by name and the runtime settings, as the user gave
+    them (``auto`` where a choice is left to the plan)."""
+
+    verifier: str | None
+    draft: str | None = None  # a draft model (not a model-free drafter: those need no loading)
+    tokenizer: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    quantize: str = "auto"
+    tp: int = 1
+    cross_vocab: str = "auto"
+    backend: str = "auto"
+    threads: int | None = None
+    compile: str = "auto"
+    quality_texts: tuple[str, ...] = ()  # what a requantized verifier's quality is measured on
+    tokenizer_files: Source | None = None  # (set by plan_load: --tokenizer's files, for the backends)
 
 
 @dataclass(frozen=True)
 class LoadPlan:
     """What a load will do, and why. Names are what the user gave; ``files`` what each loads."""
 
-    verifier: str
-    draft: str | None
-    tokenizer: str | None
+    request: LoadRequest
     verifier_files: tuple[Source, Source]  # (weights, tokenizer) as the backend reads them
-    draft_source: Source | None  # (its files are made when it loads: bench adds drafts to a loaded verifier)
+    draft_source: Source | None
+    draft_files: tuple[Source, Source] | None
     tokenizer_source: Source | None
-    backend: str
+    backend: str  # a key of backends.BACKENDS
     backend_reason: str
     device: torch.device
     dtype: torch.dtype
     dtype_reason: str
-    quantize: str  # none, int8, int4, w8a8 (torch); gguf (llama.cpp: the file's own types) or q4_0 (requantized)
+    quantize: str  # none, int8, int4, w8a8 (torch); gguf (llama.cpp: the file's own types) or q4_0
     quantize_reason: str
-    gate: float | None  # w8a8's quality gate (nats/token), on its first quantization
+    gate: float | None  # the quality gate of the first quantization (torch's w8a8) ...
+    fallback: str | None  # ... and what the quantization becomes if it fails
+    threads: int | None
     tp: int
     tp_load: dict[str, Any] | None  # what every tensor-parallel rank loads
-    threads: int | None
-    cross_vocab: str
+    cross_vocab: str  # none, or as asked: auto, string, intersection (a draft with its own vocabulary)
+    cross_reason: str
+    compiled: bool
+    compile_reason: str
+
+    @property
+    def verifier(self) -> str | None:
+        return self.request.verifier
+
+    @property
+    def draft(self) -> str | None:
+        return self.request.draft
 
     def describe(self) -> dict[str, Any]:
         return {
             "backend": {"value": self.backend, "reason": self.backend_reason},
             "device": {"value": str(self.device)},
             "dtype": {"value": str(self.dtype).removeprefix("torch."), "reason": self.dtype_reason},
-            "quantize": {"value": self.quantize, "reason": self.quantize_reason},
+            "quantize": {"value": self.quantize, "reason": self.quantize_reason, "fallback": self.fallback},
             "tp": {"value": self.tp},
             "threads": {"value": self.threads},
+            "cross_vocab": {"value": self.cross_vocab, "reason": self.cross_reason},
+            "compile": {"value": self.compiled, "reason": self.compile_reason},
         }
 
+    def draft_plan(self) -> LoadPlan:
+        """How the draft model loads: beside the verifier, on its device and dtype, quantized as
+        the verifier (unquantized beside a tensor-parallel one), never sharded."""
+        return dataclasses.replace(self, quantize="none" if self.tp > 1 else self.quantize, gate=None, tp=1)
 
-def plan_load(
-    verifier: str | None,
-    draft: str | None,
-    tokenizer: str | None,
-    device: str,
-    dtype: str,
-    reporter=None,
-    quantize: str = "none",
-    tp: int = 1,
-    cross_vocab: str = "auto",
-    backend: str = "torch",
-    threads: int | None = None,
-    compile_mode: str = "auto",
-    quality_texts: tuple[str, ...] = (),
-) -> LoadPlan:
-    """Every choice of a load, resolved now. ``quality_texts``: what a requantized GGUF's quality
-    is measured on (the built-in prompts; the calibration text when none are given). Sources are all resolved first, so a missing one
-    fails before any file is made; then the verifier's files (assembled or converted once)."""
-    if not verifier:
+
+def plan_load(request: LoadRequest, reporter=None) -> LoadPlan:
+    """Every choice of a load, resolved now. Sources are all resolved first, so a missing one
+    fails before any file is made; then the files each model loads."""
+    if not request.verifier:
         raise ModelError(
             "no verifier model: pass --verifier (hub id, folder or .gguf) or use a --profile that names one"
         )
-    dev = resolve_device(device)
-    vsrc = resolve_source(verifier)
-    dsrc = resolve_source(draft) if draft is not None else None
-    tsrc = resolve_source(tokenizer) if tokenizer else None
-    named = [(verifier, vsrc)] + ([(draft, dsrc)] if dsrc is not None else [])
-    asked = backend
-    backend, backend_why = choose_backend(backend, named, dev, quantize, dtype, compile_mode, tp)
-    if asked == "auto" and backend == "torch" and reporter is not None and (problem := _llama_missing(named, dev)):
-        reporter.warn(f"running the GGUF on torch (converted once, slower on a CPU): {problem}")
+    dev = resolve_device(request.device)
+    vsrc = resolve_source(request.verifier)
+    dsrc = resolve_source(request.draft) if request.draft is not None else None
+    tsrc = resolve_source(request.tokenizer) if request.tokenizer else None
+    named = [(request.verifier, vsrc)] + ([(request.draft, dsrc)] if dsrc is not None else [])
+    backend, backend_why, note = backends.choose(request.backend, named, request, dev)
+    if note and reporter is not None:
+        reporter.warn(f"running the models on {backend.name} instead: {note}")
     if reporter is not None:
-        reporter.task(f"preparing verifier {verifier}")
-    files = model_files(vsrc, backend, reporter)
-    tp_load, gate = None, None
-    if backend == "llama.cpp":
-        layout = gguf_layout.choose(
-            Path(files[0].location),
-            vsrc.location if vsrc.kind == "embedded" else embedded.gguf_key(files[0].location),
-            quantize,
-            threads,
-            vsrc.kind == "embedded",
-            lambda: [
-                list(ids) for ids in load_tokenizer(files[1])(list(quality_texts or [CALIBRATION_TEXT]))["input_ids"]
-            ],
-            reporter,
-        )
-        files, threads = (Source("gguf", layout.path), files[1]), layout.threads
-        method, qwhy = layout.quantize, layout.reason
-        dt, why = torch.float32, "llama.cpp: the GGUF's weight types, float32 activations"
-    elif tp > 1:
-        vocab = len(load_tokenizer(materialize(tsrc, reporter) if tsrc else files[1]))
-        tp_load, dt, why = tp_plan(tp, files[0], verifier, dev, dtype, quantize, vocab)
-        method, qwhy = "none", "tensor parallel shards run unquantized"
-    else:
-        method, qwhy, gate = choose_quantize(quantize, dev, dtype, files[0])
-        if method != "none":
-            dt, why = quantized_dtype(method, dtype, dev)
-            why = f"{qwhy}; {why}" if qwhy else why
-        else:
-            dt, why = resolve_dtype(dtype, dev, mlp_shape(files[0]) if dtype == "auto" and dev.type == "cpu" else None)
-    return LoadPlan(
-        verifier,
-        draft,
-        tokenizer,
-        files,
+        reporter.task(f"preparing verifier {request.verifier}")
+    files = backend.files(vsrc, reporter)
+    tok_files = materialize(tsrc, reporter) if tsrc is not None else None
+    decided = backend.decide(dataclasses.replace(request, tokenizer_files=tok_files), vsrc, files, dev, reporter)
+    dfiles = backend.files(dsrc, reporter) if dsrc is not None else None
+    cross, cross_why = _cross(request, dfiles, tok_files or decided.files[1])
+    plan = LoadPlan(
+        request,
+        decided.files,
         dsrc,
+        dfiles,
         tsrc,
-        backend,
+        backend.name,
         backend_why,
         dev,
-        dt,
-        why,
-        method,
-        qwhy or ("as asked" if quantize == method else ""),
-        gate if method == "w8a8" else None,
-        tp,
-        tp_load,
-        threads,
-        cross_vocab,
+        decided.dtype,
+        decided.dtype_reason,
+        decided.quantize,
+        decided.quantize_reason,
+        decided.gate,
+        decided.fallback,
+        decided.threads,
+        request.tp,
+        decided.tp_load,
+        cross,
+        cross_why,
+        False,
+        "",
     )
+    compiled, why = choose_compile(plan)
+    return dataclasses.replace(plan, compiled=compiled, compile_reason=why)
 
 
-def choose_quantize(name: str, dev: torch.device, dtype: str, vsrc: Source) -> tuple[str, str, float | None]:
-    """(method, why, quality gate). ``auto`` on a CPU with bfloat16 activations: w8a8 or int8,
-    whichever runs the model's MLP matmul faster here (measured once per machine), where w8a8's
-    quality on this model passes: its mean NLL within QUALITY_TOLERANCE of the unquantized model
-    on the calibration text, measured at its first quantization (the gate) and kept."""
-    method = resolve_quantize(name, dev, dtype)
-    shape = mlp_shape(vsrc) if name == "auto" and method == "int8" else None
-    if shape is None:  # asked for by name, or not a CPU
-        return method, "", None
-    best, why = fastest_cpu_quantization(*shape)
-    if best != "w8a8":
-        return "int8", f"quantize auto: int8, {why}", None
-    verdict = quality_verdict(vsrc.location)
-    if verdict is None:
-        return "w8a8", f"quantize auto: w8a8, {why}", defaults.QUALITY_TOLERANCE
-    if verdict > defaults.QUALITY_TOLERANCE:
-        return (
-            "int8",
-            (
-                f"quantize auto: int8, w8a8 measured {verdict:+.3f} nats/token on this model "
-                f"(more than {defaults.QUALITY_TOLERANCE:g})"
-            ),
-            None,
+def _cross(request: LoadRequest, dfiles: tuple[Source, Source] | None, tok: Source) -> tuple[str, str]:
+    """Whether the draft drafts across vocabularies (its tokenizer differs from the one the
+    verifier runs with), decided from the two tokenizers (no weights read). With --tokenizer
+    both models use that one."""
+    if dfiles is None:
+        return "none", ""
+    if request.tokenizer is None and load_tokenizer(dfiles[1]).get_vocab() != load_tokenizer(tok).get_vocab():
+        method = request.cross_vocab
+        return method, "the draft has its own vocabulary" + (
+            " (auto: string, decided at load)" if method == "auto" else ""
         )
-    return "w8a8", f"quantize auto: w8a8, {why}; {verdict:+.3f} nats/token on this model", None
-
-
-def choose_backend(
-    asked: str,
-    sources: list[tuple[str, Source]],
-    dev: torch.device,
-    quantize: str,
-    dtype: str,
-    compile_mode: str,
-    tp: int,
-) -> tuple[str, str]:
-    """(backend, why). ``auto``: llama.cpp for GGUF sources (the embedded pair, .gguf files) on a
-    CPU when its bindings import, torch everywhere else (CUDA, hub ids, folders) and wherever a
-    torch-only setting was given; that setting with ``llama.cpp`` named is an error. (quantize
-    none is not one: llama.cpp does not quantize further either, it runs the GGUF's own types.)"""
-    torch_only = [
-        flag
-        for flag, on in (
-            (f"--tp {tp}", tp > 1),
-            ("--compile on", compile_mode == "on"),
-            (f"--quantize {quantize}", quantize not in ("auto", "none", *gguf_layout.TYPES)),
-            (f"--dtype {dtype}", dtype != "auto"),
-            (f"--device {dev}", dev.type != "cpu"),
-        )
-        if on
-    ]
-    other = next(((name, src) for name, src in sources if src.kind not in GGUF_KINDS), None)
-    if asked == "torch":
-        if quantize in gguf_layout.TYPES:
-            raise ModelError(
-                f"--quantize {quantize} requantizes a GGUF for the llama.cpp backend; on torch use int8, int4 or w8a8"
-            )
-        return "torch", "backend torch (asked for)"
-    if quantize in gguf_layout.TYPES and (other is not None or torch_only):
+    if request.cross_vocab != "auto":
         raise ModelError(
-            f"--quantize {quantize} requantizes a GGUF for llama.cpp on a CPU, and "
-            + (f"{other[0]!r} is a {other[1].kind}" if other is not None else f"{torch_only[0]} is a torch setting")
+            f"--cross-vocab {request.cross_vocab}: draft {request.draft!r} shares the verifier's vocabulary; "
+            "drop --cross-vocab (it applies to a draft with another tokenizer)"
         )
-    if asked == "llama.cpp":
-        if other is not None:
-            raise ModelError(
-                f"--backend llama.cpp runs GGUF files (embedded models, .gguf), and {other[0]!r} is a "
-                f"{other[1].kind}; use --backend torch for it"
-            )
-        if torch_only:
-            raise ModelError(
-                f"{torch_only[0]} does not apply to the llama.cpp backend (it runs the GGUF's own "
-                "quantization on the CPU); drop it, or use --backend torch"
-            )
-        if problem := gguf.available():
-            raise ModelError(problem)
-        return "llama.cpp", "backend llama.cpp (asked for)"
-    if other is not None:
-        return "torch", f"backend auto: torch ({other[0]} is a {other[1].kind}, not a GGUF file)"
-    if torch_only:
-        return "torch", f"backend auto: torch ({torch_only[0]} is a torch setting)"
-    if problem := gguf.available():
-        if quantize in gguf_layout.TYPES:
-            raise ModelError(f"--quantize {quantize} needs the llama.cpp backend: {problem}")
-        return "torch", f"backend auto: torch, llama.cpp is not available: {problem}"
-    return "llama.cpp", "backend auto: llama.cpp (GGUF files on a CPU)"
+    return "none", ""
 
 
-def _llama_missing(named: list[tuple[str, Source]], dev: torch.device) -> str | None:
-    """Why llama.cpp did not run GGUF sources on a CPU, if that was the only reason."""
-    if dev.type == "cpu" and all(src.kind in GGUF_KINDS for _, src in named):
-        return gguf.available()
-    return None
+def choose_compile(plan: LoadPlan) -> tuple[bool, str]:
+    """``--compile`` to on/off, with why. auto: on for CUDA; on a CPU only where earlier runs of
+    this pair measured the compiled verifier faster (compiling there costs a minute and pays only
+    when a forward is overhead-bound); never where the backend does not compile or under --tp
+    (``on`` there: off, said)."""
+    mode = plan.request.compile
+    if mode == "off":
+        return False, "off (as asked)"
+    if not backends.backend_of(plan.backend).compiles:
+        return False, f"{plan.backend} runs no compiled steps"
+    if plan.tp > 1:
+        return False, ("--compile on does not combine with --tp yet; running eagerly" if mode == "on" else "--tp")
+    problem = compile_problem(plan.device)
+    if mode == "on":
+        return (False, f"--compile on: {problem}; running eagerly") if problem else (True, "on (as asked)")
+    if problem:
+        return False, f"auto: {problem}"
+    if plan.device.type == "cuda":
+        return True, "auto: on for CUDA"
+    return (True, "auto: measured faster here") if _measured_faster(plan) else (False, "auto: off on a CPU")
 
 
-def tp_plan(
-    tp: int, vsrc: Source, verifier: str, dev: torch.device, dtype: str, quantize: str, vocab: int
-) -> tuple[dict[str, Any], torch.dtype, str]:
-    """Check --tp against the verifier and pick the dtype: (what every rank loads, dtype, why).
-    No side effects: rank 0 then starts the group, a follower rank serves it (app/runtime.py)."""
-    from transformers import AutoConfig
-
-    if quantize not in ("none", "auto"):
-        raise ModelError(f"--quantize {quantize} does not combine with --tp yet; use one or the other")
-    try:
-        config = AutoConfig.from_pretrained(vsrc.location, local_files_only=True)
-    except Exception as err:  # noqa: BLE001 - any config transformers cannot read
-        first = " ".join(str(err).split())[:300] or type(err).__name__
-        raise ModelError(f"could not read the verifier's config from {vsrc.location}: {first}") from None
-    group.check_tp(tp, config, dev, verifier)
-    if dev.type == "cuda" and dev.index not in (None, 0):
-        raise ModelError(
-            f"--device {dev} with --tp: rank r runs on cuda:r and the draft beside rank 0 on cuda:0; "
-            "use --device cuda (choose the GPUs with CUDA_VISIBLE_DEVICES)"
-        )
-    if dev.type == "cpu":
-        if dtype not in ("auto", "float32"):
-            raise ModelError(f"--tp on a CPU reduces over gloo in float32; use --dtype float32 (or auto), not {dtype}")
-        dt, why = torch.float32, "tensor parallel over gloo (CPU) reduces in float32"
-    else:
-        dt, why = resolve_dtype(dtype, dev)
-    load = {
-        "kind": vsrc.kind,
-        "location": vsrc.location,
-        "device": str(dev),
-        "dtype": str(dt).removeprefix("torch."),
-        "vocab": vocab,
-    }
-    return load, dt, why
+def _measured_faster(plan: LoadPlan) -> bool:
+    """Both cost caches exist and the compiled verifier's one-token step was >= 10% faster."""
+    t = []
+    for compiled in (False, True):
+        costs = CostStore.read(key_of(plan, compiled)).costs
+        if not costs.verify:
+            return False
+        t.append(costs.t_v(1))
+    return t[1] < 0.9 * t[0]

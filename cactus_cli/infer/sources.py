@@ -31,7 +31,8 @@ class LoadedModel:
     quantize: str = "none"  # weight-only quantization of the Linear layers: none, int8, int4
     tp: int = 1  # tensor-parallel ranks the model is sharded over (infer/tp/)
     quantize_note: str = ""  # what the quantization ran ("int4 weights (15 layers, 1 in int8 ...)", a GGUF's types)
-    backend: str = "torch"  # what runs it: torch (model: a transformers model) or llama.cpp (model: a GGUFModel)
+    backend: str = "torch"  # what runs it (backends/): torch (a transformers model), llama.cpp (a GGUFModel)
+    threads: int | None = None  # CPU threads of its backend's own (llama.cpp), None: torch's
 
 
 @dataclass
@@ -42,7 +43,7 @@ class ModelPair:
     vocab_size: int  # len(tokenizer): logits are cut to this many columns
     dtype_reason: str = ""  # why this dtype (``--dtype auto`` measures on a CPU)
     cross: CrossVocab | None = None  # a draft with its own tokenizer (draft/cross.py), else None
-    backend_reason: str = ""  # why the verifier runs on its backend (plan.choose_backend)
+    backend_reason: str = ""  # why the verifier runs on its backend (backends.choose)
     plan: Any = None  # the LoadPlan it was loaded from (plan.py), for --json
 
 
@@ -168,26 +169,6 @@ def materialize(src: Source, reporter=None) -> Source:
 
 
 GGUF_KINDS = ("embedded", "gguf")  # the sources llama.cpp can run
-
-
-def model_files(src: Source, backend: str, reporter=None) -> tuple[Source, Source]:
-    """(what ``backend`` loads, where the tokenizer is). torch: the materialized folder (or hub id)
-    for both; llama.cpp: the GGUF file itself (an embedded model's parts assembled once, no
-    conversion) and a tokenizer folder made once from its vocabulary."""
-    if backend == "torch":
-        folder = materialize(src, reporter)
-        return folder, folder
-    if src.kind == "embedded":
-        path, key = embedded.embedded_gguf(src.location, reporter), src.location
-    elif src.kind == "gguf":
-        path = Path(src.location).expanduser().resolve()
-        key = embedded.gguf_key(path)
-    else:
-        raise ModelError(
-            f"{src.location}: the llama.cpp backend runs GGUF files (embedded models, .gguf), "
-            f"not a {src.kind}; use --backend torch"
-        )
-    return Source("gguf", str(path)), Source("folder", str(embedded.gguf_tokenizer(path, key, reporter)))
 
 
 def _from_pretrained(loader, src: Source, what: str, **kwargs):

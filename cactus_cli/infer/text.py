@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterator
 
-from cactus_cli.core.events import NGRAM, SUFFIX, Piece, StepEvent
+from cactus_cli.core.events import Piece, StepEvent
+from cactus_cli.infer.draft import KINDS
 
 
 class Detokenizer:
@@ -56,7 +57,8 @@ class TextStream:
             events.close()  # (a stop string, or the consumer left): the engine's caches stay consistent
 
     def add_text(self, ev: StepEvent) -> StepEvent:
-        accepted_kind = {NGRAM: "copied", SUFFIX: "remembered"}.get(ev.draft_source or "", "accepted")
+        kind = KINDS.get(ev.draft_source or "")
+        accepted_kind = kind.label if kind is not None else "accepted"
         pieces: list[Piece] = []
         finish = ev.finish_reason
         emitted = ev.emitted

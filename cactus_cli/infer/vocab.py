@@ -12,6 +12,7 @@ are mapped to each other.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -166,3 +167,10 @@ def visible_text(tokenizer: Any, ids: list[int]) -> str:
 
 def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Names the vocabulary token ids belong to (a saved history is refused by another one)."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+    return f"{len(vocab)} tokens, sha256 {digest}"

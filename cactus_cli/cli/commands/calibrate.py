@@ -101,8 +101,8 @@ def calibrate(
         from cactus_cli.app import calibrate as cal_mod
         from cactus_cli.app import grid as b
         from cactus_cli.app import report, runtime
+        from cactus_cli.app.parsing import parse_list
         from cactus_cli.app.session import Session
-        from cactus_cli.app.settings import parse_list
 
         settings, budget = _settings(shared, max_divergence, max_quality_drop)
         delta_list = parse_list(deltas, float, "--delta") if deltas else list(cal_mod.DEFAULT_DELTAS)

@@ -111,12 +111,10 @@ def _json_doc(text: str, interrupted: bool, settings, stats, engine, params) -> 
         if lm is not None and lm.quantize_note
     }  # what ran, layer counts included
     doc["settings"]["compiled"] = engine.compiled
-    plan = engine.pair.plan  # every choice the load made, with its reason (infer/plan.py)
-    doc["settings"]["plan"] = (
-        {**plan.describe(), "compile": {"value": engine.compiled, "reason": engine.compile_note or ""}}
-        if plan is not None
-        else None
-    )
+    plan = engine.pair.plan.describe()  # every choice the load made, with its reason (infer/plan.py)
+    if engine.compile_note:  # (compiling failed at the first step: the engine went eager, and says why)
+        plan["compile"] = {"value": False, "reason": engine.compile_note}
+    doc["settings"]["plan"] = plan
     doc["settings"]["compile_seconds"] = engine.compile_seconds
     doc["cost_model"] = engine.cost_summary(params)
     return doc

@@ -118,9 +118,10 @@ def quality_cmd(
     with user_errors():
         import json
 
+        from cactus_cli.app.parsing import parse_list
         from cactus_cli.app.profiles import resolve_settings
         from cactus_cli.app.quality import NLL_TOLERANCE, measure
-        from cactus_cli.app.settings import check_each, parse_list
+        from cactus_cli.app.settings import check_each
         from cactus_cli.infer.models import load_pair
 
         flags = {"verifier": verifier if verifier is not None else ..., "device": device if device is not None else ...}

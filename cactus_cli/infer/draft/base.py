@@ -1,14 +1,15 @@
-"""The drafter interface: propose up to k tokens (with their probabilities) continuing the verified
-sequence, then be told how many were accepted. Drafters keep no copy of the sequence: the engine
-hands them its own (``seq``, read-only), so they can never drift out of step with it.
+"""The drafter interface: say where the next drafts would come from, propose up to k tokens (with
+their probabilities) continuing the verified sequence, then be told how many were accepted.
+Drafters keep no copy of the sequence: the engine hands them its own (``seq``, read-only), so they
+can never drift out of step with it.
 
-The interface is what the engine needs and no more: where the next drafts would come from
-(``next_source``; None means nothing to draft, a plain step), the drafter's own estimate of them
-if it has one (``confidence``), ``propose``, ``accept``, and ``start`` / ``finish`` of a
-sequence. The draft model's runner, if any, is the one attribute besides the source: the engine
-reads forward counts and the device from it, sizes and compiles it with the verifier's, and
-resets it when a step fails half-way (a drafter rebuilds everything else at ``start``).
-``Fallback`` composes a model-free drafter with a draft model, once, for every such drafter.
+Six members, what the engine needs and no more: ``peek`` (where the next proposal's drafts come
+from and the drafter's own estimate of them, or None: nothing to draft, a plain step),
+``propose``, ``accept``, ``start`` / ``finish`` of a sequence, and ``runner``, the draft model's
+runner if any (the engine reads forward counts and the device from it, sizes and compiles it with
+the verifier's, and resets it when a step fails half-way; a drafter rebuilds everything else at
+``start``). ``DrafterBase`` gives the defaults a drafter without a model and without memory
+needs; ``Fallback`` composes a model-free drafter with a draft model, once, for every such drafter.
 """
 
 from __future__ import annotations
@@ -20,36 +21,33 @@ import torch
 
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.runners.base import Runner
+from cactus_cli.infer.runners.base import Runner, to_device
 
 
 @dataclass
 class Proposal:
     tokens: torch.Tensor  # [k'] int64, on the drafter's device; k' <= k (a lookup may offer fewer)
     probs: torch.Tensor | None  # [k', V] float32 draft probabilities; None when greedy
-    source: str = MODEL  # MODEL, NGRAM or SUFFIX
+    source: str = MODEL  # MODEL, or the kind of a model-free drafter (draft/__init__.KINDS)
     fed: int = 0  # tokens the first draft forward caught up on (1, 2 after a full acceptance, more after k = 0 steps)
+
+
+@dataclass(frozen=True)
+class Peek:
+    """What the next proposal would be: where its drafts come from, and the drafter's own
+    estimate of each next token's probability given the ones before it (the suffix trees'
+    counts, for -k auto to size the draft by), or None when it has none."""
+
+    source: str
+    confidence: list[float] | None = None
 
 
 class Drafter(Protocol):
     runner: Runner | None  # the draft model's runner, or None: drafting costs (next to) nothing
-    source: str  # whose costs a choice of k rests on: MODEL when a draft model may draft, else NGRAM or SUFFIX
 
-    def next_source(self, seq: list[int]) -> str | None:
-        """Where the next proposal's drafts would come from (MODEL, NGRAM, SUFFIX), or None when it
-        has nothing to offer (a lookup with no match): then the step is a plain one."""
-
-    def confidence(self, seq: list[int]) -> list[float] | None:
-        """The drafter's own estimate of each next draft token's probability, given the ones
-        before it (the suffix trees' counts), for -k auto to size the draft by; None when it
-        has none (a draft model, prompt lookup): -k auto then uses the acceptance it measured
-        per position."""
-
-    def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> None:
-        """Begin a sequence at ``prompt``; with ``reuse``, keep what is cached of the prefix it
-        shares with ``previous`` (the last sequence). ``memory`` names the history a drafter
-        with memory reads and extends (bench keeps one per configuration; None: none, as in a
-        warm-up)."""
+    def peek(self, seq: list[int]) -> Peek | None:
+        """Where the next proposal's drafts would come from, or None when there is nothing to
+        offer (a lookup with no match): then the step is a plain one."""
 
     def propose(self, seq: list[int], k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
         """Draft up to k tokens continuing ``seq``."""
@@ -58,38 +56,71 @@ class Drafter(Protocol):
         """The verifier kept ``num_accepted`` of the last proposal; ``seq`` has grown by those
         and the correction or bonus token."""
 
+    def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> None:
+        """Begin a sequence at ``prompt``; with ``reuse``, keep what is cached of the prefix it
+        shares with ``previous`` (the last sequence). ``memory`` names the history a drafter
+        with memory reads and extends (bench keeps one per configuration; None: none, as in a
+        warm-up)."""
+
     def finish(self, seq: list[int]) -> None:
         """The sequence is done (finished, stopped or abandoned) at ``seq``, what was output: a
         drafter with memory learns it."""
 
 
-class Fallback:
+class DrafterBase:
+    """Defaults: no model, nothing to keep between steps or sequences."""
+
+    runner: Runner | None = None
+
+    def peek(self, seq: list[int]) -> Peek | None:
+        raise NotImplementedError
+
+    def propose(self, seq: list[int], k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
+        raise NotImplementedError
+
+    def accept(self, seq: list[int], num_accepted: int) -> None:
+        pass
+
+    def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> None:
+        pass
+
+    def finish(self, seq: list[int]) -> None:
+        pass
+
+
+def one_hot_proposal(tokens: list[int], vocab_size: int, device: torch.device, sp: SamplingParams, source: str):
+    """A proposal of ``tokens`` drawn with certainty (prompt lookup, a most-frequent path, a
+    re-tokenized draft): one-hot rows, so every rule applies unchanged and SpS stays lossless."""
+    ids = to_device(tokens, device)  # [k']
+    probs = None
+    if not sp.greedy and tokens:  # [k', V]
+        probs = torch.zeros(len(tokens), vocab_size, device=device).scatter_(1, ids.view(-1, 1), 1.0)
+    return Proposal(ids, probs, source)
+
+
+class Fallback(DrafterBase):
     """A model-free drafter (prompt lookup, the suffix trees) with a draft model behind it: the
     first drafts whenever it has something, the model when it has nothing. The model's cache
     stays in step either way: whatever it sat out is fed by its next proposal (a model behind a
     lookup reads even the prompt only then: it may never be asked)."""
 
-    source = MODEL  # (a model may draft: the choice of k rests on its costs)
-
     def __init__(self, primary: Drafter, model: Drafter):
         self.primary, self.model = primary, model
         self.runner = model.runner
 
-    def _drafting(self, seq: list[int]) -> Drafter:
-        return self.primary if self.primary.next_source(seq) is not None else self.model
+    def _drafting(self, seq: list[int]) -> tuple[Drafter, Peek | None]:
+        peek = self.primary.peek(seq)
+        return (self.primary, peek) if peek is not None else (self.model, self.model.peek(seq))
 
-    def next_source(self, seq: list[int]) -> str | None:
-        return self._drafting(seq).next_source(seq)
-
-    def confidence(self, seq: list[int]) -> list[float] | None:
-        return self._drafting(seq).confidence(seq)
+    def peek(self, seq: list[int]) -> Peek | None:
+        return self._drafting(seq)[1]
 
     def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> None:
         self.primary.start(prompt, previous, reuse, memory)
         self.model.start(prompt, previous, reuse, memory)
 
     def propose(self, seq: list[int], k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
-        return self._drafting(seq).propose(seq, k, sp, generator)
+        return self._drafting(seq)[0].propose(seq, k, sp, generator)
 
     def accept(self, seq: list[int], num_accepted: int) -> None:
         self.primary.accept(seq, num_accepted)

@@ -24,23 +24,22 @@ Two methods (``--cross-vocab``):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample
-from cactus_cli.infer.draft.base import Proposal
-from cactus_cli.infer.runners.base import Runner, common_prefix, to_device
+from cactus_cli.infer.draft.base import DrafterBase, Peek, Proposal, one_hot_proposal
+from cactus_cli.infer.runners.base import Runner, common_prefix
 from cactus_cli.infer.vocab import VocabMap, encode, eos_id, visible_text
 
 STRING, INTERSECTION = "string", "intersection"
 ANCHOR = 4  # verified tokens decoded before the draft's text, so the verifier encodes it in context
 
 
-class CrossVocabDrafter:
-    source = MODEL
-
+class CrossVocabDrafter(DrafterBase):
     def __init__(
         self, runner: Runner, method: str, draft_tok: Any, verifier_tok: Any, vmap: VocabMap, verifier_vocab: int
     ):
@@ -59,14 +58,8 @@ class CrossVocabDrafter:
         self.to_verifier = torch.zeros(runner.vocab_size, dtype=torch.int64, device=dev)
         self.to_verifier[vmap.draft_ids.to(dev)] = vmap.verifier_ids.to(dev)
 
-    def next_source(self, seq: list[int]) -> str | None:
-        return MODEL if seq else None  # (not re-encoded here: a plain step must cost nothing)
-
-    def confidence(self, seq: list[int]) -> list[float] | None:
-        return None
-
-    def finish(self, seq: list[int]) -> None:
-        pass
+    def peek(self, seq: list[int]) -> Peek | None:
+        return Peek(MODEL) if seq else None  # (not re-encoded here: a plain step must cost nothing)
 
     @property
     def device(self) -> torch.device:
@@ -158,11 +151,6 @@ class CrossVocabDrafter:
         new = new[:k]
         if any(t >= self.verifier_vocab for t in new):  # (an id past the verifier's logits: cut there)
             new = new[: next(i for i, t in enumerate(new) if t >= self.verifier_vocab)]
-        tokens = to_device(new, self.device)
-        probs = None
-        if not sp.greedy and new:
-            probs = torch.zeros(len(new), self.verifier_vocab, device=self.device).scatter_(1, tokens.view(-1, 1), 1.0)
-        return Proposal(tokens, probs, MODEL, fed)
+        return dataclasses.replace(one_hot_proposal(new, self.verifier_vocab, self.device, sp, MODEL), fed=fed)
 
-    def accept(self, seq: list[int], num_accepted: int) -> None:
-        pass  # the next step re-encodes the verified text and crops the cache to what it shares
+    # (accept: the next step re-encodes the verified text and crops the cache to what it shares)

@@ -6,11 +6,11 @@ import torch
 
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample
-from cactus_cli.infer.draft.base import Proposal
+from cactus_cli.infer.draft.base import DrafterBase, Peek, Proposal
 from cactus_cli.infer.runners.base import Runner, common_prefix
 
 
-class ModelDrafter:
+class ModelDrafter(DrafterBase):
     """Its cache holds ``seq[: cache_len]``; a proposal's first forward feeds the rest (1 token,
     or 2 after a full acceptance: the last draft and the bonus; more after k = 0 steps), so no
     forward pass is spent only on catching up."""
@@ -21,16 +21,8 @@ class ModelDrafter:
         self._k = 0  # size of the last proposal
         self._base = 0  # the sequence's length when it was made
 
-    source = MODEL
-
-    def next_source(self, seq: list[int]) -> str | None:
-        return MODEL
-
-    def confidence(self, seq: list[int]) -> list[float] | None:
-        return None
-
-    def finish(self, seq: list[int]) -> None:
-        pass
+    def peek(self, seq: list[int]) -> Peek | None:
+        return Peek(MODEL)
 
     def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> int:
         """Prefill the prompt, or (``lazy``: a model behind a lookup, which may never be asked)

@@ -5,22 +5,19 @@ from __future__ import annotations
 
 import torch
 
-from cactus_cli.core.events import NGRAM
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.draft.base import Proposal
-from cactus_cli.infer.runners.base import to_device
+from cactus_cli.infer.draft.base import DrafterBase, Peek, Proposal, one_hot_proposal
+
+NGRAM = "ngram"  # its kind (draft/__init__.KINDS) and the source its drafts count under
 
 
-class NgramDrafter:
+class NgramDrafter(DrafterBase):
     """The draft distribution is one-hot, so every acceptance rule works unchanged (SpS accepts
     with q_n and stays exactly lossless; Cactus accepts with its boosted h_n). A draft model can
     stand behind it (base.Fallback) for when nothing matches.
 
     Lookups are O(n_max) per token: for each n, a map from every n-gram that has a continuation
     to the start of its latest occurrence, updated as the sequence grows."""
-
-    source = NGRAM
-    runner = None  # (no model: drafts cost microseconds)
 
     def __init__(self, vocab_size: int, device: torch.device, n_max: int = 4, n_min: int = 1):
         self.vocab_size = vocab_size
@@ -32,12 +29,6 @@ class NgramDrafter:
     def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> None:
         self.index, self.indexed = {}, 0
         self._update(prompt)
-
-    def confidence(self, seq: list[int]) -> list[float] | None:
-        return None
-
-    def finish(self, seq: list[int]) -> None:
-        pass  # (a lookup reads the current sequence only)
 
     def _update(self, seq: list[int]) -> None:
         for j in range(self.indexed, len(seq)):  # seq[j] landed: every n-gram ending at j - 1 has a continuation
@@ -57,16 +48,8 @@ class NgramDrafter:
                 return seq[start + n : start + n + k]
         return []
 
-    def next_source(self, seq: list[int]) -> str | None:
-        return NGRAM if self.lookup(seq, 1) else None
+    def peek(self, seq: list[int]) -> Peek | None:
+        return Peek(NGRAM) if self.lookup(seq, 1) else None
 
     def propose(self, seq: list[int], k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
-        tokens = self.lookup(seq, k) if k else []
-        ids = to_device(tokens, self.device)  # [k']
-        probs = None
-        if not sp.greedy and tokens:  # [k', V] one-hot
-            probs = torch.zeros(len(tokens), self.vocab_size, device=self.device).scatter_(1, ids.view(-1, 1), 1.0)
-        return Proposal(ids, probs, NGRAM)
-
-    def accept(self, seq: list[int], num_accepted: int) -> None:
-        pass  # (the index catches up with the sequence at the next lookup)
+        return one_hot_proposal(self.lookup(seq, k) if k else [], self.vocab_size, self.device, sp, NGRAM)

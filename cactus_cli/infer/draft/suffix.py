@@ -21,20 +21,18 @@ import random
 
 import torch
 
-from cactus_cli.core.events import SUFFIX
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.draft.base import Proposal
+from cactus_cli.infer.draft.base import DrafterBase, Peek, Proposal, one_hot_proposal
 from cactus_cli.infer.draft.suffix_tree import History, Match, SuffixTree, follow
 from cactus_cli.infer.runners.base import to_device
+
+SUFFIX = "suffix"  # its kind (draft/__init__.KINDS) and the source its drafts count under
 
 MIN_PROB = 0.1  # a draft ends where its path's estimated probability would fall below this
 MAX_DRAFT = 64  # tokens looked ahead when asked whether there is a draft (the k policy caps it)
 
 
-class SuffixDrafter:
-    source = SUFFIX
-    runner = None  # (no model: drafts cost a tree walk)
-
+class SuffixDrafter(DrafterBase):
     def __init__(self, vocab_size: int, device: torch.device, history: History | None = None, sampled: bool = True):
         self.vocab_size = vocab_size
         self.device = device
@@ -70,13 +68,10 @@ class SuffixDrafter:
             self._found = (len(seq), best, where)
         return self._found[1], self._found[2]
 
-    def next_source(self, seq: list[int]) -> str | None:
-        return SUFFIX if self._match(seq)[0] is not None else None
-
-    def confidence(self, seq: list[int]) -> list[float] | None:
+    def peek(self, seq: list[int]) -> Peek | None:
         """The tree's estimate for each token of the path it would draft (None: no path)."""
         match = self._match(seq)[0]
-        return match.steps if match is not None else None
+        return Peek(SUFFIX, match.steps) if match is not None else None
 
     def propose(self, seq: list[int], k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
         match, history = self._match(seq) if k else (None, None)
@@ -88,17 +83,12 @@ class SuffixDrafter:
             tokens, dists, _ = follow(match.node, k, self.min_prob, self.rng, match.length)
         if history is not None and tokens:
             history.touch(match.doc)
-        ids = to_device(tokens, self.device)  # [k']
-        probs = None
-        if not sp.greedy and tokens:  # [k', V]
-            if dists:
-                probs = torch.zeros(len(tokens), self.vocab_size)
-                for i, dist in enumerate(dists):
-                    probs[i, list(dist)] = torch.tensor(list(dist.values()))
-                probs = probs.to(self.device)
-            else:
-                probs = torch.zeros(len(tokens), self.vocab_size, device=self.device).scatter_(1, ids.view(-1, 1), 1.0)
-        return Proposal(ids, probs, SUFFIX)
+        if sp.greedy or not dists:
+            return one_hot_proposal(tokens, self.vocab_size, self.device, sp, SUFFIX)
+        probs = torch.zeros(len(tokens), self.vocab_size)  # [k', V]: the counts each token was drawn from
+        for i, dist in enumerate(dists):
+            probs[i, list(dist)] = torch.tensor(list(dist.values()))
+        return Proposal(to_device(tokens, self.device), probs.to(self.device), SUFFIX)
 
     def accept(self, seq: list[int], num_accepted: int) -> None:
         self._found = None

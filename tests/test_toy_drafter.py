@@ -1,0 +1,57 @@
+"""Adding a model-free drafter is one module and one registry line: a drafter defined only in this
+file runs through the command line, a profile and Session, shows in the live view's legend, and
+its timings are kept in the cost store, with nothing else in the code base knowing its name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cactus_cli.api import Session
+from cactus_cli.cli.main import app
+from cactus_cli.infer import draft
+from cactus_cli.infer.costs import CostStore, cost_key
+from cactus_cli.infer.draft import DrafterBase, Kind, Peek, one_hot_proposal
+
+runner = CliRunner()
+
+
+class Echo(DrafterBase):
+    """Drafts the last token again, ``times`` times: right wherever the text repeats a token."""
+
+    def __init__(self, vocab_size, device, times):
+        self.vocab_size, self.device, self.times = vocab_size, device, times
+
+    def peek(self, seq):
+        return Peek("echo", [0.9] * self.times) if seq else None
+
+    def propose(self, seq, k, sp, generator):
+        return one_hot_proposal([seq[-1]] * min(k, self.times), self.vocab_size, self.device, sp, "echo")
+
+
+@pytest.fixture
+def echo(monkeypatch):
+    kind = Kind("echo", "the echo drafter", "echoed", ("ngram_max",), lambda o, v, d, s: Echo(v, d, o["ngram_max"]))
+    monkeypatch.setitem(draft.KINDS, "echo", kind)  # the one registry line
+
+
+def test_a_drafter_defined_here_runs_through_the_cli_a_profile_and_session(echo, tiny, tmp_path):
+    base = ["generate", "the cat the cat the cat", "--verifier", tiny["verifier"], "--device", "cpu"]
+    base += ["--dtype", "float32", "-k", "3", "-n", "12", "--seed", "0", "--json"]
+    r = runner.invoke(app, [*base, "--draft", "echo", "--ngram-max", "2"])
+    assert r.exit_code == 0, r.output
+    stats = json.loads(r.stdout)["stats"]
+    assert stats["draft_sources"]["echo"]["drafted"] > 0  # its drafts ran, counted under its name
+    r = runner.invoke(app, [*base, "--draft", "suffix", "--ngram-max", "2"])
+    assert r.exit_code == 2 and "or the echo drafter (draft echo or echo+MODEL)" in r.output, r.output
+    profile = tmp_path / "echo.yaml"
+    profile.write_text(f"verifier: {tiny['verifier']}\ndraft: echo+{tiny['draft_close']}\nngram_max: 2\n")
+    session = Session.load(str(profile), device="cpu", dtype="float32", num_draft_tokens=3, max_tokens=12, seed=0)
+    assert session.text("the cat the cat") and session.stats.drafted_by_source.get("echo", 0) > 0
+    store = CostStore.read(cost_key(session.engine.pair))  # saved by the run, read back
+    assert store.costs.draft.get("echo"), "the echo drafter's timings were not kept"
+    from cactus_cli.cli import ui
+
+    assert "echoed (echo)" in ui.legend().plain
