@@ -75,7 +75,7 @@ def test_threads_are_measured_once_and_the_fastest_kept(tiny_gguf, monkeypatch):
 
     monkeypatch.setattr(gguf_layout, "measure", fake_measure)
     layout = choose(tiny_gguf, "tiny", "none", None, False, no_texts)
-    assert layout.threads == 2 and "2 threads, measured fastest here (1 threads take 1.67x)" in layout.reason
+    assert layout.threads == 2 and "2 threads, measured fastest here (1 thread takes 1.67x)" in layout.reason
     assert timed == [1, 2]
     assert choose(tiny_gguf, "tiny", "none", None, False, no_texts).threads == 2 and timed == [1, 2]  # cached
     assert choose(tiny_gguf, "tiny", "none", 1, False, no_texts).threads == 1  # --threads wins

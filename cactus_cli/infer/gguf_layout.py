@@ -268,7 +268,11 @@ def _threads(path: Path, name: str, threads: int | None, reporter=None) -> tuple
         scores = {t: score(measure(str(path), t, THREAD_WIDTHS)["curve"]) for t in candidates}
         _store(key, {"scores": {str(t): s for t, s in scores.items()}})
     best = min(scores, key=scores.get)
-    others = ", ".join(f"{t} threads take {scores[t] / scores[best]:.2f}x" for t in sorted(scores) if t != best)
+    others = ", ".join(
+        f"{t} thread{'s' if t > 1 else ''} take{'' if t > 1 else 's'} {scores[t] / scores[best]:.2f}x"
+        for t in sorted(scores)
+        if t != best
+    )
     return best, f"{best} threads, measured fastest here ({others})"
 
 
