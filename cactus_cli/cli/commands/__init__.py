@@ -14,9 +14,10 @@ from cactus_cli.cli.commands import (
     generate,
     models,
     profiles,
+    serve,
 )
 
 
 def register(app: typer.Typer) -> None:
-    for module in (generate, chat, bench, eval, calibrate, profiles, models):
+    for module in (generate, chat, serve, bench, eval, calibrate, profiles, models):
         module.register(app)

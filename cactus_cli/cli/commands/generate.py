@@ -39,12 +39,9 @@ def generate(
         prompt = _read_prompt(prompt)
         settings = with_seed(settings)
         err_console = ui.make_console(no_color=shared.no_color, stderr=True)
-        messages = ([{"role": "system", "content": settings.system}] if settings.system else []) + [
-            {"role": "user", "content": prompt}
-        ]
         with ui.LoadProgress(err_console) as progress:
             session = Session.load(settings=settings, reporter=progress)
-            ids = session.encode(messages)
+            ids = session.encode(prompt)  # (the chat template and the system prompt: Session.encode)
             session.prepare(len(ids), progress)
         params = session.params()
 

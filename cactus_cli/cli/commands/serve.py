@@ -1,0 +1,119 @@
+"""`cactus serve`: the loaded pair behind an OpenAI-compatible HTTP API (cli/server.py)."""
+
+from __future__ import annotations
+
+import ipaddress
+import signal
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from cactus_cli.cli import options as o
+from cactus_cli.cli import ui
+from cactus_cli.cli.edge import user_errors
+from cactus_cli.core.errors import ConfigError
+
+
+@o.shared_options(*o.GENERATION)
+def serve(
+    host: Annotated[
+        str, typer.Option(help="The address to listen on (a non-loopback one without --api-key warns).")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="The port (0: any free one, printed).")] = 8000,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option(envvar="CACTUS_API_KEY", help="Require Authorization: Bearer KEY on every request but /health."),
+    ] = None,
+    max_queue: Annotated[
+        int, typer.Option(min=1, help="Requests that may wait while one is served; past it: 503 with Retry-After.")
+    ] = 16,
+    log_requests: Annotated[
+        bool,
+        typer.Option(
+            "--log-requests", help="Print each request's text and answer size on stderr (off: no text is logged)."
+        ),
+    ] = False,
+    *,
+    shared: o.Shared,
+) -> None:
+    """Serve the model pair over OpenAI's HTTP API: /v1/chat/completions, /v1/completions (streamed
+    or whole), /v1/models, /health and /metrics.
+
+    One pair is loaded once and serves one request at a time, in arrival order, from a bounded
+    queue. Each request may set its own rule, delta, num_draft_tokens, top_k and draft (none or the
+    loaded one) as extra body fields; each answer says what the speculation bought. The KV caches
+    keep the last request, so a request that shares its prefix skips that prefill. Ctrl-C or
+    SIGTERM stops taking requests, ends the one in flight and exits 0.
+    """
+    with user_errors():
+        try:
+            import uvicorn
+
+            from cactus_cli.cli.server import build_app
+        except ImportError as err:
+            raise ConfigError(
+                f"cactus serve needs the serve extra ({err.name} is missing): pip install 'cactus-cli[serve]'"
+            ) from None
+        from cactus_cli.app.profiles import resolve_settings
+        from cactus_cli.app.serving import Server
+        from cactus_cli.app.session import Session
+        from cactus_cli.app.settings import check_flags_apply, with_seed
+
+        settings = with_seed(resolve_settings(shared.profile, shared.flags))
+        check_flags_apply(settings, shared.flags)
+        err = ui.make_console(no_color=shared.no_color, stderr=True)
+        if not _loopback(host) and api_key is None:
+            err.print(
+                f"warning: serving on {host} without --api-key: anyone who can reach it can use it",
+                markup=False,
+                soft_wrap=True,
+            )
+        with ui.LoadProgress(err) as progress:
+            session = Session.load(settings=settings, reporter=progress)
+            session.prepare(256, progress)  # the cost probe for -k auto, before the first request
+        server = Server(
+            session, max_queue, log=(lambda line: print(line, file=sys.stderr, flush=True)) if log_requests else None
+        )
+        app = build_app(server, api_key)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        http = _http(config, server, err)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn takes them while it runs, then raises them again
+            signal.signal(sig, lambda *_: None)  # for the handlers it found: a stop asked for is a clean exit
+        http.run()
+        err.print("stopped", markup=False)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _http(config, server, console):
+    """uvicorn's server, telling ours to stop (end the stream in flight, refuse the queue) when
+    uvicorn is told to (Ctrl-C, SIGTERM), and saying where it listens once it does."""
+    import uvicorn
+
+    class Http(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            server.stop()
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            for s in self.servers:
+                for sock in s.sockets:
+                    h, p = sock.getsockname()[:2]
+                    console.print(
+                        f"serving {server.model_id} on http://{h}:{p}/v1 (Ctrl-C stops)", markup=False, soft_wrap=True
+                    )
+
+    return Http(config)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)

@@ -1,0 +1,364 @@
+"""The HTTP face of `cactus serve`: OpenAI's /v1/models, /v1/completions and /v1/chat/completions
+(streamed as server-sent events or whole), /health and /metrics, on FastAPI and uvicorn (the
+`serve` extra). Requests are validated by pydantic models; every error is OpenAI's error shape
+with the field it is about. What runs the requests is app/serving.py."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.sse import format_sse_event
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from cactus_cli.app.serving import Busy, Finished, Job, Server
+from cactus_cli.core.errors import CactusError, ConfigError
+
+MAX_BODY_BYTES = 8 * 1024 * 1024  # a request larger than this is refused (413) before it is parsed
+UNSUPPORTED = {  # OpenAI fields cactus cannot honour, and what it does instead (a 400, never a silent ignore)
+    "tools": "tool calls are not supported",
+    "tool_choice": "tool calls are not supported",
+    "functions": "function calls are not supported",
+    "function_call": "function calls are not supported",
+    "response_format": "structured output is not supported",
+    "logit_bias": "logit_bias is not supported",
+    "best_of": "best_of is not supported (one sample per request)",
+    "echo": "echo is not supported",
+    "suffix": "suffix (insertion) is not supported",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def error_body(message: str, param: str | None, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as text (a list of parts: their text parts; any other part is refused)."""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(
+                    400, f"messages: only text content parts are supported, not {part.get('type')!r}", "messages"
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class _Common(BaseModel):
+    """The fields both endpoints take: OpenAI's that cactus honours, then cactus's own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # cactus's own, per request
+    rule: str | None = None
+    delta: float | None = None
+    num_draft_tokens: int | Literal["auto"] | None = None
+    top_k: int | None = Field(None, ge=0)
+    draft: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("cactus generates one choice per request; use n = 1")
+        return v
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: Any) -> Any:
+        if v:
+            raise ValueError("log probabilities are not supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float | None) -> float | None:
+        if v:
+            raise ValueError("penalties are not supported (0 or leave it out)")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("up to 4 non-empty stop strings")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, why in UNSUPPORTED.items():
+                if data.get(key) not in (None, [], {}):
+                    raise ApiError(400, f"{key}: {why}", key)
+        return data
+
+    def overrides(self) -> dict[str, Any]:
+        """The request's settings as Settings keys (what it did not give stays the server's)."""
+        given = {
+            "max_tokens": self.max_completion_tokens or self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+            "rule": self.rule,
+            "delta": self.delta,
+            "num_draft_tokens": self.num_draft_tokens,
+            "draft": self.draft,
+        }
+        return {k: v for k, v in given.items() if v is not None}
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int]
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, v: str | list[int]) -> str | list[int]:
+        if not v:
+            raise ValueError("the prompt is empty")
+        return v
+
+
+def _field_of(err: dict[str, Any]) -> str:
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    return ".".join(loc[:1]) if loc else "body"
+
+
+def build_app(server: Server, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="cactus", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if err.status == 503 else None
+        return JSONResponse(error_body(err.message, err.param, err.kind), err.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0]
+        ours = first.get("ctx", {}).get("error")
+        if isinstance(ours, ApiError):
+            return await _api_error(request, ours)
+        field = _field_of(first)
+        if first.get("type") == "json_invalid":
+            message, field = "the body is not valid JSON", None
+        elif first.get("type") == "extra_forbidden":
+            message = f"{field}: unknown field (cactus honours the OpenAI fields it documents, and its own)"
+        else:
+            message = f"{field}: {first.get('msg', 'invalid')}".replace("Value error, ", "")
+        return JSONResponse(error_body(message, field, "invalid_request_error"), 400)
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is None and request.method == "POST":  # (a body of unknown length could be any size)
+            body = error_body("a request body needs a Content-Length header", None, "invalid_request_error")
+            return JSONResponse(body, 411)
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            body = error_body(f"the body is over {MAX_BODY_BYTES // 2**20} MiB", None, "invalid_request_error")
+            return JSONResponse(body, 413)
+        if api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                body = error_body("a valid API key is needed: Authorization: Bearer KEY", None, "authentication_error")
+                return JSONResponse(body, 401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "stopping" if server.stopping.is_set() else "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(server.prometheus(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": server.model_id, "object": "model", "created": int(server.started), "owned_by": "cactus"}
+        return {"object": "list", "data": [card | {"max_model_len": server.context_length}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        return await _serve(body, request, messages, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _serve(body, request, body.prompt, chat=False)
+
+    async def _serve(body: _Common, request: Request, prompt: Any, chat: bool):
+        if body.model not in (None, server.model_id):
+            raise ApiError(
+                404,
+                f"model {body.model!r} is not served here; this server serves {server.model_id!r}",
+                "model",
+                "not_found_error",
+            )
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+        try:
+            ids = await loop.run_in_executor(None, _encode, server, prompt, chat)
+        except CactusError as err:
+            raise ApiError(400, str(err), "messages" if chat else "prompt") from None
+        label = json.dumps(prompt)[:2000] if server.log is not None else ""
+        try:
+            job = server.job(
+                ids, body.overrides(), lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item), label
+            )
+            server.submit(job)
+        except Busy as err:
+            raise ApiError(503, str(err), None, "server_error") from None
+        except CactusError as err:
+            raise ApiError(400, str(err), getattr(err, "param", None)) from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        head = {"id": rid, "created": int(time.time()), "model": server.model_id}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = _stream(server, job, inbox, head, chat, len(ids), include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _whole(server, job, inbox, head, chat, len(ids), request)
+
+    return app
+
+
+def _encode(server: Server, prompt: Any, chat: bool) -> list[int]:
+    """Chat messages through the session (the chat template, the system prompt); a completion's
+    text as it is (it continues the text), or its token ids."""
+    if chat:
+        return server.session.encode(prompt)
+    if isinstance(prompt, list):
+        vocab = server.session.engine.pair.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ConfigError(f"prompt: token ids must be in 0..{vocab - 1}")
+        return list(prompt)
+    return list(server.session.tokenizer(prompt)["input_ids"])
+
+
+def _usage(prompt_tokens: int, finished: Finished) -> dict[str, Any]:
+    out = finished.stats.num_output_tokens
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": out,
+        "total_tokens": prompt_tokens + out,
+        "prompt_tokens_details": {"cached_tokens": finished.stats.reused_prefix_tokens},
+    }
+
+
+def _choice(chat: bool, text: str, finish: str | None, stream: bool) -> dict[str, Any]:
+    if not chat:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    key = "delta" if stream else "message"
+    return {"index": 0, key: {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+
+
+async def _next(inbox: asyncio.Queue, job: Job) -> Any:
+    item = await inbox.get()
+    if isinstance(item, Busy):
+        raise ApiError(503, str(item), None, "server_error")
+    if isinstance(item, CactusError):
+        raise ApiError(400, str(item), getattr(item, "param", None))
+    if isinstance(item, Exception):
+        raise ApiError(500, f"generation failed: {type(item).__name__}: {item}", None, "server_error")
+    return item
+
+
+async def _whole(
+    server: Server, job: Job, inbox: asyncio.Queue, head: dict, chat: bool, n_prompt: int, request: Request
+):
+    """Wait for the whole answer; a client that leaves meanwhile cancels the job."""
+    text = []
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(_next(inbox, job), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return Response(status_code=499)  # (nobody reads it: the client has gone)
+                continue
+            if isinstance(item, Finished):
+                break
+            text.append(item.text)
+    finally:
+        job.cancel.set()  # (a no-op once the job is done)
+    return {
+        **head,
+        "object": "chat.completion" if chat else "text_completion",
+        "choices": [_choice(chat, "".join(text), item.finish_reason, stream=False)],
+        "usage": _usage(n_prompt, item),
+        "speculative": server.speculative(job.settings, item.stats),
+    }
+
+
+async def _stream(server: Server, job: Job, inbox: asyncio.Queue, head: dict, chat: bool, n_prompt: int, usage: bool):
+    """One chunk per verification step's text; the last carries the finish reason and what the
+    speculation bought; ``data: [DONE]`` ends it. A client that leaves cancels the job (Starlette
+    cancels this generator, and ``finally`` says so to the worker)."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    try:
+        while True:
+            try:
+                item = await _next(inbox, job)
+            except ApiError as err:
+                yield format_sse_event(data_str=json.dumps(error_body(err.message, err.param, err.kind)))
+                break
+            if isinstance(item, Finished):
+                last = {**head, "object": kind, "choices": [_choice(chat, "", item.finish_reason, stream=True)]}
+                last["speculative"] = server.speculative(job.settings, item.stats)
+                yield format_sse_event(data_str=json.dumps(last))
+                if usage:
+                    tail = {**head, "object": kind, "choices": [], "usage": _usage(n_prompt, item)}
+                    yield format_sse_event(data_str=json.dumps(tail))
+                break
+            if item.text:
+                chunk = {**head, "object": kind, "choices": [_choice(chat, item.text, None, stream=True)]}
+                yield format_sse_event(data_str=json.dumps(chunk))
+        yield format_sse_event(data_str="[DONE]")
+    finally:
+        job.cancel.set()  # (a no-op once the job is done)

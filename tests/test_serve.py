@@ -1,0 +1,338 @@
+"""`cactus serve` on 127.0.0.1 with the tiny pair, through the real `openai` client, httpx and curl:
+answers equal Session's (greedy: token for token), per-request speculation settings take effect,
+every bad input is a 400/404/413 in OpenAI's error shape and the server keeps serving, a client
+that leaves cancels its generation, a full queue is a 503, the API key, a cached prefix gives the
+cold cache's answer, and SIGTERM ends the stream in flight and exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+try:
+    import fastapi  # noqa: F401
+    import openai
+
+    try:
+        import httpx
+    except ImportError:
+        import httpx2 as httpx  # (what newer openai releases use instead)
+    import uvicorn  # noqa: F401
+except ImportError as err:
+    if os.environ.get("CI"):
+        raise RuntimeError('the serve tests need the serve and test extras: install ".[demo,test,eval,serve]"') from err
+    pytest.skip(f"the serve extra is not installed ({err.name})", allow_module_level=True)
+
+from cactus_cli.app.serving import Server  # noqa: E402
+from cactus_cli.app.session import Session  # noqa: E402
+
+PROMPT = "the cat sat on the mat and the dog"
+
+
+def start(server: Server, api_key: str | None = None):
+    """Run the app on a free port in a thread; (base url, stop)."""
+    import uvicorn
+
+    from cactus_cli.cli.server import build_app
+
+    config = uvicorn.Config(build_app(server, api_key), host="127.0.0.1", port=0, log_level="error")
+    http = uvicorn.Server(config)
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not http.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    port = http.servers[0].sockets[0].getsockname()[1]
+
+    def stop():
+        http.should_exit = True
+        thread.join(10)
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+@pytest.fixture(scope="module")
+def session(tiny):
+    return Session.load(
+        verifier=tiny["verifier"],
+        draft=tiny["draft_close"],
+        device="cpu",
+        dtype="float32",
+        num_draft_tokens=3,
+        max_tokens=16,
+        temperature=0.0,
+        seed=0,
+    )
+
+
+@pytest.fixture(scope="module")
+def served(session):
+    server = Server(session, max_queue=4)
+    url, stop = start(server)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    yield server, url, client
+    stop()
+    server.stop()
+
+
+def chat(client, **kw):
+    return client.chat.completions.create(model=kw.pop("model", None) or client.models.list().data[0].id, **kw)
+
+
+def test_models_health_and_metrics(served):
+    server, url, client = served
+    assert [m.id for m in client.models.list().data] == [server.model_id]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    text = httpx.get(f"{url}/metrics").text
+    assert "# TYPE vllm:spec_decode_num_accepted_tokens_total counter" in text
+    assert re.search(r"^vllm:num_requests_waiting 0$", text, re.M)
+
+
+def test_whole_and_streamed_answers_equal_the_session_greedy(served, session):
+    server, url, client = served
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = chat(client, messages=messages, max_tokens=12)
+    pieces, last = [], None
+    for chunk in chat(client, messages=messages, max_tokens=12, stream=True):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            last = chunk
+    session.engine.reset()  # (a cold cache: the answer must not depend on what the last request left)
+    expected = session.text(messages, max_tokens=12)
+    assert whole.choices[0].message.content == "".join(pieces) == expected
+    assert whole.choices[0].finish_reason == last.choices[0].finish_reason
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.completion_tokens == session.stats.num_output_tokens
+    spec = whole.model_extra["speculative"]
+    assert spec["rule"] == session.settings.rule and spec["drafted"] == session.stats.num_draft_tokens
+    assert last.model_extra["speculative"]["accepted"] == spec["accepted"]
+    done = client.completions.create(model=server.model_id, prompt=PROMPT, max_tokens=8)
+    assert done.object == "text_completion" and done.usage.completion_tokens > 0
+
+
+def test_per_request_speculation_settings_take_effect(served):
+    server, url, client = served
+    messages = [{"role": "user", "content": PROMPT}]
+    plain = chat(client, messages=messages, max_tokens=12, extra_body={"draft": "none"}).model_extra["speculative"]
+    assert plain["drafted"] == 0 and plain["draft"] == "none" and plain["num_draft_tokens"] == 0
+    k4 = chat(client, messages=messages, max_tokens=12, extra_body={"num_draft_tokens": 4, "rule": "sps"})
+    spec = k4.model_extra["speculative"]
+    assert spec["rule"] == "sps" and spec["lossless"] and spec["drafted"] > 0 and spec["num_draft_tokens"] == 4
+    cactus = chat(client, messages=messages, max_tokens=12, extra_body={"rule": "cactus", "delta": 0.25})
+    assert cactus.model_extra["speculative"]["params"]["delta"] == 0.25
+
+
+def test_a_shared_prefix_is_not_prefilled_again_and_gives_the_cold_answer(served, session):
+    server, url, client = served
+    first = [{"role": "user", "content": PROMPT + " and the cat"}]
+    chat(client, messages=first, max_tokens=4)
+    second = first + [{"role": "assistant", "content": "the dog"}, {"role": "user", "content": "the mat"}]
+    warm = chat(client, messages=second, max_tokens=10)
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0
+    session.engine.reset()
+    assert warm.choices[0].message.content == session.text(second, max_tokens=10)
+
+
+@pytest.mark.parametrize(
+    "body, status, param, words",
+    [
+        ({"n": 2}, 400, "n", "one choice per request"),
+        ({"logprobs": True}, 400, "logprobs", "not supported"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tool calls"),
+        ({"rule": "nope"}, 400, "rule", "rule must be one of sps, cactus"),
+        ({"delta": -1}, 400, "delta", "delta"),
+        ({"temperature": "hot"}, 400, "temperature", "temperature"),
+        ({"num_draft_tokens": "many"}, 400, "num_draft_tokens", "num_draft_tokens"),
+        ({"draft": "suffix"}, 400, "draft", "this server loaded draft"),
+        ({"frobnicate": 1}, 400, "frobnicate", "unknown field"),
+        ({"max_tokens": 100000}, 400, "max_tokens", "does not fit"),
+        ({"messages": []}, 400, "messages", "messages"),
+        ({"model": "gpt-4"}, 404, "model", "is not served here"),
+        ({"messages": [{"role": "user", "content": "the " * 600}]}, 400, "messages", "context window"),
+    ],
+)
+def test_bad_requests_get_one_clear_error_and_the_server_keeps_serving(served, body, status, param, words):
+    server, url, client = served
+    payload = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4} | body
+    r = httpx.post(f"{url}/v1/chat/completions", json=payload, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+    assert chat(client, messages=[{"role": "user", "content": PROMPT}], max_tokens=2).choices[0].message.content
+
+
+def test_malformed_and_oversized_bodies(served, monkeypatch):
+    server, url, client = served
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    from cactus_cli.cli import server as http
+
+    monkeypatch.setattr(http, "MAX_BODY_BYTES", 1000)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "the " * 500})
+    assert r.status_code == 413 and "over" in r.json()["error"]["message"]
+    chunked = httpx.post(f"{url}/v1/completions", content=iter([b'{"prompt": "the"}']))  # (no Content-Length)
+    assert chunked.status_code == 411 and "Content-Length" in chunked.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 10**6], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def slow(server: Server, gate: threading.Event | None = None, delay: float = 0.05) -> None:
+    """Make the worker wait for ``gate`` before each job, and each step take ``delay`` seconds."""
+    generate = server.session.generate
+
+    def slowly(*a, **kw):
+        if gate is not None:
+            gate.wait(30)
+        for event in generate(*a, **kw):
+            time.sleep(delay)
+            yield event
+
+    server.session.generate = slowly
+
+
+def test_a_client_that_leaves_cancels_its_generation(session):
+    server = Server(session, max_queue=2)
+    slow(server)
+    url, stop = start(server)
+    try:
+        body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 400, "stream": True}
+        body["temperature"] = 0.8  # (sampled: no early end on a repeated greedy EOS)
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # one chunk, then leave
+        deadline = time.monotonic() + 10
+        while server.metrics.requests.get("abort", 0) < 1:
+            assert time.monotonic() < deadline, "the generation went on after its client left"
+            time.sleep(0.05)
+        assert server.metrics.generation_tokens < 400
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        stop()
+        server.stop()
+        del session.generate  # (the instance attribute slow() set)
+
+
+def test_a_full_queue_is_a_503_with_retry_after(session):
+    server = Server(session, max_queue=1)
+    gate = threading.Event()
+    slow(server, gate, delay=0)
+    url, stop = start(server)
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        answers: list[int] = []
+        waiting = [
+            threading.Thread(
+                target=lambda: answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code)
+            )
+            for _ in range(2)
+        ]
+        for t in waiting:  # one running (held at the gate), one queued
+            t.start()
+            time.sleep(0.5)
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert (
+            r.status_code == 503 and r.headers["retry-after"] == "1" and "queue is full" in r.json()["error"]["message"]
+        )
+        gate.set()
+        for t in waiting:
+            t.join(60)
+        assert answers == [200, 200]
+        assert 'cactus_requests_rejected_total{reason="queue full"} 1' in httpx.get(f"{url}/metrics").text
+    finally:
+        gate.set()
+        stop()
+        server.stop()
+        del session.generate
+
+
+def test_log_requests_logs_the_text_only_when_asked(session):
+    lines: list[str] = []
+    server = Server(session, log=lines.append)
+    url, stop = start(server)
+    try:
+        httpx.post(f"{url}/v1/completions", json={"prompt": "the dog ran", "max_tokens": 2}, timeout=60)
+        assert any("the dog ran" in line for line in lines) and any("answer" in line for line in lines)
+    finally:
+        stop()
+        server.stop()
+
+
+def test_the_api_key(session):
+    server = Server(session)
+    url, stop = start(server, api_key="s3cret")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{url}/health").status_code == 200  # (a load balancer's check needs no key)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert client.completions.create(model=server.model_id, prompt=PROMPT, max_tokens=2).choices
+    finally:
+        stop()
+        server.stop()
+
+
+def test_the_command_serves_curl_and_sigterm_ends_the_stream_and_exits_0(tiny, tmp_path):
+    env = dict(os.environ, CACTUS_HOME=str(tmp_path / "home"))
+    cmd = [sys.executable, "-m", "cactus_cli", "serve", "--verifier", tiny["verifier"], "--draft", tiny["draft_close"]]
+    cmd += ["--device", "cpu", "--dtype", "float32", "-k", "2", "--port", "0", "--no-color"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    watchdog = threading.Timer(120, proc.kill)  # (a hang fails the test instead of the suite)
+    watchdog.start()
+    try:
+        url = None
+        for line in proc.stderr:
+            if m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line):
+                url = m.group(1)
+                break
+        assert url, "serve did not say where it listens"
+        out = subprocess.run(
+            [
+                "curl",
+                "-sS",
+                "-H",
+                "Content-Type: application/json",
+                "-d",
+                json.dumps({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}),
+                f"{url}/v1/chat/completions",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        doc = json.loads(out.stdout)
+        assert doc["object"] == "chat.completion" and doc["usage"]["completion_tokens"] > 0, out.stdout
+        body = {
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 400,
+            "temperature": 0.8,
+            "stream": True,
+        }
+        events = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        proc.send_signal(signal.SIGTERM)
+        assert events[-1] == "[DONE]", events[-3:]
+        finals = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e)["choices"]]
+        assert finals[-1] == "abort"  # (400 tokens take longer than the signal)
+        assert proc.wait(30) == 0
+        assert "the cat sat" not in proc.stderr.read()  # (no request's text in the log without --log-requests)
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
