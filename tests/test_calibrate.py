@@ -63,7 +63,7 @@ def test_calibrate_writes_a_profile_that_generate_uses(tiny, isolated_home, tmp_
     g = runner.invoke(app, ["generate", "hi", "--profile", "tuned", "-n", "4", "--json"])
     assert g.exit_code == 0, g.output
     settings = json.loads(g.output)["settings"]
-    assert settings["delta"] == 1.0 and settings["num_draft_tokens"] == data["num_draft_tokens"]
+    assert settings["rule_params"]["delta"] == 1.0 and settings["num_draft_tokens"] == data["num_draft_tokens"]
     assert settings["verifier"] == tiny["verifier"]
 
 

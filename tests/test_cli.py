@@ -67,7 +67,7 @@ def test_generate_json(tiny):
     )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
-    assert doc["settings"]["rule"] == "cactus" and doc["settings"]["delta"] == 0.5
+    assert doc["settings"]["rule"] == "cactus" and doc["settings"]["rule_params"]["delta"] == 0.5
     assert doc["settings"]["num_draft_tokens"] == 3 and doc["settings"]["seed"] == 3
     stats = doc["stats"]
     assert stats["num_output_tokens"] == 12 or stats["finish_reason"] in ("eos", "stop")
@@ -168,7 +168,7 @@ def test_user_profile_by_name(tiny, isolated_home):
         (["-k", "0"], "--num-draft-tokens must be an integer in 1..64"),
         (["--rule", "magic"], "--rule must be one of sps, cactus"),
         (["--rule", "sps", "--delta", "0.5"], "--delta has no effect with rule 'sps'"),
-        (["--param", "topk=3"], "rule 'cactus' has no parameter 'topk'"),
+        (["--param", "topk=3"], "--param topk has no effect with rule 'cactus' (it takes: delta); use --rule topk"),
         (["--param", "nonsense"], "expected KEY=VALUE"),
         (["--rule", "interp", "--param", "alpha=2"], "parameter 'alpha' must be a number in [0, 1]"),
         (["--top-p", "0"], "--top-p must be a number in (0, 1]"),

@@ -5,16 +5,17 @@ recompilation after warm-up, and a clean fall back to eager when compiling fails
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from cactus_cli.app.runtime import resolve_compile
 from cactus_cli.cli.main import app
 from cactus_cli.core.paths import cache_path
 from cactus_cli.core.sampling import SamplingParams
+from cactus_cli.infer import plan as plan_mod
 from cactus_cli.infer.costs import CostStore, cost_key
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
@@ -162,9 +163,16 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_line(close_pair, monkey
     assert run(engine, ids, greedy(4))[0] == hf_greedy(close_pair, ids, 40)
 
 
+def resolve_compile(mode: str, pair) -> tuple[bool, str]:
+    """The plan's compile choice had ``--compile mode`` been given."""
+    plan = dataclasses.replace(pair.plan, request=dataclasses.replace(pair.plan.request, compile=mode))
+    return plan_mod.choose_compile(plan)
+
+
 def test_compile_auto_is_off_on_cpu_until_measured_faster(close_pair):
-    assert resolve_compile("auto", close_pair) == (False, None)
-    assert resolve_compile("off", close_pair) == (False, None)
+    off_here = compile_problem(torch.device("cpu"))
+    assert resolve_compile("auto", close_pair) == (False, f"auto: {off_here}" if off_here else "auto: off on a CPU")
+    assert resolve_compile("off", close_pair) == (False, "off (as asked)")
     for compiled, seconds in ((False, 0.010), (True, 0.004)):  # what two earlier runs measured
         key = cost_key(close_pair, compiled)
         policy = CostStore(cache_path(key), key)
@@ -172,15 +180,12 @@ def test_compile_auto_is_off_on_cpu_until_measured_faster(close_pair):
             policy.costs.add_verify(1, seconds)
         policy.dirty = True
         policy.save()
-    expected = compile_problem(torch.device("cpu")) is None
-    assert resolve_compile("auto", close_pair) == (expected, None)
+    assert resolve_compile("auto", close_pair)[0] == (off_here is None)  # (the plan reads the same cost key)
 
 
 def test_compile_on_without_a_compiler_warns_and_runs_eagerly(close_pair, monkeypatch):
-    import cactus_cli.app.runtime as runtime
-
     monkeypatch.setattr(
-        runtime, "compile_problem", lambda device: "no C++ compiler (g++ or clang++) for torch.compile's CPU backend"
+        plan_mod, "compile_problem", lambda device: "no C++ compiler (g++ or clang++) for torch.compile's CPU backend"
     )
     assert resolve_compile("on", close_pair) == (
         False,

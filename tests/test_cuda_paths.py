@@ -16,7 +16,7 @@ from torch import nn
 
 from cactus_cli.core.errors import ModelError
 from cactus_cli.core.sampling import SamplingParams, sample
-from cactus_cli.infer import devices, models
+from cactus_cli.infer import devices
 from cactus_cli.infer.draft import Free
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_pair
@@ -24,6 +24,7 @@ from cactus_cli.infer.quant import quantize
 from cactus_cli.infer.runners import compiled as runners
 from cactus_cli.infer.runners import sharded as distributed
 from cactus_cli.infer.runners.compiled import CompiledLM, compile_problem
+from cactus_cli.infer.sources import Source
 from tests.test_engine import prompt_ids
 
 needs_compiler = pytest.mark.skipif(compile_problem(torch.device("cpu")) is not None, reason="no torch.compile here")
@@ -245,8 +246,10 @@ def test_quantizing_releases_each_layer_as_it_is_replaced(tiny, monkeypatch):
 def test_gpu_loading_path_streams_to_the_device_it_is_given(tiny):
     from transformers import AutoModelForCausalLM
 
-    src = models.Source("folder", tiny["verifier"])
-    model = models._load_on_gpu(AutoModelForCausalLM, src, "verifier", torch.float32, torch.device("cpu"))
+    from cactus_cli.infer.backends import torch_backend
+
+    src = Source("folder", tiny["verifier"])
+    model = torch_backend._load_on_gpu(AutoModelForCausalLM, src, "verifier", torch.float32, torch.device("cpu"))
     assert next(model.parameters()).device.type == "cpu"
 
 

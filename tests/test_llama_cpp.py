@@ -195,7 +195,7 @@ def test_auto_picks_llama_cpp_for_gguf_on_a_cpu_and_torch_otherwise(files, tiny,
         backend, why, note = backends.choose(asked, sources, plan.LoadRequest(verifier="v", **settings), cpu)
         return backend.name, why, note
 
-    assert choose("auto", [("v", g)])[:2] == ("llama.cpp", "backend auto: llama.cpp")
+    assert choose("auto", [("v", g)])[:2] == ("llama.cpp", "backend auto: llama.cpp (GGUF files on a CPU)")
     assert choose("auto", [("v", g)], quantize="none")[0] == "llama.cpp"
     folder = Source("folder", tiny["verifier"])
     assert choose("auto", [("v", g), ("d", folder)])[:2] == (
@@ -220,7 +220,7 @@ def test_auto_picks_llama_cpp_for_gguf_on_a_cpu_and_torch_otherwise(files, tiny,
     monkeypatch.setattr(gguf, "available", lambda: "the llama.cpp backend needs llama-cpp-python (...); install it")
     backend, why, note = choose("auto", [("v", g)])
     assert backend == "torch" and why.startswith("backend auto: torch (not llama.cpp: the llama.cpp backend needs")
-    assert note.startswith("llama.cpp would run these models but is not available: ")
+    assert note.startswith("llama.cpp is not available: ")
     with pytest.raises(ModelError, match="needs llama-cpp-python"):
         choose("llama.cpp", [("v", g)])
 
@@ -273,7 +273,7 @@ def test_generate_json_says_which_backend_ran_and_why(files):
     assert s["backend_reason"] == "backend auto: llama.cpp (GGUF files on a CPU)"
     r = cactus("generate", PROMPT, "--verifier", files["verifier"], "--backend", "llama.cpp", "--quantize", "w8a8")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
-        "error: --quantize w8a8 does not apply to the llama.cpp backend (it runs the GGUF's own quantization on the CPU); "
+        "error: --quantize w8a8 does not apply to the llama.cpp backend (it is a torch setting); "
         "drop it, or use --backend torch"
     )
 
@@ -348,5 +348,5 @@ def test_without_the_bindings_auto_runs_a_gguf_on_torch_and_says_how_to_install_
             said.append(message)
 
     pair = load_pair(files["verifier"], None, None, "cpu", "auto", Reporter(), backend="auto")
-    assert pair.verifier.backend == "torch" and pair.backend_reason.startswith("backend auto: torch, llama.cpp is not")
-    assert said == [f"running the GGUF on torch (converted once, slower on a CPU): {gguf.INSTALL_HINT}"]
+    assert pair.verifier.backend == "torch" and pair.backend_reason.startswith("backend auto: torch (not llama.cpp: ")
+    assert said == [f"running the models on torch (slower on a CPU): llama.cpp is not available: {gguf.INSTALL_HINT}"]

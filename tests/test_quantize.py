@@ -296,7 +296,7 @@ def test_quantize_needs_bfloat16_activations_on_cpu(tiny):
         "or --quantize none to run in float32"
     )
     r = cli.invoke(app, ["generate", "hi", "--verifier", tiny["verifier"], "--quantize", "int3"])
-    assert r.exit_code == 2 and "--quantize must be one of auto, none, int8, int4" in r.stderr
+    assert r.exit_code == 2 and "--quantize must be one of auto, none, q4_0, int8, int4" in r.stderr
 
 
 def test_quantize_auto_on_cpu_is_measured_and_says_why(tiny):
@@ -348,31 +348,38 @@ def test_quantize_auto_on_cpu_is_measured_and_says_why(tiny):
 
 def test_quantize_auto_gates_w8a8_on_its_measured_quality(tiny, isolated_home, monkeypatch):
     from cactus_cli.core import defaults
-    from cactus_cli.infer import models, plan
+    from cactus_cli.infer.backends import torch_backend
+    from cactus_cli.infer.sources import Source
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(plan, "fastest_cpu_quantization", lambda hidden, inter: ("w8a8", "measured w8a8 3x faster"))
-    src = models.Source("folder", tiny["verifier"])
-    assert plan.choose_quantize("auto", cpu, "auto", src) == (
+    monkeypatch.setattr(
+        torch_backend, "fastest_cpu_quantization", lambda hidden, inter: ("w8a8", "measured w8a8 3x faster")
+    )
+    src = Source("folder", tiny["verifier"])
+    assert torch_backend.choose_quantize("auto", cpu, "auto", src) == (
         "w8a8",
         "quantize auto: w8a8, measured w8a8 3x faster",
         defaults.QUALITY_TOLERANCE,
     )
-    assert plan.choose_quantize("int8", cpu, "auto", src) == ("int8", "", None)  # asked for by name: no probe
+    assert torch_backend.choose_quantize("int8", cpu, "auto", src) == ("int8", "", None)  # asked for by name: no probe
     calibration = [5, 9, 12, 7, 30, 11, 8, 14] * 4
     # a gate no model passes: w8a8 is measured, kept, and the model loaded again in int8
-    lm = models.load_model(tiny["verifier"], src, cpu, torch.bfloat16, "verifier", "w8a8", None, 1, calibration, -1.0)
+    lm = torch_backend.load_model(
+        tiny["verifier"], src, cpu, torch.bfloat16, "verifier", "w8a8", None, 1, calibration, -1.0
+    )
     assert lm.quantize == "int8" and isinstance(lm.model.model.layers[0].self_attn.q_proj, qz.Int8Linear)
     verdict = qz.quality_verdict(tiny["verifier"])
     assert verdict is not None and abs(verdict) < 1.0
     # measured again from the cached w8a8 tensors: the same verdict (the reference is the model as loaded)
-    lm = models.load_model(tiny["verifier"], src, cpu, torch.bfloat16, "verifier", "w8a8", None, 1, calibration, 10.0)
+    lm = torch_backend.load_model(
+        tiny["verifier"], src, cpu, torch.bfloat16, "verifier", "w8a8", None, 1, calibration, 10.0
+    )
     assert lm.quantize == "w8a8" and qz.quality_verdict(tiny["verifier"]) == pytest.approx(verdict, abs=1e-3)
     monkeypatch.setattr(defaults, "QUALITY_TOLERANCE", verdict - 1e-6)  # measured worse than the tolerance
-    method, why, gate = plan.choose_quantize("auto", cpu, "auto", src)
+    method, why, gate = torch_backend.choose_quantize("auto", cpu, "auto", src)
     assert (method, gate) == ("int8", None) and "more than" in why
     monkeypatch.setattr(defaults, "QUALITY_TOLERANCE", verdict + 1e-6)  # within it: w8a8, no gate again
-    method, why, gate = plan.choose_quantize("auto", cpu, "auto", src)
+    method, why, gate = torch_backend.choose_quantize("auto", cpu, "auto", src)
     assert (method, gate) == ("w8a8", None) and "nats/token on this model" in why
 
 

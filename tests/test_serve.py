@@ -41,7 +41,7 @@ def start(server: Server, api_key: str | None = None):
     """Run the app on a free port in a thread; (base url, stop)."""
     import uvicorn
 
-    from cactus_cli.cli.server import build_app
+    from cactus_cli.app.http_api import build_app
 
     config = uvicorn.Config(build_app(server, api_key), host="127.0.0.1", port=0, log_level="error")
     http = uvicorn.Server(config)
@@ -174,7 +174,7 @@ def test_malformed_and_oversized_bodies(served, monkeypatch):
     server, url, client = served
     r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
-    from cactus_cli.cli import server as http
+    from cactus_cli.app import http_api as http
 
     monkeypatch.setattr(http, "MAX_BODY_BYTES", 1000)
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "the " * 500})

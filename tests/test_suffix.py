@@ -291,7 +291,7 @@ def test_cli_suffix_drafting_and_remember(tiny, tmp_path):
     assert json.loads(path.read_text())["format"] == "cactus-suffix-history"  # replaced by a good one
     assert_one_line_error(
         runner.invoke(app, ["generate", "hi", *args, "--draft", "ngram", "--remember", str(path)]),
-        "--remember applies only to the suffix drafter",
+        "--remember applies only to the suffix trees",
     )
     assert_one_line_error(
         runner.invoke(app, ["generate", "hi", *args, "--draft", "suffix+"]), "suffix+MODEL needs a model"

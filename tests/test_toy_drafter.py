@@ -40,11 +40,13 @@ def echo(monkeypatch):
 def test_a_drafter_defined_here_runs_through_the_cli_a_profile_and_session(echo, tiny, tmp_path):
     base = ["generate", "the cat the cat the cat", "--verifier", tiny["verifier"], "--device", "cpu"]
     base += ["--dtype", "float32", "-k", "3", "-n", "12", "--seed", "0", "--json"]
-    r = runner.invoke(app, [*base, "--draft", "echo", "--ngram-max", "2"])
+    r = runner.invoke(app, [*base, "--draft", "echo"])
     assert r.exit_code == 0, r.output
     stats = json.loads(r.stdout)["stats"]
     assert stats["draft_sources"]["echo"]["drafted"] > 0  # its drafts ran, counted under its name
-    r = runner.invoke(app, [*base, "--draft", "suffix", "--ngram-max", "2"])
+    wrong = tmp_path / "wrong.yaml"  # a setting of the echo drafter under another draft: named as its
+    wrong.write_text(f"verifier: {tiny['verifier']}\ndraft: suffix\nngram_max: 2\n")
+    r = runner.invoke(app, ["generate", "hi", "--profile", str(wrong)])
     assert r.exit_code == 2 and "or the echo drafter (draft echo or echo+MODEL)" in r.output, r.output
     profile = tmp_path / "echo.yaml"
     profile.write_text(f"verifier: {tiny['verifier']}\ndraft: echo+{tiny['draft_close']}\nngram_max: 2\n")

@@ -6,7 +6,7 @@ worker hands each step event, then the end (``Finished``) or the error. A job wh
 away is cancelled between two steps; the KV caches keep what the last request left, so a request
 that shares a prefix with it skips that prefix's prefill (``reuse_cache``).
 
-The HTTP side (cli/server.py) parses and answers; this module owns the queue, the worker, the
+The HTTP side (app/http_api.py) parses and answers; this module owns the queue, the worker, the
 per-request settings and the counters /metrics reports."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from cactus_cli.app.session import Session
 from cactus_cli.app.settings import Settings, build_settings
+from cactus_cli.core.acceptance import RULES
 from cactus_cli.core.errors import CactusError, ConfigError
 from cactus_cli.core.stats import SpecStats
 from cactus_cli.infer.engine import GenerationParams
@@ -215,8 +216,6 @@ class Server:
     def speculative(self, settings: Settings, stats: SpecStats) -> dict[str, Any]:
         """What a response says about its speculation: the rule, its budget, the k policy and what
         the drafts bought."""
-        from cactus_cli.core.acceptance import RULES
-
         rule = RULES[settings.rule]
         return {
             "rule": settings.rule,

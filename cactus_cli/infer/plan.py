@@ -111,7 +111,7 @@ def plan_load(request: LoadRequest, reporter=None) -> LoadPlan:
     named = [(request.verifier, vsrc)] + ([(request.draft, dsrc)] if dsrc is not None else [])
     backend, backend_why, note = backends.choose(request.backend, named, request, dev)
     if note and reporter is not None:
-        reporter.warn(f"running the models on {backend.name} instead: {note}")
+        reporter.warn(f"running the models on {backend.name} (slower on a CPU): {note}")
     if reporter is not None:
         reporter.task(f"preparing verifier {request.verifier}")
     files = backend.files(vsrc, reporter)

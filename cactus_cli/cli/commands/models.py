@@ -136,7 +136,7 @@ def quality_cmd(
         for method in ["none", *method_list]:
             with LoadProgress(err) as progress:
                 pair = load_pair(
-                    settings.verifier, None, settings.tokenizer, settings.device, "bfloat16", progress, method
+                    settings.verifier, None, settings.tokenizer, settings.device, "bfloat16", progress, quantize=method
                 )
                 if texts is None:  # one tokenizer for every setting: encode once
                     texts = [

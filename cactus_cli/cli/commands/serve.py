@@ -1,4 +1,4 @@
-"""`cactus serve`: the loaded pair behind an OpenAI-compatible HTTP API (cli/server.py)."""
+"""`cactus serve`: the loaded pair behind an OpenAI-compatible HTTP API (app/http_api.py)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def serve(
         try:
             import uvicorn
 
-            from cactus_cli.cli.server import build_app
+            from cactus_cli.app.http_api import build_app
         except ImportError as err:
             raise ConfigError(
                 f"cactus serve needs the serve extra ({err.name} is missing): pip install 'cactus-cli[serve]'"

@@ -42,7 +42,11 @@ def choose(
             raise ModelError(
                 f"{flag} does not apply to the {asked} backend"
                 + (f" (it is a {owner} setting)" if owner and owner != asked else "")
-                + "; drop it, or choose another --backend"
+                + (
+                    f"; drop it, or use --backend {owner}"
+                    if owner and owner != asked
+                    else "; drop it, or choose another --backend"
+                )
             )
         if problem := chosen.unavailable():
             raise ModelError(problem)
@@ -53,9 +57,10 @@ def choose(
         flag = None if other else b.refuses(request, device)
         problem = None if other or flag else b.unavailable()
         if other is None and flag is None and problem is None:
-            return b, f"backend auto: {b.name}" + (f" (not {'; not '.join(skipped)})" if skipped else ""), note
+            why = f"not {'; not '.join(skipped)}" if skipped else b.preferred_for
+            return b, f"backend auto: {b.name}" + (f" ({why})" if why else ""), note
         if problem is not None and not skipped:
-            note = f"{b.name} would run these models but is not available: {problem}"
+            note = f"{b.name} is not available: {problem}"
         skipped.append(
             f"{b.name}: {other[0]} is a {other[1].kind}"
             if other

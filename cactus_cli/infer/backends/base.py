@@ -38,6 +38,7 @@ class Backend:
     compiles: bool = False  # --compile on can apply
     tensor_parallel: bool = False  # --tp can apply
     transformers: bool = False  # its models are transformers models (transformers' own generate runs them)
+    preferred_for: str = ""  # why --backend auto takes it first where it can ("GGUF files on a CPU")
 
     def unavailable(self) -> str | None:
         """Why it cannot run on this machine (one line), or None."""

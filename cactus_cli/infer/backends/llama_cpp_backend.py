@@ -23,6 +23,7 @@ PROBE_TEXT = "def add(a, b):\n    return a + b  # sum: ünïcödé, 数字 42\n\
 
 class LlamaCppBackend(Backend):
     name = "llama.cpp"
+    preferred_for = "GGUF files on a CPU"
     quantizations = tuple(gguf_layout.TYPES)  # requantized once by llama.cpp's own quantizer
 
     def unavailable(self) -> str | None:

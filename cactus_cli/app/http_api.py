@@ -1,4 +1,5 @@
-"""The HTTP face of `cactus serve`: OpenAI's /v1/models, /v1/completions and /v1/chat/completions
+"""The HTTP face of `cactus serve` (an interface, but no terminal: it lives beside what it
+serves, app/serving.py): OpenAI's /v1/models, /v1/completions and /v1/chat/completions
 (streamed as server-sent events or whole), /health and /metrics, on FastAPI and uvicorn (the
 `serve` extra). Requests are validated by pydantic models; every error is OpenAI's error shape
 with the field it is about. What runs the requests is app/serving.py."""
@@ -172,8 +173,8 @@ def _field_of(err: dict[str, Any]) -> str:
     return ".".join(loc[:1]) if loc else "body"
 
 
-def build_app(server: Server, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="cactus", docs_url=None, redoc_url=None, openapi_url=None)
+def _answer_errors(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: ours (ApiError) and pydantic's, naming the field."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError) -> JSONResponse:
@@ -195,6 +196,10 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
             message = f"{field}: {first.get('msg', 'invalid')}".replace("Value error, ", "")
         return JSONResponse(error_body(message, field, "invalid_request_error"), 400)
 
+
+def _guard_requests(app: FastAPI, api_key: str | None) -> None:
+    """Before any route: the body's size (413; 411 without a length) and the API key (401)."""
+
     @app.middleware("http")
     async def _guard(request: Request, call_next):
         length = request.headers.get("content-length")
@@ -210,6 +215,12 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
                 body = error_body("a valid API key is needed: Authorization: Bearer KEY", None, "authentication_error")
                 return JSONResponse(body, 401)
         return await call_next(request)
+
+
+def build_app(server: Server, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="cactus", docs_url=None, redoc_url=None, openapi_url=None)
+    _answer_errors(app)
+    _guard_requests(app, api_key)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
