@@ -5,5 +5,5 @@
 - ``ShardedRunner`` (sharded.py): rank 0's tensor-parallel shard, announcing every call to the other ranks.
 - ``LlamaCppRunner`` (llama_cpp.py): a GGUF file on llama.cpp's CPU kernels.
 
-factory.py picks one for a loaded model.
+A loaded model's backend picks its runner (infer/backends/: ``Backend.runner``).
 """
