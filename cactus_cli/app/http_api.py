@@ -309,7 +309,7 @@ def _choice(chat: bool, text: str, finish: str | None, stream: bool) -> dict[str
     return {"index": 0, key: {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
 
 
-async def _next(inbox: asyncio.Queue, job: Job) -> Any:
+async def _next(inbox: asyncio.Queue) -> Any:
     item = await inbox.get()
     if isinstance(item, Busy):
         raise ApiError(503, str(item), None, "server_error")
@@ -328,7 +328,7 @@ async def _whole(
     try:
         while True:
             try:
-                item = await asyncio.wait_for(_next(inbox, job), timeout=0.5)
+                item = await asyncio.wait_for(_next(inbox), timeout=0.5)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     return Response(status_code=499)  # (nobody reads it: the client has gone)
@@ -355,7 +355,7 @@ async def _stream(server: Server, job: Job, inbox: asyncio.Queue, head: dict, ch
     try:
         while True:
             try:
-                item = await _next(inbox, job)
+                item = await _next(inbox)
             except ApiError as err:
                 yield format_sse_event(data_str=json.dumps(error_body(err.message, err.param, err.kind)))
                 break
