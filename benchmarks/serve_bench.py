@@ -1,26 +1,33 @@
-"""`cactus serve` against cactus in-process, on the same prompts and settings, one after the other:
+"""`cactus serve` against cactus in-process and against llama-server, on the same prompts, one after
+the other in one run:
 
-    python benchmarks/serve_bench.py --limit 4 -n 128           # the default profile, greedy
+    python benchmarks/serve_bench.py --limit 4 -n 128                    # ordinary prompts, greedy
+    python benchmarks/serve_bench.py --category edit --limit 4 -n 128    # edits: where drafts run long
 
 1. In-process: Session.load (the default profile), each prompt generated and timed (decode tok/s
    after the first token, time to first token), then the same prompt again with the KV cache
    kept (time to first token with the prefix cached).
-2. The server: `cactus serve --port 0` in a subprocess, its resident memory once loaded and idle,
-   then the same prompts through the `openai` client, streamed, timed the same way from the
-   client's side (first chunk, last chunk, usage), each prompt then sent again.
+2. `cactus serve --port 0` in a subprocess: its resident memory once loaded and idle, then the same
+   prompts through the `openai` client, streamed, timed the same way from the client's side (first
+   chunk, last chunk, usage), each prompt then sent again (its prefix cached).
+3. llama-server (built from the llama.cpp of the installed llama-cpp-python, as
+   llama_cpp_anchor.py builds it) on the same GGUF, threads and buffers, plain (--spec-type none) and
+   with --spec-type ngram-simple (its best server row on edits), through the same client code.
 
-Both greedy (-t 0) by default, so both sides decode the same tokens. Prints one table, writes JSON
+Both greedy (-t 0) by default, so every side decodes the same text. Prints one table, writes JSON
 with --out. One benchmark at a time: nothing else should run on the machine meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -59,19 +66,14 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def served(prompts, n, temperature) -> tuple[list[dict], float]:
+def served(cmd: list[str], url_of, prompts, n, temperature) -> tuple[list[dict], float]:
+    """Start a server (``cmd``; ``url_of(proc)`` waits for it and gives its /v1 url), measure its
+    idle memory, then stream each prompt twice through the openai client."""
     from openai import OpenAI
 
-    cmd = [sys.executable, "-m", "cactus_cli", "serve", "--port", "0", "--no-color", "--seed", "0"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
-        url = None
-        for line in proc.stderr:
-            if m := re.search(r"on (http://127\.0\.0\.1:\d+/v1)", line):
-                url = m.group(1)
-                break
-        if url is None:
-            raise SystemExit("cactus serve did not start")
+        url = url_of(proc)
         time.sleep(2)
         idle = rss_mb(proc.pid)
         client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
@@ -89,22 +91,68 @@ def served(prompts, n, temperature) -> tuple[list[dict], float]:
                         messages=[{"role": "user", "content": p}],
                         max_tokens=n,
                         temperature=temperature,
+                        seed=0,
                         stream=True,
                         stream_options={"include_usage": True},
                     )
                     for chunk in stream:
                         if chunk.usage is not None:
                             usage["tokens"] = chunk.usage.completion_tokens
-                        elif chunk.choices and chunk.choices[0].delta.content:
+                        if chunk.choices and chunk.choices[0].delta.content:
                             seen += 1
                             yield seen
+                    usage.setdefault("tokens", seen)  # (a server without the usage chunk: one token a chunk)
 
                 out.append(timed(chunks(), lambda: usage.get("tokens", 0)))
-            rows.append({"cold": out[0], "warm_ttft": out[1]["ttft"]})
+            rows.append({"cold": out[0], "warm_ttft": out[1]["ttft"], "tokens": out[0]["tokens"]})
         return rows, idle
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def cactus_url(proc) -> str:
+    for line in proc.stderr:
+        if m := re.search(r"on (http://127\.0\.0\.1:\d+/v1)", line):
+            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # (keep the pipe drained)
+            return m.group(1)
+    raise SystemExit("cactus serve did not start")
+
+
+def llama_server_cmd(spec_type: str) -> tuple[list[str], object]:
+    """llama-server on the verifier GGUF cactus runs, with its threads and buffers."""
+    import socket
+    import urllib.request
+
+    from cactus_cli.app.profiles import resolve_settings
+    from cactus_cli.app.runtime import load_request
+    from cactus_cli.infer import gguf
+    from cactus_cli.infer.plan import plan_load
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from llama_cpp_anchor import build_tools
+
+    request = load_request(resolve_settings(None, {}), device="cpu", backend="llama.cpp")
+    plan = plan_load(dataclasses.replace(request, draft=None))
+    bin_dir = build_tools(lambda line: print(f"[serve_bench] {line}", file=sys.stderr, flush=True))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(bin_dir / "llama-server"), "-m", plan.verifier_files[0].location, "-t", str(plan.threads)]
+    cmd += ["-c", "4096", "-np", "1", "--host", "127.0.0.1", "--port", str(port), "--spec-type", spec_type]
+    cmd += ["--no-repack"] if gguf.amx_in_use() else []
+
+    def url_of(proc) -> str:
+        threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+        for _ in range(1200):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                return f"http://127.0.0.1:{port}/v1"
+            except OSError:
+                time.sleep(0.2)
+        raise SystemExit("llama-server did not start")
+
+    return cmd, url_of
 
 
 def main() -> None:
@@ -112,28 +160,40 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-t", "--temperature", type=float, default=0.0)
+    ap.add_argument("--category", default=None, help="built-in prompt categories (edit: standard-library edits)")
+    ap.add_argument("--no-llama-server", action="store_true", help="only cactus, in-process and served")
     ap.add_argument("--out")
     a = ap.parse_args()
-    from cactus_cli.app.prompts import builtin_prompts
+    from cactus_cli.app.prompts import load_prompts
 
-    prompts = [p.prompt for p in builtin_prompts(None)][: a.limit]
-    local = in_process(prompts, a.n, a.temperature)
-    remote, idle = served(prompts, a.n, a.temperature)
+    prompts = [p.prompt for p in load_prompts(None, a.limit, a.category.split(",") if a.category else None)]
+    results = {"cactus in-process (Session)": (in_process(prompts, a.n, a.temperature), None)}
+    cmd = [sys.executable, "-m", "cactus_cli", "serve", "--port", "0", "--no-color", "--seed", "0"]
+    results["cactus serve (openai client)"] = served(cmd, cactus_url, prompts, a.n, a.temperature)
+    if not a.no_llama_server:
+        for spec in ("none", "ngram-simple"):
+            name = "llama-server plain" if spec == "none" else f"llama-server {spec}"
+            results[name] = served(*llama_server_cmd(spec), prompts, a.n, a.temperature)
 
     def mean(rows, f):
         vals = [f(r) for r in rows if f(r) is not None]
         return sum(vals) / len(vals) if vals else float("nan")
 
-    print(f"{'':<28} {'decode tok/s':>12} {'TTFT cold s':>11} {'TTFT cached s':>13}")
-    for name, rows in (("cactus in-process (Session)", local), ("cactus serve (openai client)", remote)):
+    def decode(rows):
+        return mean(rows, lambda r: r["cold"]["decode_tok_s"])
+
+    print(f"{'':<30} {'decode tok/s':>12} {'TTFT cold s':>11} {'TTFT cached s':>13} {'idle RSS MB':>11} {'tokens':>6}")
+    for name, (rows, idle) in results.items():
         print(
-            f"{name:<28} {mean(rows, lambda r: r['cold']['decode_tok_s']):>12.2f} "
-            f"{mean(rows, lambda r: r['cold']['ttft']):>11.2f} {mean(rows, lambda r: r['warm_ttft']):>13.2f}"
+            f"{name:<30} {decode(rows):>12.2f} {mean(rows, lambda r: r['cold']['ttft']):>11.2f} "
+            f"{mean(rows, lambda r: r['warm_ttft']):>13.2f} {idle or float('nan'):>11.0f} "
+            f"{sum(r['cold']['tokens'] for r in rows):>6}"
         )
-    ratio = mean(remote, lambda r: r["cold"]["decode_tok_s"]) / mean(local, lambda r: r["cold"]["decode_tok_s"])
-    print(f"server / in-process decode: {ratio:.3f}; idle server RSS {idle:.0f} MB")
+    base = decode(results["cactus in-process (Session)"][0])
+    print(f"cactus serve / in-process decode: {decode(results['cactus serve (openai client)'][0]) / base:.3f}")
     if a.out:
-        Path(a.out).write_text(json.dumps({"in_process": local, "served": remote, "idle_rss_mb": idle}, indent=2))
+        doc = {name: {"rows": rows, "idle_rss_mb": idle} for name, (rows, idle) in results.items()}
+        Path(a.out).write_text(json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":

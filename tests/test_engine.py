@@ -315,3 +315,21 @@ def test_tokens_past_a_stop_inside_a_verified_block_are_neither_counted_nor_reme
     history = engine.drafter.primary.histories[""]
     remembered = list(history.tree.docs[history.last])
     assert remembered == ids + tokens  # what was output, not the rest of the block the verifier kept
+
+
+def test_a_later_generation_takes_the_caches_and_the_earlier_one_stops_with_an_error(pairs):
+    """The engine keeps no generation between calls: each run's state lives in the generator the
+    caller holds. Two interleaved generators on one engine would decode from each other's caches;
+    the earlier one is refused at its next step instead, and the later one is still exact."""
+    pair = pairs["disagree"]
+    ids = prompt_ids(pair)
+    params = GenerationParams(sampling=GREEDY, num_draft_tokens=3, max_tokens=24, ignore_eos=True)
+    engine = SpeculativeEngine(pair)
+    first = engine.generate(ids, params)
+    next(first)
+    second = [t for ev in engine.generate(ids[:-2], params) for t in ev.emitted]
+    with pytest.raises(RuntimeError, match="taken by a later one"):
+        next(first)
+    assert second == hf_greedy(pair, ids[:-2], 24)
+    assert engine.owner is None  # (no generation holds the caches once it ends)
+    assert run(engine, ids, params)[0] == hf_greedy(pair, ids, 24)

@@ -256,6 +256,87 @@ def test_a_full_queue_is_a_503_with_retry_after(session):
         del session.generate
 
 
+def test_metrics_count_what_the_answers_said(session):
+    """/metrics after two answers: each counter is the sum of what the responses reported."""
+    server = Server(session)
+    url, stop = start(server)
+    try:
+        answers = [
+            httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": n, "temperature": 0}, timeout=60)
+            for n in (5, 9)
+        ]
+        bodies = [r.json() for r in answers]
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+        text = httpx.get(f"{url}/metrics").text
+        values = {
+            line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")
+        }
+
+        def total(get):
+            return sum(get(b) for b in bodies)
+
+        assert values["vllm:prompt_tokens_total"] == total(lambda b: b["usage"]["prompt_tokens"])
+        assert values["vllm:generation_tokens_total"] == total(lambda b: b["usage"]["completion_tokens"]) == 14
+        assert values["vllm:spec_decode_num_draft_tokens_total"] == total(lambda b: b["speculative"]["drafted"]) > 0
+        assert values["vllm:spec_decode_num_accepted_tokens_total"] == total(lambda b: b["speculative"]["accepted"])
+        passes = total(lambda b: b["speculative"]["verifier_forward_passes"])
+        assert values["cactus_verify_passes_total"] == passes
+        assert values["cactus_mean_acceptance_length"] == pytest.approx(14 / passes, abs=1e-4)
+        assert values['vllm:request_success_total{finished_reason="length"}'] == 2
+        assert values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
+    finally:
+        stop()
+        server.stop()
+
+
+def test_stopping_ends_the_running_answer_and_turns_the_rest_away_with_a_503(session):
+    """Server.stop (what SIGTERM and Ctrl-C call): the running stream ends with finish_reason
+    abort, the queued request and any new one get a 503 with Retry-After, /health says so."""
+    server = Server(session, max_queue=2)
+    gate = threading.Event()
+    slow(server, gate)
+    url, stop = start(server)
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0.8, "stream": True}
+        chunks: list[dict] = []
+
+        def running():
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                chunks.extend(json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+
+        queued: list = []
+        threads = [
+            threading.Thread(target=running),
+            threading.Thread(
+                target=lambda: queued.append(
+                    httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=60)
+                )
+            ),
+        ]
+        for t in threads:  # one running (held at the gate), one queued
+            t.start()
+            time.sleep(0.5)
+        gate.set()
+        time.sleep(0.3)  # (a few steps of the running one)
+        server.stop()
+        for t in threads:
+            t.join(60)
+        assert queued[0].status_code == 503 and queued[0].headers["retry-after"] == "1"
+        assert "shutting down" in queued[0].json()["error"]["message"]
+        assert chunks and chunks[-1]["choices"][0]["finish_reason"] == "abort"
+        assert sum(len(c["choices"][0]["text"]) for c in chunks if c["choices"]) > 0
+        late = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=60)
+        assert late.status_code == 503 and late.headers["retry-after"] == "1"
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and health.json() == {"status": "stopping"}
+        assert 'cactus_requests_rejected_total{reason="stopping"} 2' in httpx.get(f"{url}/metrics").text
+    finally:
+        gate.set()
+        stop()
+        server.stop()
+        del session.generate
+
+
 def test_log_requests_logs_the_text_only_when_asked(session):
     lines: list[str] = []
     server = Server(session, log=lines.append)

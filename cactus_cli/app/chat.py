@@ -10,9 +10,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from cactus_cli.app import runtime
 from cactus_cli.app.parsing import parse_yaml
 from cactus_cli.app.profiles import resolve_settings
+from cactus_cli.app.session import Session
 from cactus_cli.app.settings import Settings, check_rule_param, check_value, rule_param_specs
 from cactus_cli.core.acceptance import RULES
 from cactus_cli.core.errors import CactusError, ConfigError, ContextLimitError
@@ -67,20 +67,25 @@ class Turn:
 
 @dataclass
 class ChatSession:
-    settings: Settings
+    session: Session  # the loaded pair; its settings are the chat's (/set and /profile change them)
     flags: dict[str, Any]  # command-line flags, re-applied over a /profile switch
-    load_engine: Callable[[Settings], Any]
+    load_session: Callable[[Settings], Session]
     out: Any  # the ui module's console-ish helpers, see commands/chat.py
-    engine: Any = None
     history: list[dict[str, str]] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     totals: SpecStats = field(default_factory=SpecStats)
     turn_seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.engine is None:
-            self.engine = self.load_engine(self.settings)
         self.turn_seed = int(self.settings.seed or 0)
+
+    @property
+    def settings(self) -> Settings:
+        return self.session.settings
+
+    @settings.setter
+    def settings(self, value: Settings) -> None:
+        self.session.settings = value
 
     # ------------------------------------------------------------------ loop
 
@@ -96,19 +101,15 @@ class ChatSession:
                 continue
             self.reply(line.rstrip("\n"))
 
-    def messages(self, user: str) -> list[dict[str, str]]:
-        system = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
-        return system + self.history + [{"role": "user", "content": user}]
-
     def reply(self, user: str) -> None:
-        ids = runtime.encode(self.engine.pair.tokenizer, self.messages(user), self.settings.chat_template)
-        params = replace(runtime.generation_params(self.settings), seed=self.turn_seed)
+        messages = self.history + [{"role": "user", "content": user}]  # (the session puts the system prompt first)
+        params = replace(self.session.params(), seed=self.turn_seed)
         self.turn_seed += 1
         view = self.out.reply_view()
         parts: list[str] = []
         interrupted = False
         try:
-            events = self.engine.generate(ids, params, reuse_cache=True)
+            events = self.session.generate(messages, params=params, reuse_cache=True)
             with view:
                 for ev in events:
                     parts.append(ev.text)
@@ -157,8 +158,8 @@ class ChatSession:
         d["turns"] = len(self.turns)
         d["prefill_tokens_saved"] = d["reused_prefix_tokens"]
 
-        if self.engine.drafter is not None:  # a draft model or prompt lookup
-            d["cost_model"] = self.engine.cost_summary(runtime.generation_params(self.settings))
+        if self.session.has_drafter:  # a draft model or prompt lookup
+            d["cost_model"] = self.session.cost_summary()
         self.out.stats_table(d)
 
     def set(self, arg: str) -> None:
@@ -214,7 +215,7 @@ class ChatSession:
 
     def reset(self) -> None:
         self.history = []
-        self.engine.reset()
+        self.session.reset()
         self.out.info("conversation cleared")
 
     def save(self, arg: str) -> None:
@@ -266,7 +267,7 @@ class ChatSession:
                     "this session keeps its tensor-parallel group"
                 )
             self.out.info(f"loading the models of profile {name}…")
-            self.engine = self.load_engine(new)
+            self.session = self.load_session(new)
         self.settings = new
         params = " ".join(f"{k}={v}" for k, v in new.rule_kwargs().items())
         self.out.info(f"profile {name}: rule={new.rule} {params} k={new.num_draft_tokens}".replace("  ", " "))

@@ -223,8 +223,11 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
     _guard_requests(app, api_key)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "stopping" if server.stopping.is_set() else "ok"}
+    async def health() -> JSONResponse:
+        """200 while serving; 503 once stopping, so a load balancer takes the server out first."""
+        if server.stopping.is_set():
+            return JSONResponse({"status": "stopping"}, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -68,9 +68,9 @@ class CactusLM(LM):
         if stats_file:
             stats_file = str(check_output_file(stats_file, "stats_file"))  # now, not at the first request
         self.settings = with_seed(self.settings)
-        self.engine = Session.load(settings=self.settings).engine
-        runtime.prepare(self.engine, self.settings)
-        self.tokenizer = self.engine.pair.tokenizer
+        self.session = Session.load(settings=self.settings)
+        self.session.prepare()
+        self.tokenizer = self.session.tokenizer
         self.stats_file = stats_file
         self.requests_done = 0
 
@@ -116,13 +116,9 @@ class CactusLM(LM):
                 seed=int(self.settings.seed or 0) + self.requests_done,
             )
             ids = self._encode(context) or [self._prefix]  # an empty context still needs a token to continue
-            ids = ids[-(self.engine.context_length - 1) :]
-            stats, text = SpecStats(), []
-            for ev in self.engine.generate(ids, params):
-                stats.update(ev)
-                text.append(ev.text)
-            out.append("".join(text))
-            self._record(stats)
+            ids = ids[-(self.session.context_length - 1) :]
+            out.append(self.session.text(ids, params=params))
+            self._record(self.session.stats)
             self.cache_hook.add_partial("generate_until", req.args, out[-1])
         self._log_summary()
         return out
@@ -171,7 +167,7 @@ class CactusLM(LM):
     @torch.inference_mode()
     def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
         """log P(continuation | context) under the verifier (temperature 1, no filtering)."""
-        limit = self.engine.context_length
+        limit = self.session.context_length
         n = len(continuation)
         if n > limit:
             raise ContextLimitError(
@@ -179,10 +175,7 @@ class CactusLM(LM):
                 f"context window of {limit} tokens; use shorter requests or a longer-context model"
             )
         whole = (context + continuation)[-(limit + 1) :]
-        runner = self.engine.verifier  # the engine's own runner: sharded under tp, like generation
-        self.engine.reset()
-        logits = runner.forward(whole[:-1], keep=n).float()
-        self.engine.reset()  # the next generation prefills from scratch
+        logits = self.session.verifier_logits(whole[:-1], n)  # (the engine's runner: sharded under tp)
         logp = torch.log_softmax(logits, -1)
         target = torch.tensor(whole[-n:], device=logp.device)
         total = float(logp.gather(-1, target.view(-1, 1)).sum())
@@ -211,7 +204,7 @@ class CactusLM(LM):
             total = 0.0
             for ctx, cont in map(
                 make_disjoint_window,
-                get_rolling_token_windows(self._encode(text), self._prefix, self.engine.context_length, 1),
+                get_rolling_token_windows(self._encode(text), self._prefix, self.session.context_length, 1),
             ):
                 total += self._score(ctx, cont)[0]
             out.append(total)

@@ -166,6 +166,7 @@ class Server:
             except queue.Empty:
                 break
             if job is not None:
+                self.metrics.rejected["stopping"] += 1
                 self._send(job, Busy("the server is shutting down"))
         self.queue.put(None)
 

@@ -1,5 +1,5 @@
-"""A loaded model pair and its settings, ready to generate: what `generate`, `chat`, `calibrate` and
-the lm-eval adapter hold, and what cactus_cli.api offers Python callers.
+"""A loaded model pair and its settings, ready to generate: the one front end that `generate`, `chat`,
+`calibrate`, `serve` and the lm-eval adapter hold, and what cactus_cli.api offers Python callers.
 
     session = Session.load("default", max_tokens=64)
     for event in session.generate("Write a haiku about rain."):
@@ -8,8 +8,11 @@ the lm-eval adapter hold, and what cactus_cli.api offers Python callers.
 
 ``load`` resolves the settings once (defaults < profile < the keyword arguments, each checked as
 a flag would be), loads the engine, and ``generate`` encodes the prompt (the chat template when
-the tokenizer has one), prepares the engine for it (compiled steps, the cost probe) and yields
-the engine's step events, the same stream the CLI renders; ``stats`` counts the last one.
+the tokenizer has one, the system prompt first), prepares the engine for it (compiled steps, the
+cost probe) and yields the engine's step events, the same stream the CLI renders; ``stats`` counts
+the last one. The engine keeps only its caches between calls (a prompt that shares a prefix with
+the last sequence skips it with ``reuse_cache``); each generation's state lives in the generator
+the caller iterates.
 """
 
 from __future__ import annotations
@@ -56,6 +59,14 @@ class Session:
     def tokenizer(self) -> Any:
         return self.engine.pair.tokenizer
 
+    @property
+    def context_length(self) -> int:
+        return self.engine.context_length
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.engine.drafter is not None
+
     def encode(self, prompt: str | list[dict[str, str]] | list[int]) -> list[int]:
         """Token ids: a list of ids as it is; a string or chat messages through the chat template
         (when the tokenizer has one), the settings' system prompt first."""
@@ -75,9 +86,42 @@ class Session:
     def params(self, settings: Settings | None = None) -> GenerationParams:
         return runtime.generation_params(settings or self.settings)
 
-    def prepare(self, prompt_tokens: int, reporter: Any = None, settings: Settings | None = None) -> None:
-        """Before anything is timed: compiled steps and, for -k auto on a new pair, the cost probe."""
-        runtime.prepare(self.engine, settings or self.settings, reporter, prompt_tokens)
+    def encode_prompts(self, prompts: list) -> list[tuple[Any, list[int]]]:
+        """A prompt set (bench, calibrate, eval) encoded as each prompt asks, each checked to fit."""
+        return runtime.encode_prompts(self.engine, prompts, self.settings.chat_template)
+
+    def prepare(
+        self,
+        prompt_tokens: int = runtime.PROMPT_ALLOWANCE,
+        reporter: Any = None,
+        settings: Settings | None = None,
+        k_values: list[int | str] | None = None,
+        whole_context: bool = False,
+    ) -> None:
+        """Before anything is timed: compiled steps and, for -k auto on a new pair, the cost probe
+        (``k_values``: the k a sweep will use; ``whole_context``: a chat sizes for the window)."""
+        runtime.prepare(self.engine, settings or self.settings, reporter, prompt_tokens, k_values, whole_context)
+
+    def report_to(self, note: Any) -> None:
+        """Where progress lines during generation go (a long chat outgrows a compiled cache)."""
+        self.engine.report = note
+
+    def reset(self) -> None:
+        """Forget both caches: the next generation prefills from scratch."""
+        self.engine.reset()
+
+    def cost_summary(self, settings: Settings | None = None) -> dict[str, Any]:
+        """The cost model's figures and acceptance estimate for these settings (chat's /stats)."""
+        return self.engine.cost_summary(self.params(settings))
+
+    def verifier_logits(self, ids: list[int], keep: int) -> Any:
+        """The verifier's logits [keep, V] for the last ``keep`` positions of ``ids``, from empty
+        caches (scoring, temperature 1, no filtering); the caches are dropped afterwards."""
+        self.engine.reset()
+        try:
+            return self.engine.verifier.forward(ids, keep=keep).float().clone()  # (llama.cpp: a view of its buffer)
+        finally:
+            self.engine.reset()
 
     def generate(
         self,

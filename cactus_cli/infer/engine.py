@@ -69,8 +69,8 @@ class SpeculativeEngine:
         self.eos = eos_ids(pair)
         limits = [pair.verifier.context_length] + ([pair.draft.context_length] if pair.draft else [])
         self.context_length = min(limits)
-        self.tokens: list[int] = []  # the verified sequence; the verifier cache holds tokens[: cache_len]
-        self._run: _Run | None = None  # the generation in progress
+        self.tokens: list[int] = []  # what the caches hold: the verifier's holds tokens[: cache_len]
+        self.owner: _Run | None = None  # the generation whose caches these are, while it runs
         self.compile_note: str | None = None  # why a compiled engine runs eagerly, if it does
         self.report: Callable[[str], None] | None = None  # progress lines (a compile during generate)
         self._build(compiled)
@@ -220,21 +220,19 @@ class SpeculativeEngine:
         self, prompt_ids: list[int], params: GenerationParams, reuse_cache: bool = False
     ) -> Iterator[StepEvent]:
         """``steps`` with text: each event's pieces, rejected drafts as text, stop strings (where
-        the text stops, the run's output ends too: ``cut_output``)."""
-        return TextStream(self.pair.tokenizer, params.stop, self.cut_output).wrap(
-            self.steps(prompt_ids, params, reuse_cache)
-        )
-
-    def cut_output(self, dropped: int) -> None:
-        """A stop string ended the text ``dropped`` emitted tokens before the last event's end:
-        the run's output (what a drafter with memory learns) ends there too."""
-        if self._run is not None:
-            self._run.produced -= dropped
+        the text stops, the run's output ends too: ``_Run.cut_output``)."""
+        run = self._start(prompt_ids, params)
+        return TextStream(self.pair.tokenizer, params.stop, run.cut_output).wrap(self._loop(run, reuse_cache))
 
     def steps(self, prompt_ids: list[int], params: GenerationParams, reuse_cache: bool = False) -> Iterator[StepEvent]:
         """Token events after ``prompt_ids`` (no text). With ``reuse_cache`` the KV caches keep the
         longest prefix the prompt shares with the previous sequence (chat turns), so only the new
         tokens are encoded."""
+        return self._loop(self._start(prompt_ids, params), reuse_cache)
+
+    def _start(self, prompt_ids: list[int], params: GenerationParams) -> "_Run":
+        """Check the prompt, size the caches, and make the run: the one generation's state, held by
+        the generator the caller iterates (the engine keeps only its caches and what they hold)."""
         if not prompt_ids:
             raise ContextLimitError("the prompt is empty after tokenization; give the model something to continue")
         if len(prompt_ids) >= self.context_length:
@@ -245,15 +243,19 @@ class SpeculativeEngine:
         self.prepare(
             len(prompt_ids) + params.max_tokens + 1, self.step_widths(params.num_draft_tokens), self.report, exact=False
         )
-        return self._loop(list(prompt_ids), params, reuse_cache)
+        return _Run(self, list(prompt_ids), params, self.policy(params))
 
     def policy(self, params: GenerationParams) -> KPolicy:
         if not params.learn:
             return FixedK(None) if not params.adaptive_k else AdaptiveK(CostStore())
         return self.auto_k if params.adaptive_k else FixedK(self.costs)
 
-    def _loop(self, prompt: list[int], params: GenerationParams, reuse: bool) -> Iterator[StepEvent]:
-        run = self._run = _Run(self, prompt, params, self.policy(params))
+    def _loop(self, run: "_Run", reuse: bool) -> Iterator[StepEvent]:
+        """One generation: it takes the caches (a generation started earlier and not finished
+        loses them: its next step is an error, never a step on another's caches), prefills, then
+        steps until a finish reason."""
+        self.owner = run
+        run.begin()
         try:
             run.prefill(reuse)
         except BaseException:
@@ -261,6 +263,11 @@ class SpeculativeEngine:
             raise
         try:
             while True:
+                if self.owner is not run:
+                    raise RuntimeError(
+                        "this generation's caches were taken by a later one on the same engine; "
+                        "finish (or close) one generator before starting the next"
+                    )
                 try:
                     event = run.step()
                 except BaseException:
@@ -274,10 +281,11 @@ class SpeculativeEngine:
                 if event.finish_reason:
                     return
         finally:
-            if run.drafter is not None:  # what was output (not what a verified block held past EOS or a
-                run.drafter.finish(self.tokens[: len(prompt) + run.produced] if self.tokens else [])  # stop)
-            self._run = None
-            if params.learn:
+            if self.owner is run:
+                self.owner = None
+                if run.drafter is not None:  # what was output (not what a verified block held past EOS or a stop)
+                    run.drafter.finish(self.tokens[: len(run.prompt) + run.produced] if self.tokens else [])
+            if run.params.learn:
                 self.costs.save()  # what this run learned about step costs, for the next run
 
 
@@ -350,13 +358,22 @@ class _Run:
             self.dgen = self.vgen if ddev == self.vdev else torch.Generator(device=ddev).manual_seed(params.seed + 1)
         self.produced = 0
         self.first = True
-        self.t_start = time.perf_counter()
         self.paused = 0.0  # seconds the consumer held the generator between steps
         self.prefill_seconds = 0.0
         self.prefill_tokens = 0
         self.reused_tokens = 0
-        self.v_passes = engine.verifier.forward_passes
+        self.begin()
+
+    def begin(self) -> None:
+        """The clock and the pass counters start when the caller first asks for an event."""
+        self.t_start = time.perf_counter()
+        self.v_passes = self.e.verifier.forward_passes
         self.d_passes = self._draft_passes()
+
+    def cut_output(self, dropped: int) -> None:
+        """A stop string ended the text ``dropped`` emitted tokens before the last event's end:
+        the run's output (what a drafter with memory learns) ends there too."""
+        self.produced -= dropped
 
     def _draft_passes(self) -> int:
         return self.draft_runner.forward_passes if self.draft_runner is not None else 0

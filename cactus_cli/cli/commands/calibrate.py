@@ -100,7 +100,7 @@ def calibrate(
     with user_errors():
         from cactus_cli.app import calibrate as cal_mod
         from cactus_cli.app import grid as b
-        from cactus_cli.app import report, runtime
+        from cactus_cli.app import report
         from cactus_cli.app.parsing import parse_list
         from cactus_cli.app.session import Session
 
@@ -113,10 +113,11 @@ def calibrate(
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         with ui.LoadProgress(err) as progress:
-            engine = Session.load(settings=settings, reporter=progress).engine
-            encoded = runtime.encode_prompts(engine, prompts, settings.chat_template)
-            runtime.prepare(engine, settings, progress, max(len(ids) for _, ids in encoded), [*k_list, "auto"])
-        base = runtime.generation_params(settings)
+            session = Session.load(settings=settings, reporter=progress)
+            encoded = session.encode_prompts(prompts)
+            session.prepare(max(len(ids) for _, ids in encoded), progress, k_values=[*k_list, "auto"])
+            engine = session.engine  # (the grid runner that bench and eval share takes the engine)
+        base = session.params()
         runs = (len(set(delta_list) | {0.0}) + 2 + min(cal_mod.KEEP_K + 1, len(set(k_list)))) * len(prompts)
         with ui.bench_progress(err, runs) as advance:
             b.warm_up(engine, encoded[0][1], base, max(k_list))

@@ -30,7 +30,6 @@ def chat(*, shared: o.Shared) -> None:
         settings = resolve_settings(shared.profile, flags)
         check_flags_apply(settings, flags)
 
-        from cactus_cli.app import runtime
         from cactus_cli.app.chat import ChatSession, read_turns
         from cactus_cli.app.session import Session
 
@@ -48,12 +47,12 @@ def chat(*, shared: o.Shared) -> None:
 
         def load(s):
             with ui.LoadProgress(err) as progress:
-                engine = Session.load(settings=s, reporter=progress).engine
-                runtime.prepare(engine, s, progress, whole_context=True)
-            engine.report = out.note  # a long conversation outgrows the compiled cache now and then
-            return engine
+                session = Session.load(settings=s, reporter=progress)
+                session.prepare(reporter=progress, whole_context=True)
+            session.report_to(out.note)  # a long conversation outgrows the compiled cache now and then
+            return session
 
-        session = ChatSession(settings, flags, load, out)
+        session = ChatSession(load(settings), flags, load, out)
         if interactive:
             out.info("cactus chat · /help for commands · Ctrl-D to leave")
         try:
