@@ -158,6 +158,11 @@ def test_a_shared_prefix_is_not_prefilled_again_and_gives_the_cold_answer(served
         ({"messages": []}, 400, "messages", "messages"),
         ({"model": "gpt-4"}, 404, "model", "is not served here"),
         ({"messages": [{"role": "user", "content": "the " * 600}]}, 400, "messages", "context window"),
+        ({"max_tokens": True}, 400, "max_tokens", "integer"),  # (strict: true is not 1)
+        ({"max_tokens": "3"}, 400, "max_tokens", "integer"),
+        ({"stream": "yes"}, 400, "stream", "boolean"),
+        ({"rule": "sps", "delta": 1.0}, 400, "delta", "no effect with rule 'sps'"),
+        ({"draft": "none", "num_draft_tokens": 4}, 400, "num_draft_tokens", "no effect without a draft"),
     ],
 )
 def test_bad_requests_get_one_clear_error_and_the_server_keeps_serving(served, body, status, param, words):
@@ -174,15 +179,30 @@ def test_malformed_and_oversized_bodies(served, monkeypatch):
     server, url, client = served
     r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    nested = b'{"prompt": ' + b"[" * 50000 + b"]" * 50000 + b"}"  # (Starlette's own parse error)
+    r = httpx.post(f"{url}/v1/completions", content=nested, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json(), r.text
+    r = httpx.get(f"{url}/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"] == "GET is not allowed on /v1/completions"
+    r = httpx.get(f"{url}/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     from cactus_cli.app import http_api as http
 
     monkeypatch.setattr(http, "MAX_BODY_BYTES", 1000)
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "the " * 500})
-    assert r.status_code == 413 and "over" in r.json()["error"]["message"]
+    assert r.status_code == 413 and "over the 1000-byte limit" in r.json()["error"]["message"]
     chunked = httpx.post(f"{url}/v1/completions", content=iter([b'{"prompt": "the"}']))  # (no Content-Length)
     assert chunked.status_code == 411 and "Content-Length" in chunked.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 10**6], "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    for path, raw, param in (  # a lone surrogate is valid JSON, but no text a tokenizer takes
+        ("/v1/completions", b'{"prompt": "the \\ud800 cat", "max_tokens": 2}', "prompt"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a \\udfff"}]}', "messages"),
+        ("/v1/completions", b'{"prompt": "the cat", "stop": ["\\ud800"]}', "stop"),
+    ):
+        r = httpx.post(f"{url}{path}", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "unpaired surrogate" in r.json()["error"]["message"]
 
 
 def slow(server: Server, gate: threading.Event | None = None, delay: float = 0.05) -> None:

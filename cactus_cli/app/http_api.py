@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cactus_cli.app.serving import Busy, Finished, Job, Server
 from cactus_cli.core.errors import CactusError, ConfigError
@@ -47,7 +48,7 @@ def error_body(message: str, param: str | None, kind: str) -> dict[str, Any]:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
@@ -74,7 +75,9 @@ class Message(BaseModel):
 class _Common(BaseModel):
     """The fields both endpoints take: OpenAI's that cactus honours, then cactus's own."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: true is not 1, "yes" is not true and "3" is not 3 (OpenAI refuses them too); a float
+    # field still takes an integer
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -168,6 +171,15 @@ class CompletionRequest(_Common):
         return v
 
 
+def check_text(value: Any, field: str) -> None:
+    """Text must be valid Unicode: JSON can carry a lone surrogate ("\\ud800") that no tokenizer takes."""
+    for text in value if isinstance(value, list) else [value]:
+        try:
+            text.encode("utf-8") if isinstance(text, str) else None
+        except UnicodeEncodeError:
+            raise ApiError(400, f"{field}: the text holds an unpaired surrogate; send valid Unicode", field) from None
+
+
 def _field_of(err: dict[str, Any]) -> str:
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     return ".".join(loc[:1]) if loc else "body"
@@ -180,6 +192,20 @@ def _answer_errors(app: FastAPI) -> None:
     async def _api_error(request: Request, err: ApiError) -> JSONResponse:
         headers = {"Retry-After": "1"} if err.status == 503 else None
         return JSONResponse(error_body(err.message, err.param, err.kind), err.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own errors (no such path, a method a route does not take, a body it could
+        not parse) in the same shape."""
+        detail = err.detail if isinstance(err.detail, str) else "the request could not be handled"
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        message = {
+            404: f"no such path: {request.url.path}",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }
+        return JSONResponse(
+            error_body(message.get(err.status_code, detail), None, kind), err.status_code, headers=err.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -207,7 +233,8 @@ def _guard_requests(app: FastAPI, api_key: str | None) -> None:
             body = error_body("a request body needs a Content-Length header", None, "invalid_request_error")
             return JSONResponse(body, 411)
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            body = error_body(f"the body is over {MAX_BODY_BYTES // 2**20} MiB", None, "invalid_request_error")
+            limit = f"{MAX_BODY_BYTES >> 20} MiB" if MAX_BODY_BYTES >= 1 << 20 else f"{MAX_BODY_BYTES}-byte"
+            body = error_body(f"the body is over the {limit} limit", None, "invalid_request_error")
             return JSONResponse(body, 413)
         if api_key is not None and request.url.path != "/health":
             given = request.headers.get("authorization", "")
@@ -241,10 +268,12 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        check_text([m["content"] for m in messages], "messages")
         return await _serve(body, request, messages, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        check_text(body.prompt, "prompt")
         return await _serve(body, request, body.prompt, chat=False)
 
     async def _serve(body: _Common, request: Request, prompt: Any, chat: bool):
@@ -255,6 +284,7 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
                 "model",
                 "not_found_error",
             )
+        check_text(body.stop, "stop")
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         try:

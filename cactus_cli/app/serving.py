@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cactus_cli.app.session import Session
-from cactus_cli.app.settings import Settings, build_settings
+from cactus_cli.app.settings import Settings, build_settings, rule_param_specs
 from cactus_cli.core.acceptance import RULES
 from cactus_cli.core.errors import CactusError, ConfigError
 from cactus_cli.core.stats import SpecStats
@@ -127,7 +127,14 @@ class Server:
                 build_settings(base, ({key: value}, "the request"))
             except ConfigError as err:
                 raise FieldError(key, str(err)) from None
-        return build_settings(base, (overrides, "the request"))
+        settings = build_settings(base, (overrides, "the request"))
+        takes = RULES[settings.rule].param_names()
+        for key in sorted(set(overrides) & set(rule_param_specs()) - set(takes)):  # (never a silent no-op)
+            rules = [name for name, rule in RULES.items() if key in rule.param_names()]
+            raise FieldError(key, f"{key} has no effect with rule {settings.rule!r}; use rule {' or '.join(rules)}")
+        if settings.draft is None and "num_draft_tokens" in overrides:
+            raise FieldError("num_draft_tokens", "num_draft_tokens has no effect without a draft (draft 'none')")
+        return settings
 
     def job(self, ids: list[int], overrides: dict[str, Any], deliver: Callable[[Any], None], label: str = "") -> Job:
         """A job for ``ids``, its settings checked and its length too (a 400, before any queueing)."""
