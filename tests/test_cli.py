@@ -284,8 +284,25 @@ def test_generate_dash_with_stdin_closed_or_empty(tiny):
     assert empty.returncode == 2 and "stdin was empty" in empty.stderr, empty.stderr
 
 
+def test_typer_usage_errors_are_one_line_from_the_entry_point():
+    """An unknown option or a value Typer's own types refuse: one line and exit 2 from `cactus`
+    itself (Typer draws a boxed panel and a usage block; CliRunner does not run the entry point)."""
+    for args, needle in (
+        (["eval", "--samples", "abc"], "Invalid value for '--samples'"),
+        (["generate", "x", "--bogus"], "No such option: --bogus"),
+        (["serve", "--port", "70000"], "less than or equal to 65535"),
+        (["serve", "--max-queue", "0"], "greater than or equal to 1"),
+    ):
+        r = subprocess.run([sys.executable, "-m", "cactus_cli", *args], capture_output=True, text=True, timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+        assert needle in lines[0] and lines[0].endswith("-h for help)"), lines[0]
+    assert subprocess.run([sys.executable, "-m", "cactus_cli", "--version"], capture_output=True).returncode == 0
+
+
 def test_clear_messages(tiny, tmp_path, monkeypatch):
     assert_one_line_error(invoke("generate", "hi", "--profile", tmp_path), "is a directory")
+    assert_one_line_error(invoke("generate", "hi", "--profile", "/dev/zero"), "not a regular file")
     assert_one_line_error(invoke(*bench_args(tiny), "--prompts", tmp_path), "is a directory; give a JSONL file")
     assert_one_line_error(
         invoke("generate", "hi", *pair_args(tiny), "--param", "nonsense=1"), "--param has unknown parameter 'nonsense'"

@@ -385,6 +385,28 @@ def test_the_api_key(session):
         server.stop()
 
 
+def test_the_command_refuses_a_busy_port_a_bad_host_and_an_empty_key_before_loading(tiny, tmp_path):
+    """One line and exit 2, at once (the socket is bound before the models load)."""
+    import socket
+
+    env = dict(os.environ, CACTUS_HOME=str(tmp_path / "home"))
+    env.pop("CACTUS_API_KEY", None)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        for args, needle in (
+            (["--port", port], "choose another --port"),
+            (["--host", "no such host!"], "not an address this machine can listen on"),
+            (["--api-key", ""], "--api-key"),
+            (["--api-key", "two words"], "printable ASCII without spaces"),
+        ):
+            cmd = [sys.executable, "-m", "cactus_cli", "serve", "--verifier", tiny["verifier"], *args]
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+
+
 def test_the_command_serves_curl_and_sigterm_ends_the_stream_and_exits_0(tiny, tmp_path):
     env = dict(os.environ, CACTUS_HOME=str(tmp_path / "home"))
     cmd = [sys.executable, "-m", "cactus_cli", "serve", "--verifier", tiny["verifier"], "--draft", tiny["draft_close"]]

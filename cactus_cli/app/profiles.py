@@ -46,6 +46,8 @@ def find_profile(name_or_path: str) -> Path:
     if path.is_dir():
         raise ConfigError(f"profile {name_or_path} is a directory; give a profile name or a .yaml file")
     if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"profile {name_or_path} is not a regular file (a device or FIFO); give a .yaml file")
         if not path.is_file():
             raise ConfigError(f"profile file {name_or_path} does not exist")
         return path

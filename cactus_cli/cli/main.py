@@ -3,6 +3,7 @@ transformers) happen inside the commands so `cactus --help` answers at once."""
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Optional
 
 import typer
@@ -46,5 +47,22 @@ for _command in app.registered_commands:  # (their options' help may list the ru
 
 
 def main() -> None:
+    """The `cactus` entry point: Typer's own usage errors (an unknown option, a value its type
+    refuses) as one line on stderr with exit code 2, like every other error."""
     treat_sigterm_as_sigint()
-    app()
+    try:
+        from typer._click.exceptions import ClickException, NoArgsIsHelpError  # (typer >= 0.22 vendors click)
+    except ImportError:
+        from click.exceptions import ClickException, NoArgsIsHelpError
+    try:
+        code = app(standalone_mode=False)
+    except typer.Abort:  # Ctrl-C outside a command's own handling
+        sys.exit(130)
+    except NoArgsIsHelpError:
+        app()  # (the help, as Typer shows it; exit 2)
+    except ClickException as err:
+        ctx = getattr(err, "ctx", None)
+        where = f" ({ctx.command_path} -h for help)" if ctx is not None else ""
+        print(f"error: {' '.join(err.format_message().split())}{where}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -62,6 +62,8 @@ def serve(
 
         settings = with_seed(resolve_settings(shared.profile, shared.flags))
         check_flags_apply(settings, shared.flags)
+        _check_key(api_key)
+        sock = _listen(host, port)  # (now, not after a minute of loading: a port in use is a one-line error)
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         if not _loopback(host) and api_key is None:
             err.print(
@@ -80,8 +82,45 @@ def serve(
         http = _http(config, server, err)
         for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn takes them while it runs, then raises them again
             signal.signal(sig, lambda *_: None)  # for the handlers it found: a stop asked for is a clean exit
-        http.run()
+        http.run(sockets=[sock])
         err.print("stopped", markup=False)
+
+
+def _check_key(key: str | None) -> None:
+    if key is not None and (not key or not key.isascii() or not key.isprintable() or " " in key):
+        raise ConfigError(
+            "--api-key (or CACTUS_API_KEY): give a key of printable ASCII without spaces "
+            "(an HTTP header carries it), or leave it out for no key"
+        )
+
+
+def _listen(host: str, port: int):
+    """The listening socket, bound before the models load (uvicorn serves on it)."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError) as err:
+        raise ConfigError(f"--host {host}: not an address this machine can listen on ({err})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as err:
+        sock.close()
+        raise ConfigError(
+            f"--host {host} --port {port}: cannot listen there ({err.strerror or err}); "
+            + (
+                "choose another --port, or 0 for any free one"
+                if err.errno == errno.EADDRINUSE
+                else "choose another --host"
+            )
+        ) from None
+    return sock
 
 
 def _loopback(host: str) -> bool:
