@@ -569,7 +569,11 @@ SANDBOX_CASES = [
     ("writes the home folder", "import os; open(os.path.expanduser('~root') + '/owned', 'w')", "failed"),
     ("reads /etc/shadow", "open('/etc/shadow').read()", "failed"),
     ("reads /root", "import os; os.listdir('/root')", "failed"),
-    ("reads PID 1's environ", "open('/proc/1/environ').read()", "failed"),
+    (
+        "finds the eval's environment through /proc/*/environ",
+        "import os\nfor p in os.listdir('/proc'):\n    try:\n        assert b'SWEEP_SECRET' not in open(f'/proc/{p}/environ', 'rb').read()\n    except OSError:\n        pass",
+        "passed",
+    ),  # noqa: E501
     ("sees other processes", "import os; assert len([p for p in os.listdir('/proc') if p.isdigit()]) > 3", "failed"),
     ("connects to 127.0.0.1", "import socket; socket.create_connection(('127.0.0.1', {port}), 2)", "failed"),
     ("connects to ::1", "import socket; socket.create_connection(('::1', {port}), 2)", "failed"),
@@ -619,6 +623,7 @@ def sandbox_sweep() -> None:
         record("sandbox", "isolation available", "wrong", problem)
         return
     sandbox.guard_eval_process()
+    os.environ["SWEEP_SECRET"] = "1"  # (what a check must not find in any process it can see)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -657,9 +662,95 @@ def _is_check(pid: str) -> bool:
         return False
 
 
+# ------------------------------------------------------------------------ caches and long drafts
+
+
+def cache_sweep(tmp: Path) -> None:
+    """The requantized-model cache (a tiny GGUF through llama.cpp's own quantizer): what a damaged,
+    half-written or foreign cache entry gives the next run."""
+    from cactus_cli.infer.gguf_layout import requantize
+    from tests.gguf_helpers import write_tiny_gguf
+
+    src = write_tiny_gguf(tmp / "tiny.gguf", seed=3)
+    good = requantize(src, "q4_0", "sweep").read_bytes()
+    out = requantize(src, "q4_0", "sweep")
+    rec = out.with_name(out.name + ".json")
+
+    def damage_middle():
+        with open(out, "r+b") as f:
+            f.seek(len(good) // 2)
+            f.write(b"\xff" * 64)
+
+    cases = [
+        ("truncated", lambda: os.truncate(out, 100)),
+        ("damaged in place, size kept", damage_middle),
+        ("emptied", lambda: out.write_bytes(b"")),
+        ("replaced by a directory", lambda: (out.unlink(), out.mkdir())),
+        ("its record deleted", lambda: rec.unlink()),
+        ("its record garbage", lambda: rec.write_bytes(b"\x00{")),
+        ("its record a JSON list", lambda: rec.write_text("[1, 2]")),
+        ("its record names another size", lambda: rec.write_text(json.dumps({"bytes": 5, "sha256": "0"}))),
+        (
+            "a stale half-written temp file",
+            lambda: (out.parent / f".tmp-sweep-q4_0-{2**22 + 7}-x.gguf").write_bytes(b"h"),
+        ),  # noqa: E501
+        ("touched, unchanged", lambda: os.utime(out, ns=(5, 5))),
+    ]
+    for name, harm in cases:
+        try:
+            harm()
+            again = requantize(src, "q4_0", "sweep")
+            ok = again.is_file() and again.read_bytes() == good
+            stale = [p.name for p in out.parent.iterdir() if p.name.startswith(".tmp-")]
+            record_ok = json.loads(rec.read_text())["bytes"] == len(good)
+            outcome = "fine" if ok and not stale and record_ok else "wrong"
+            said = f"same bytes as made: {ok}; temp files left: {stale}"
+        except Exception as err:  # noqa: BLE001
+            from cactus_cli.core.errors import CactusError
+
+            clear = isinstance(err, CactusError) and "\n" not in str(err)  # (a one-line error, exit 2)
+            outcome, said = ("fine" if clear else "traceback"), f"{type(err).__name__}: {err}"
+            if out.is_dir():
+                out.rmdir()
+        record("cache", f"requantized file {name}", outcome, said)
+
+
+def long_draft_sweep(models: dict[str, str]) -> None:
+    """Drafts up to 64 tokens: greedy output equals the verifier alone's, token for token, at every
+    k, on a prompt that repeats (so the suffix trees draft long) and at the context's end."""
+    from cactus_cli.app.session import Session
+
+    prompt = " ".join(["the cat sat on the mat and the dog ran to the cat"] * 6)
+    common = dict(verifier=models["verifier"], device="cpu", dtype="float32", temperature=0.0, seed=0)
+    alone = Session.load(draft="none", max_tokens=60, **common)
+    want = [t for ev in alone.generate(prompt) for t in ev.emitted]
+    for draft, k in (
+        ("suffix", 64),
+        ("suffix", "auto"),
+        (models["draft_close"], 64),
+        ("suffix+" + models["draft_close"], 32),
+    ):  # noqa: E501
+        extra = {"max_draft_tokens": 64} if k == "auto" else {}
+        session = Session.load(draft=draft, num_draft_tokens=k, max_tokens=60, **common, **extra)
+        got = []
+        for _ in range(2):  # (the second time, the suffix trees remember the first answer: long drafts)
+            got = [t for ev in session.generate(prompt) for t in ev.emitted]
+        longest = max((k for k, n in enumerate(session.stats.k_histogram) if n), default=0)
+        record("drafts", f"greedy equality, draft {Path(draft).name} k {k}", "fine" if got == want else "wrong",
+               f"{len(got)} tokens, longest draft {longest}")  # fmt: skip
+    near_end = Session.load(draft="suffix", num_draft_tokens=64, max_tokens=1000, **common)
+    ids = near_end.encode(prompt)
+    room = near_end.context_length - len(ids)
+    events = list(near_end.generate(prompt))
+    n = sum(len(ev.emitted) for ev in events)
+    fine = events[-1].finish_reason in ("context", "stop") and n <= room
+    record("drafts", "k 64 up to the context's end", "fine" if fine else "wrong",
+           f"{n} tokens in {room} positions, finish {events[-1].finish_reason}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=("server", "cli", "sandbox"))
+    ap.add_argument("--only", choices=("server", "cli", "sandbox", "cache", "drafts"))
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="cactus-sweep-") as tmp:
@@ -667,16 +758,20 @@ def main() -> None:
         home.mkdir()
         os.environ["CACTUS_HOME"] = str(home)
         os.environ["HF_HUB_OFFLINE"] = "1"
-        models = tiny_models(Path(tmp)) if a.only != "sandbox" else {}
+        models = tiny_models(Path(tmp)) if a.only not in ("sandbox", "cache") else {}
         if a.only in (None, "server"):
             server_sweep(models)
         if a.only in (None, "cli"):
             cli_sweep(models, home)
         if a.only in (None, "sandbox"):
             sandbox_sweep()
+        if a.only in (None, "cache"):
+            cache_sweep(Path(tmp))
+        if a.only in (None, "drafts"):
+            long_draft_sweep(models)
     kinds = ("fine", "traceback", "hang", "wrong", "lost", "leak", "security")
     print(f"\n| surface | cases | {' | '.join(kinds)} |\n|---|---|{'---|' * len(kinds)}")
-    for surface in ("server", "cli", "sandbox", None):
+    for surface in ("server", "cli", "sandbox", "cache", "drafts", None):
         rows = [r for r in RESULTS if surface is None or r.surface == surface]
         counts = [sum(r.outcome == k for r in rows) for k in kinds]
         print(f"| {surface or 'all'} | {len(rows)} | {' | '.join(map(str, counts))} |")

@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cactus_cli.cli.main import app
+from cactus_cli.core.errors import ModelError
 from cactus_cli.infer import gguf, gguf_layout
 from cactus_cli.infer.gguf_layout import QUALITY_TOLERANCE, Layout, choose, requantize, score
 from tests.gguf_helpers import write_tiny_gguf
@@ -49,15 +50,34 @@ def test_requantizing_makes_a_q4_0_file_once_with_its_hash(tiny_gguf):
         f.truncate(100)
     assert requantize(tiny_gguf, "q4_0", "tiny").stat().st_size == record["bytes"]
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".tmp-")]
+    good = out.read_bytes()
+    with open(out, "r+b") as f:  # damaged in place, its size kept: its hash tells
+        f.seek(len(good) // 2)
+        f.write(bytes(b ^ 0xFF for b in good[len(good) // 2 : len(good) // 2 + 64]))
+    assert requantize(tiny_gguf, "q4_0", "tiny").read_bytes() == good
+    os.utime(out, ns=(1, 1))  # touched, not changed: kept, and its record learns the new time
+    assert requantize(tiny_gguf, "q4_0", "tiny").read_bytes() == good and out.stat().st_mtime_ns == 1
+    assert json.loads(out.with_name(out.name + ".json").read_text())["mtime_ns"] == 1
 
 
 def test_a_killed_requantization_leaves_nothing_the_next_run_trusts(tiny_gguf):
     out = requantize(tiny_gguf, "q4_0", "tiny")
+    left = out.parent / f".tmp-tiny-q4_0-{2**22 + 12346}-abc.gguf"  # (a dead run's, beside a good cache)
+    left.write_bytes(b"half")
+    assert requantize(tiny_gguf, "q4_0", "tiny") == out and not left.exists()
     stale = out.parent / f".tmp-tiny-q4_0-{2**22 + 12345}-abc.gguf"  # (no such process)
     stale.write_bytes(b"half")
     out.with_name(out.name + ".json").unlink()  # killed before its record was written
     again = requantize(tiny_gguf, "q4_0", "tiny")
     assert again.with_name(again.name + ".json").is_file() and not stale.exists()
+
+
+def test_a_folder_where_the_cache_file_goes_is_a_clear_error(tiny_gguf):
+    from cactus_cli.infer.embedded import models_dir
+
+    (models_dir() / "tiny-q4_0.gguf").mkdir(parents=True)
+    with pytest.raises(ModelError, match="is a folder where cactus keeps a requantized model"):
+        requantize(tiny_gguf, "q4_0", "tiny")
 
 
 def test_a_users_gguf_runs_as_given_and_q4_0_only_when_asked(tiny_gguf):

@@ -78,13 +78,23 @@ def requantize(src: Path, quantize: str, name: str, reporter=None) -> Path:
     """``src`` with every tensor in ``quantize`` (a TYPES key), made once by llama.cpp's
     quantizer and cached as ``<models>/<name>-<quantize>.gguf`` beside a JSON record of its
     source, size and SHA-256; renamed into place only when complete, so a killed run never
-    leaves a half-written model. A file whose size disagrees with its record is made again."""
+    leaves a half-written model. A file whose size disagrees with its record is made again; one
+    changed since it was written (its mtime) is hashed, and made again unless the hash agrees."""
     out = models_dir() / f"{name}-{quantize}.gguf"
     record = out.with_name(out.name + ".json")
+    if out.is_dir():
+        raise ModelError(f"{out} is a folder where cactus keeps a requantized model; remove it and run again")
+    if out.parent.is_dir():
+        remove_stale_work(out.parent)  # (what a killed run left, even when the cached file is good)
     try:
         doc = json.loads(record.read_text(encoding="utf-8"))
-        if out.is_file() and out.stat().st_size == doc["bytes"]:
-            return out
+        st = out.stat() if out.is_file() else None
+        if st is not None and st.st_size == doc["bytes"]:
+            if st.st_mtime_ns == doc.get("mtime_ns"):
+                return out
+            if _sha256(out) == doc["sha256"]:  # (copied or touched, not changed: trusted from now on)
+                atomic_write(record, json.dumps({**doc, "mtime_ns": st.st_mtime_ns}, indent=1))
+                return out
         warn(f"{out.name} does not match its record; requantizing it")
     except FileNotFoundError:
         pass
@@ -118,6 +128,7 @@ def requantize(src: Path, quantize: str, name: str, reporter=None) -> Path:
                 "source": str(src),
                 "type": quantize,
                 "bytes": out.stat().st_size,
+                "mtime_ns": out.stat().st_mtime_ns,
                 "sha256": digest,
                 "llama_cpp_python": _bindings_version(),
                 "seconds": round(time.perf_counter() - t0, 1),
