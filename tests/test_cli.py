@@ -284,20 +284,27 @@ def test_generate_dash_with_stdin_closed_or_empty(tiny):
     assert empty.returncode == 2 and "stdin was empty" in empty.stderr, empty.stderr
 
 
-def test_typer_usage_errors_are_one_line_from_the_entry_point():
+def test_typer_usage_errors_are_one_line_from_the_entry_point(monkeypatch, capsys):
     """An unknown option or a value Typer's own types refuse: one line and exit 2 from `cactus`
     itself (Typer draws a boxed panel and a usage block; CliRunner does not run the entry point)."""
+    from cactus_cli.cli.main import main
+
     for args, needle in (
         (["eval", "--samples", "abc"], "Invalid value for '--samples'"),
         (["generate", "x", "--bogus"], "No such option: --bogus"),
         (["serve", "--port", "70000"], "less than or equal to 65535"),
         (["serve", "--max-queue", "0"], "greater than or equal to 1"),
     ):
-        r = subprocess.run([sys.executable, "-m", "cactus_cli", *args], capture_output=True, text=True, timeout=120)
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-        assert needle in lines[0] and lines[0].endswith("-h for help)"), lines[0]
-    assert subprocess.run([sys.executable, "-m", "cactus_cli", "--version"], capture_output=True).returncode == 0
+        monkeypatch.setattr(sys, "argv", ["cactus", *args])
+        with pytest.raises(SystemExit) as exit_:
+            main()
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+        assert needle in lines[0] and lines[0].endswith("cactus " + args[0] + " -h for help)"), lines[0]
+    monkeypatch.setattr(sys, "argv", ["cactus", "--version"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("cactus ")
 
 
 def test_clear_messages(tiny, tmp_path, monkeypatch):

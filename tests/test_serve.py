@@ -385,12 +385,19 @@ def test_the_api_key(session):
         server.stop()
 
 
-def test_the_command_refuses_a_busy_port_a_bad_host_and_an_empty_key_before_loading(tiny, tmp_path):
-    """One line and exit 2, at once (the socket is bound before the models load)."""
+def test_the_command_refuses_a_busy_port_a_bad_host_and_an_empty_key_before_loading(tiny, monkeypatch):
+    """One line and exit 2, at once: the socket is bound before the models load (a load would
+    fail this test: Session.load is replaced by one that raises)."""
     import socket
 
-    env = dict(os.environ, CACTUS_HOME=str(tmp_path / "home"))
-    env.pop("CACTUS_API_KEY", None)
+    from cactus_cli.app import session as session_module
+    from tests.helpers import assert_one_line_error, invoke
+
+    def no_load(*a, **kw):
+        raise AssertionError("the models were loaded before the port was checked")
+
+    monkeypatch.setattr(session_module.Session, "load", classmethod(no_load))
+    monkeypatch.delenv("CACTUS_API_KEY", raising=False)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -401,10 +408,7 @@ def test_the_command_refuses_a_busy_port_a_bad_host_and_an_empty_key_before_load
             (["--api-key", ""], "--api-key"),
             (["--api-key", "two words"], "printable ASCII without spaces"),
         ):
-            cmd = [sys.executable, "-m", "cactus_cli", "serve", "--verifier", tiny["verifier"], *args]
-            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
-            lines = r.stderr.strip().splitlines()
-            assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+            assert_one_line_error(invoke("serve", "--verifier", tiny["verifier"], *args), needle)
 
 
 def test_the_command_serves_curl_and_sigterm_ends_the_stream_and_exits_0(tiny, tmp_path):
