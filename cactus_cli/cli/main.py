@@ -51,16 +51,16 @@ def main() -> None:
     refuses) as one line on stderr with exit code 2, like every other error."""
     treat_sigterm_as_sigint()
     try:
-        from typer._click.exceptions import ClickException, NoArgsIsHelpError  # (typer >= 0.22 vendors click)
+        from typer._click import exceptions as errors  # (newer Typer vendors click)
     except ImportError:
-        from click.exceptions import ClickException, NoArgsIsHelpError
+        from click import exceptions as errors
     try:
         code = app(standalone_mode=False)
     except typer.Abort:  # Ctrl-C outside a command's own handling
         sys.exit(130)
-    except NoArgsIsHelpError:
+    except getattr(errors, "NoArgsIsHelpError", ()):  # (click >= 8.2)
         app()  # (the help, as Typer shows it; exit 2)
-    except ClickException as err:
+    except errors.ClickException as err:
         ctx = getattr(err, "ctx", None)
         where = f" ({ctx.command_path} -h for help)" if ctx is not None else ""
         print(f"error: {' '.join(err.format_message().split())}{where}", file=sys.stderr)

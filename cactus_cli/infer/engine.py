@@ -260,6 +260,7 @@ class SpeculativeEngine:
             run.prefill(reuse)
         except BaseException:
             self.reset()  # a half-done prefill leaves caches we cannot trust
+            self.owner = None
             raise
         try:
             while True:
