@@ -474,3 +474,34 @@ def test_a_plain_steps_token_is_drawn_exactly_from_the_top_k():
     assert [sample_among(small, ids, a).item() for _ in range(20)] == [
         sample_among(small, ids, b).item() for _ in range(20)
     ]
+
+
+def test_the_per_draft_budget_holds_where_the_emitted_mixture_may_exceed_it():
+    """The meter's draft budget is KL(h^(n) || q) of the target each draft is verified against: at
+    most delta for exact-KL Cactus, at most the closed form's own maximum for the paper's rule
+    (max over q of KL_bern(g(q) || q): 0.693 at delta 0.5). The emitted distribution h_alg is a
+    mixture over the draws, each with its own h^(n), and is not bounded by delta: a draft split
+    over two tokens the verifier gives 0.05 each moves it past delta (docs/algorithm.md)."""
+    from cactus_cli.core.exact import divergences, emitted_distribution, meter
+
+    def bern(g: float, q: float) -> float:
+        return sum(a * math.log(a / b) for a, b in ((g, q), (1 - g, 1 - q)) if a > 0)
+
+    closed_max = max(bern(min(1.0, q + math.sqrt(q * (1 - q))), q) for q in (i / 4000 for i in range(1, 4000)))
+    assert abs(closed_max - math.log(2)) < 1e-3  # delta 0.5: at q = 1/2, g = 1
+    p, q, _ = random_dists(200, 4, 40, seed=31)
+    drafts = torch.multinomial(p.reshape(-1, 40), 1, generator=torch.Generator().manual_seed(2)).view(200, 4)
+    for rule, bound in (("cactus-exact", 0.5), ("cactus", closed_max), ("sps", 0.0)):
+        worst = 0.0
+        for b in range(200):
+            qs = torch.cat([q[b], q[b, -1:]])  # [k+1, V] (the bonus row: not metered)
+            out = meter(rule, {} if rule == "sps" else {"delta": 0.5}, p[b][None].float(), qs[None].float(),
+                        torch.log(qs.float()), [0] * 4, 3, 4, drafts[b].tolist())  # fmt: skip
+            assert len(out[3]) == 4
+            worst = max(worst, *out[3])
+        assert worst <= bound + 1e-6, (rule, worst, bound)
+        assert worst > 0.8 * bound if bound else worst < 1e-9, (rule, worst)  # (reached, not trivially 0)
+    split = torch.tensor([0.5, 0.5] + [0.0] * 18, dtype=torch.float64)
+    qv = torch.tensor([0.05, 0.05] + [0.9 / 18] * 18, dtype=torch.float64)
+    kl, _ = divergences(emitted_distribution("cactus-exact", split, qv, delta=0.5), qv)
+    assert kl.item() > 2 * 0.5  # (1.21: more than twice delta)

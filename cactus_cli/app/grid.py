@@ -194,6 +194,9 @@ class ConfigResult:
             # the divergence meter (bench --meter, calibrate): per emitted position
             "realized_kl_mean": kl.get("mean"),
             "realized_kl_p90": kl.get("p90"),
+            "realized_kl_max": kl.get("max"),
+            # the per-token budget as used: KL(h^(n) || q) of each draft's target, its largest
+            "draft_budget_kl_max": max(s.draft_budget) if s.draft_budget else None,
             "realized_tv_mean": tv.get("mean"),
             "mean_verifier_loglik": s.mean_verifier_loglik,
         }

@@ -182,6 +182,8 @@ CSV_COLUMNS = [
     "time_to_first_token",
     "realized_kl_mean",
     "realized_kl_p90",
+    "realized_kl_max",
+    "draft_budget_kl_max",
     "realized_tv_mean",
     "mean_verifier_loglik",
     "rule_params",

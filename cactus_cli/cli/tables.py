@@ -107,12 +107,14 @@ def print_eval(console: Console, doc: dict) -> None:
         padding=(0, 1),
         caption="accuracy (pass@1 for code tasks) with its 95% Wilson interval; vs alone: the difference "
         "from the verifier alone over the same problems, with its 95% paired bootstrap interval; MAL: mean "
-        "acceptance length (1 + accepted drafts per step); a: per-token acceptance; speedup over the verifier alone",
+        "acceptance length (1 + accepted drafts per step); a: per-token acceptance; speedup over the verifier alone; "
+        "with --meter, KL: the realized KL(h_alg || q) per token, its mean and largest; budget max: the largest "
+        "KL(h^(n) || q) of a draft's own target (at most delta for exact-KL Cactus)",
     )
     table.add_column("config", overflow="fold", min_width=12)
     metered = any(r.get("realized_kl_mean") is not None for r in rows)
     for header in ("accuracy", "95% interval", "vs alone (95%)", "n", "MAL", "a", "tok/s", "speedup") + (
-        ("KL",) if metered else ()
+        ("KL", "KL max", "budget max") if metered else ()
     ):
         table.add_column(header, justify="right", no_wrap=True)
     for r in rows:
@@ -136,7 +138,12 @@ def print_eval(console: Console, doc: dict) -> None:
             "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x",
         ]
         if metered:
-            cells.append("-" if r.get("realized_kl_mean") is None else f"{r['realized_kl_mean']:.4f}")
+            for key, fmt in (
+                ("realized_kl_mean", "{:.4f}"),
+                ("realized_kl_max", "{:.3f}"),
+                ("draft_budget_kl_max", "{:.3f}"),
+            ):
+                cells.append("-" if r.get(key) is None else fmt.format(r[key]))
         table.add_row(r["config"], *cells)
     console.print(table)
     base = next((r for r in rows if r["kind"] == "autoregressive" and r.get("problems")), None)

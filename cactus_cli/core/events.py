@@ -43,6 +43,9 @@ class StepEvent:
     realized_kl: tuple[float, ...] = ()  # KL(h_alg || q) of the exact emitted distribution
     realized_tv: tuple[float, ...] = ()  # TV(h_alg, q)
     verifier_loglik: tuple[float, ...] = ()  # log q(token) under the raw verifier, every emitted token
+    # per drafted position the rule decided: KL(h^(n) || q) of the target that draft n was verified
+    # against (the per-token budget as used: <= delta for exact-KL Cactus; rules without a target: none)
+    draft_budget: tuple[float, ...] = ()
 
     @property
     def text(self) -> str:

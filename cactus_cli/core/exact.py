@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from cactus_cli.core.acceptance import RULES, resolve_params
+from cactus_cli.core.acceptance import RULES, TargetRule, resolve_params
 
 
 def emitted_distribution(rule: str, p: torch.Tensor, q: torch.Tensor, **params: Any) -> torch.Tensor:
@@ -43,13 +43,16 @@ def meter(
     new: list[int],
     m: int,
     k: int,
+    drafts: list[int] | None = None,
 ) -> tuple[tuple[float, ...], ...]:
     """The divergence meter for one step (``p`` [1, k, V], ``q`` [1, k+1, V], None when greedy;
-    ``new``: the step's tokens, the first ``m`` accepted drafts). Per emitted position decided by
-    the rule: KL(h_alg || q) and TV(h_alg, q) of the exact emitted distribution (the bonus
-    position is q itself; greedy is exact), and the verifier's log-likelihood (temperature 1,
-    unfiltered) of every token emitted."""
+    ``new``: the step's tokens, the first ``m`` accepted drafts; ``drafts``: the k drafted). Per
+    emitted position decided by the rule: KL(h_alg || q) and TV(h_alg, q) of the exact emitted
+    distribution (the bonus position is q itself; greedy is exact), and the verifier's
+    log-likelihood (temperature 1, unfiltered) of every token emitted; per drafted position decided,
+    KL(h^(n) || q) of the target the draft was verified against (rules with a target)."""
     rows = min(m + 1, k)
+    budget: tuple[float, ...] = ()
     if p is None or rows == 0:
         kl = tv = (0.0,) * rows
     else:
@@ -61,6 +64,19 @@ def meter(
         h = emitted_distribution(rule, pr, qr, **rule_kwargs)
         kl_t, tv_t = divergences(h, qr)
         kl, tv = tuple(kl_t.tolist()), tuple(tv_t.tolist())
+        if drafts is not None and isinstance(RULES[rule], TargetRule):
+            budget = draft_budget(rule, rule_kwargs, pr, qr, support, drafts[:rows])
     logp = torch.log_softmax(logits[: m + 1].float(), -1)  # [m+1, V]
     ll = logp.gather(-1, torch.tensor(new, device=logp.device).view(-1, 1)).squeeze(-1)
-    return kl, tv, tuple(ll.tolist())
+    return kl, tv, tuple(ll.tolist()), budget
+
+
+def draft_budget(
+    rule: str, rule_kwargs: dict[str, Any], p: torch.Tensor, q: torch.Tensor, support: torch.Tensor, drafts: list[int]
+) -> tuple[float, ...]:
+    """KL(h^(n) || q) per row for the drafted token n of that row (``p``, ``q`` [rows, U] on the
+    token ids ``support``, sorted): the divergence of the target the draft was verified against."""
+    n = torch.searchsorted(support, torch.tensor(drafts, device=support.device))  # (a draft has p > 0: in the support)
+    n = n.clamp(max=support.numel() - 1)
+    h = RULES[rule].target(resolve_params(rule, rule_kwargs), p.double()[None], q.double()[None], n[None])[0]
+    return tuple(divergences(h, q)[0].tolist())

@@ -37,6 +37,7 @@ class SpecStats:
     realized_kl: list[float] = field(default_factory=list)  # the meter, one value per position
     realized_tv: list[float] = field(default_factory=list)
     verifier_loglik: list[float] = field(default_factory=list)
+    draft_budget: list[float] = field(default_factory=list)  # KL(h^(n) || q) per draft decided (the meter)
 
     def update(self, ev: StepEvent) -> None:
         self.num_steps += 1
@@ -57,6 +58,7 @@ class SpecStats:
         self.realized_kl += ev.realized_kl
         self.realized_tv += ev.realized_tv
         self.verifier_loglik += ev.verifier_loglik
+        self.draft_budget += ev.draft_budget
         k, m = ev.num_drafted, len(ev.accepted)
         _grow(self.k_histogram, k + 1)
         self.k_histogram[k] += 1
@@ -98,7 +100,7 @@ class SpecStats:
             "total_seconds",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("realized_kl", "realized_tv", "verifier_loglik"):
+        for name in ("realized_kl", "realized_tv", "verifier_loglik", "draft_budget"):
             getattr(self, name).extend(getattr(other, name))
         for name in ("drafted_by_source", "accepted_by_source"):
             mine = getattr(self, name)
@@ -179,6 +181,7 @@ class SpecStats:
             meter = {
                 "realized_kl": summarize(self.realized_kl),
                 "realized_tv": summarize(self.realized_tv),
+                "draft_budget_kl": summarize(self.draft_budget),
                 "mean_verifier_loglik": self.mean_verifier_loglik,
             }
         return {

@@ -487,9 +487,9 @@ class _Run:
             Step(self.akey, k, m, timing.draft_seconds, timing.verify_seconds, fed, source or MODEL, confidence)
         )
         measured = (
-            meter(self.params.rule, self.params.rule_kwargs, v.p, v.q, v.logits, new, m, k)
+            meter(self.params.rule, self.params.rule_kwargs, v.p, v.q, v.logits, new, m, k, v.drafts)
             if self.params.measure
-            else ((), (), ())
+            else ((), (), (), ())
         )
         self.rewind(m, new)
         emitted, finish = self.emit(new)
@@ -519,6 +519,7 @@ class _Run:
             realized_kl=measured[0][:n],
             realized_tv=measured[1][:n],
             verifier_loglik=measured[2][:n],
+            draft_budget=measured[3],
         )
         self.v_passes = e.verifier.forward_passes
         self.d_passes = self._draft_passes()
