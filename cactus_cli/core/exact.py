@@ -76,7 +76,9 @@ def draft_budget(
 ) -> tuple[float, ...]:
     """KL(h^(n) || q) per row for the drafted token n of that row (``p``, ``q`` [rows, U] on the
     token ids ``support``, sorted): the divergence of the target the draft was verified against."""
-    n = torch.searchsorted(support, torch.tensor(drafts, device=support.device))  # (a draft has p > 0: in the support)
-    n = n.clamp(max=support.numel() - 1)
+    ids = torch.tensor(drafts, device=support.device)
+    n = torch.searchsorted(support, ids).clamp(max=support.numel() - 1)
+    if not bool((support[n] == ids).all()):  # (a draft has p > 0, so it is in the support; else: nothing to say)
+        return ()
     h = RULES[rule].target(resolve_params(rule, rule_kwargs), p.double()[None], q.double()[None], n[None])[0]
     return tuple(divergences(h, q)[0].tolist())
