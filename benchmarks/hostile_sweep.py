@@ -483,7 +483,11 @@ def cli_sweep(models: dict[str, str], home: Path) -> None:
         ("--threads 0", base + ["--threads", "0"], 2),
         ("--threads 10**6", base + ["--threads", "1000000"], (0, 2)),
         ("--remember a directory", base + ["--draft", "suffix", "--remember", str(home)], 2),
-        ("--remember in a read-only folder (root may write there)", base + ["--draft", "suffix", "--remember", str(ro / "m.json")], (0, 2)),
+        (
+            "--remember in a read-only folder (root may write there)",
+            base + ["--draft", "suffix", "--remember", str(ro / "m.json")],
+            (0, 2),
+        ),
         ("--remember a garbage file", base + ["--draft", "suffix", "--remember", str(garbage)], (0, 2)),
         ("--remember a FIFO (a reader on it)", base + ["--draft", "suffix", "--remember", str(fifo)], 0),
         ("--json into a pipe", base[:-1] + ["--json"], 0),
