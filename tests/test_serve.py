@@ -6,6 +6,7 @@ cold cache's answer, and SIGTERM ends the stream in flight and exits 0."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -219,11 +220,28 @@ def slow(server: Server, gate: threading.Event | None = None, delay: float = 0.0
     server.session.generate = slowly
 
 
-def test_a_client_that_leaves_cancels_its_generation(session):
-    server = Server(session, max_queue=2)
-    slow(server)
-    url, stop = start(server)
+@contextlib.contextmanager
+def serving(session, api_key=None, gate=None, delay=None, **server_args):
+    """A Server on ``session`` behind the app on a free port: (server, url). With ``gate`` or
+    ``delay``, slowed as ``slow`` says (and restored afterwards)."""
+    server = Server(session, **server_args)
+    slowed = gate is not None or delay is not None
+    if slowed:
+        slow(server, gate, 0.05 if delay is None else delay)
+    url, stop = start(server, api_key)
     try:
+        yield server, url
+    finally:
+        if gate is not None:
+            gate.set()
+        stop()
+        server.stop()
+        if slowed:
+            del session.generate  # (the instance attribute slow() set)
+
+
+def test_a_client_that_leaves_cancels_its_generation(session):
+    with serving(session, delay=0.05, max_queue=2) as (server, url):
         body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 400, "stream": True}
         body["temperature"] = 0.8  # (sampled: no early end on a repeated greedy EOS)
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
@@ -237,18 +255,11 @@ def test_a_client_that_leaves_cancels_its_generation(session):
         assert server.metrics.generation_tokens < 400
         r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=60)
         assert r.status_code == 200
-    finally:
-        stop()
-        server.stop()
-        del session.generate  # (the instance attribute slow() set)
 
 
 def test_a_full_queue_is_a_503_with_retry_after(session):
-    server = Server(session, max_queue=1)
     gate = threading.Event()
-    slow(server, gate, delay=0)
-    url, stop = start(server)
-    try:
+    with serving(session, gate=gate, delay=0, max_queue=1) as (server, url):
         body = {"prompt": PROMPT, "max_tokens": 2}
         answers: list[int] = []
         waiting = [
@@ -269,18 +280,11 @@ def test_a_full_queue_is_a_503_with_retry_after(session):
             t.join(60)
         assert answers == [200, 200]
         assert 'cactus_requests_rejected_total{reason="queue full"} 1' in httpx.get(f"{url}/metrics").text
-    finally:
-        gate.set()
-        stop()
-        server.stop()
-        del session.generate
 
 
 def test_metrics_count_what_the_answers_said(session):
     """/metrics after two answers: each counter is the sum of what the responses reported."""
-    server = Server(session)
-    url, stop = start(server)
-    try:
+    with serving(session) as (server, url):
         answers = [
             httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": n, "temperature": 0}, timeout=60)
             for n in (5, 9)
@@ -304,19 +308,13 @@ def test_metrics_count_what_the_answers_said(session):
         assert values["cactus_mean_acceptance_length"] == pytest.approx(14 / passes, abs=1e-4)
         assert values['vllm:request_success_total{finished_reason="length"}'] == 2
         assert values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
-    finally:
-        stop()
-        server.stop()
 
 
 def test_stopping_ends_the_running_answer_and_turns_the_rest_away_with_a_503(session):
     """Server.stop (what SIGTERM and Ctrl-C call): the running stream ends with finish_reason
     abort, the queued request and any new one get a 503 with Retry-After, /health says so."""
-    server = Server(session, max_queue=2)
     gate = threading.Event()
-    slow(server, gate)
-    url, stop = start(server)
-    try:
+    with serving(session, gate=gate, max_queue=2) as (server, url):
         body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0.8, "stream": True}
         chunks: list[dict] = []
 
@@ -350,29 +348,17 @@ def test_stopping_ends_the_running_answer_and_turns_the_rest_away_with_a_503(ses
         health = httpx.get(f"{url}/health")
         assert health.status_code == 503 and health.json() == {"status": "stopping"}
         assert 'cactus_requests_rejected_total{reason="stopping"} 2' in httpx.get(f"{url}/metrics").text
-    finally:
-        gate.set()
-        stop()
-        server.stop()
-        del session.generate
 
 
 def test_log_requests_logs_the_text_only_when_asked(session):
     lines: list[str] = []
-    server = Server(session, log=lines.append)
-    url, stop = start(server)
-    try:
+    with serving(session, log=lines.append) as (server, url):
         httpx.post(f"{url}/v1/completions", json={"prompt": "the dog ran", "max_tokens": 2}, timeout=60)
         assert any("the dog ran" in line for line in lines) and any("answer" in line for line in lines)
-    finally:
-        stop()
-        server.stop()
 
 
 def test_the_api_key(session):
-    server = Server(session)
-    url, stop = start(server, api_key="s3cret")
-    try:
+    with serving(session, api_key="s3cret") as (server, url):
         body = {"prompt": PROMPT, "max_tokens": 2}
         assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
         r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
@@ -380,9 +366,6 @@ def test_the_api_key(session):
         assert httpx.get(f"{url}/health").status_code == 200  # (a load balancer's check needs no key)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
         assert client.completions.create(model=server.model_id, prompt=PROMPT, max_tokens=2).choices
-    finally:
-        stop()
-        server.stop()
 
 
 def test_the_command_refuses_a_busy_port_a_bad_host_and_an_empty_key_before_loading(tiny, monkeypatch):

@@ -268,15 +268,15 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        check_text([m["content"] for m in messages], "messages")
         return await _serve(body, request, messages, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_text(body.prompt, "prompt")
         return await _serve(body, request, body.prompt, chat=False)
 
     async def _serve(body: _Common, request: Request, prompt: Any, chat: bool):
+        check_text([m["content"] for m in prompt] if chat else prompt, "messages" if chat else "prompt")
+        check_text(body.stop, "stop")
         if body.model not in (None, server.model_id):
             raise ApiError(
                 404,
@@ -284,7 +284,6 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
                 "model",
                 "not_found_error",
             )
-        check_text(body.stop, "stop")
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         try:

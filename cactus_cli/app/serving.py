@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cactus_cli.app.session import Session
-from cactus_cli.app.settings import Settings, build_settings, rule_param_specs
+from cactus_cli.app.settings import Settings, build_settings, inert_rule_param
 from cactus_cli.core.acceptance import RULES
 from cactus_cli.core.errors import CactusError, ConfigError
 from cactus_cli.core.stats import SpecStats
@@ -128,9 +128,8 @@ class Server:
             except ConfigError as err:
                 raise FieldError(key, str(err)) from None
         settings = build_settings(base, (overrides, "the request"))
-        takes = RULES[settings.rule].param_names()
-        for key in sorted(set(overrides) & set(rule_param_specs()) - set(takes)):  # (never a silent no-op)
-            rules = [name for name, rule in RULES.items() if key in rule.param_names()]
+        if inert := inert_rule_param(settings.rule, overrides):  # (never a silent no-op)
+            key, rules = inert
             raise FieldError(key, f"{key} has no effect with rule {settings.rule!r}; use rule {' or '.join(rules)}")
         if settings.draft is None and "num_draft_tokens" in overrides:
             raise FieldError("num_draft_tokens", "num_draft_tokens has no effect without a draft (draft 'none')")

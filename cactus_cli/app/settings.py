@@ -312,17 +312,25 @@ def flags_to_settings(**flags: Any) -> dict[str, Any]:
     return out
 
 
+def inert_rule_param(rule: str, given: dict[str, Any]) -> tuple[str, list[str]] | None:
+    """The first rule parameter in ``given`` (keys as flags or a request name them) that ``rule``
+    does not take, with the rules that do; None when each one given has an effect."""
+    takes = RULES[rule].param_names()
+    params = gather_params(given).get("rule_params", ...)
+    for key in params if params is not ... else {}:
+        if key not in takes:
+            return key, [name for name, r in RULES.items() if key in r.param_names()]
+    return None
+
+
 def check_flags_apply(settings: Settings, flags: dict[str, Any]) -> None:
     """A flag that would do nothing is an error, not a silent no-op."""
-    takes = RULES[settings.rule].param_names()
-    given = gather_params(flags).get("rule_params", ...)
-    for key in given if given is not ... else {}:
-        if key not in takes:
-            rules = [name for name, rule in RULES.items() if key in rule.param_names()]
-            raise ConfigError(
-                f"{flag_name(key)} has no effect with rule {settings.rule!r} (it takes: "
-                f"{', '.join(takes) or 'no parameters'}); use --rule {' or '.join(rules)}"
-            )
+    if inert := inert_rule_param(settings.rule, flags):
+        takes = RULES[settings.rule].param_names()
+        raise ConfigError(
+            f"{flag_name(inert[0])} has no effect with rule {settings.rule!r} (it takes: "
+            f"{', '.join(takes) or 'no parameters'}); use --rule {' or '.join(inert[1])}"
+        )
     if settings.draft is None:
         for key, flag in (("num_draft_tokens", "-k/--num-draft-tokens"), ("max_draft_tokens", "--max-draft-tokens")):
             if flags.get(key, ...) is not ...:

@@ -39,15 +39,12 @@ def choose(
             )
         if flag := chosen.refuses(request, device):
             owner = _owner(flag)
-            raise ModelError(
-                f"{flag} does not apply to the {asked} backend"
-                + (f" (it is a {owner} setting)" if owner and owner != asked else "")
-                + (
-                    f"; drop it, or use --backend {owner}"
-                    if owner and owner != asked
-                    else "; drop it, or choose another --backend"
-                )
+            hint = (
+                f" (it is a {owner} setting); drop it, or use --backend {owner}"
+                if owner and owner != asked
+                else "; drop it, or choose another --backend"
             )
+            raise ModelError(f"{flag} does not apply to the {asked} backend{hint}")
         if problem := chosen.unavailable():
             raise ModelError(problem)
         return chosen, f"backend {asked} (asked for)", None
