@@ -5,7 +5,6 @@ recompilation after warm-up, and a clean fall back to eager when compiling fails
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -165,8 +164,8 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_line(close_pair, monkey
 
 def resolve_compile(mode: str, pair) -> tuple[bool, str]:
     """The plan's compile choice had ``--compile mode`` been given."""
-    plan = dataclasses.replace(pair.plan, request=dataclasses.replace(pair.plan.request, compile=mode))
-    return plan_mod.choose_compile(plan)
+    plan = plan_mod.with_compile(pair.plan, mode)
+    return plan.compiled, plan.compile_reason
 
 
 def test_compile_auto_is_off_on_cpu_until_measured_faster(close_pair):

@@ -18,7 +18,7 @@ from cactus_cli.infer.backends import backend_of
 from cactus_cli.infer.draft import KINDS, Free
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.models import load_plan
-from cactus_cli.infer.plan import LoadRequest, choose_compile, plan_load
+from cactus_cli.infer.plan import LoadRequest, plan_load, with_compile
 from cactus_cli.infer.sources import ModelPair
 from cactus_cli.infer.tp import group
 
@@ -66,9 +66,7 @@ def load_engine(
         pair = load_plan(plan_load(request, reporter), reporter)
     plan = pair.plan
     if compile_mode is not None and compile_mode != plan.request.compile:  # (bench: the same pair, compiled too)
-        plan = dataclasses.replace(plan, request=dataclasses.replace(plan.request, compile=compile_mode))
-        compiled, why = choose_compile(plan)
-        plan = dataclasses.replace(plan, compiled=compiled, compile_reason=why)
+        plan = with_compile(plan, compile_mode)
         pair = dataclasses.replace(pair, plan=plan)
     if plan.request.compile == "on" and not plan.compiled and reporter is not None:
         reporter.warn(plan.compile_reason)

@@ -142,6 +142,14 @@ def plan_load(request: LoadRequest, reporter=None) -> LoadPlan:
         False,
         "",
     )
+    return with_compile(plan)
+
+
+def with_compile(plan: LoadPlan, mode: str | None = None) -> LoadPlan:
+    """``plan`` with its compile choice made (``mode``, when given, replaces the request's
+    ``--compile``: bench times one pair eager and compiled)."""
+    if mode is not None:
+        plan = dataclasses.replace(plan, request=dataclasses.replace(plan.request, compile=mode))
     compiled, why = choose_compile(plan)
     return dataclasses.replace(plan, compiled=compiled, compile_reason=why)
 
