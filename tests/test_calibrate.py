@@ -75,8 +75,9 @@ def test_tight_budget_keeps_sps_and_save_keeps_other_keys(tiny, tmp_path):
     r = calibrate(tiny, "--max-divergence", "0", "--save", target)
     assert r.exit_code == 0, r.output
     data = yaml.safe_load(target.read_text())
-    assert data["delta"] == 0.0 and data["max_tokens"] == 7 and data["description"] == "my pair"
-    assert "chosen: delta = 0" in r.output and "delta sweep" in r.output and "trade-off" in r.output
+    assert data["rule"] == "sps" and "delta" not in data  # delta = 0 is saved as what it is: SpS
+    assert data["max_tokens"] == 7 and data["description"] == "my pair"
+    assert "chosen: SpS (delta = 0)" in r.output and "delta sweep" in r.output and "trade-off" in r.output
 
 
 def test_a_killed_save_leaves_the_old_profile_intact(tiny, tmp_path, monkeypatch):
@@ -105,11 +106,12 @@ def test_choice_rules():
         {"delta": 1.0, "realized_kl_mean": 0.06, "loglik_vs_sps": -0.002},
         {"delta": 2.0, "realized_kl_mean": 0.09, "loglik_vs_sps": -0.2},
     ]
-    assert cal.choose_delta(rows, 0.05, None)[0] == 0.5
-    assert cal.choose_delta(rows, 0.1, None)[0] == 2.0
-    assert cal.choose_delta(rows, 0.1, 0.05)[0] == 1.0
-    assert cal.choose_delta(rows, 0.1, 0.005)[0] == 1.0
-    assert cal.choose_delta(rows, 0.1, 0.001)[0] == 0.0
+    C = cal.Constraints
+    assert cal.choose_delta(rows, C(0.05))[0] == 0.5
+    assert cal.choose_delta(rows, C(0.1))[0] == 2.0
+    assert cal.choose_delta(rows, C(0.1, 0.05))[0] == 1.0
+    assert cal.choose_delta(rows, C(0.1, 0.005))[0] == 1.0
+    assert cal.choose_delta(rows, C(0.1, 0.001))[0] == 0.0
     # the cost model: no acceptance means no gain; perfect acceptance with a free draft and a flat
     # verify cost means k+1 tokens per call; a verify whose cost grows with width caps the gain
     flat = costs({1: 0.1, 9: 0.1}, draft=0.0)
@@ -118,6 +120,39 @@ def test_choice_rules():
     steep = costs({1: 0.1, 5: 0.45}, draft=0.0)  # 5 tokens cost 4.5x one (an AVX2 CPU)
     assert cal.measured_speedup(steep, 0.9, 4) < 1.0
     assert max(range(1, 13), key=lambda k: cal.measured_speedup(costs({1: 0.1, 13: 0.11}, 0.038), 0.85, k)) in (2, 3, 4)
+
+
+def test_accuracy_and_acceptance_gain_bounds():
+    """--max-accuracy-drop takes a delta whose drop is within the allowance and not confirmed by
+    its interval; --min-acceptance-gain one that buys at least that much acceptance per step."""
+
+    def row(delta, drop, ci, gain):
+        return {
+            "delta": delta,
+            "realized_kl_mean": 0.01,
+            "loglik_vs_sps": 0.0,
+            "accuracy_vs_sps": drop,
+            "accuracy_vs_sps_ci95": ci,
+            "accepted_vs_sps": gain,
+        }
+
+    rows = [
+        row(0.0, 0.0, (0.0, 0.0), 1.0),
+        row(0.25, -0.01, (-0.05, 0.03), 1.08),
+        row(0.5, -0.012, (-0.03, -0.001), 1.25),  # within 1.5 points, but the interval confirms a loss
+        row(1.0, -0.03, (-0.08, 0.02), 1.3),  # a loss beyond 1.5 points
+    ]
+    C = cal.Constraints
+    assert cal.choose_delta(rows, C(max_accuracy_drop=1.5))[0] == 0.25
+    assert cal.choose_delta(rows, C(max_accuracy_drop=5))[0] == 1.0
+    assert cal.choose_delta(rows, C(max_accuracy_drop=1.5, min_acceptance_gain=1.2)) == (
+        0.0,
+        "no delta above 0 met mean realized KL <= 0.05 and accuracy drop <= 1.5 points with its 95% interval "
+        "reaching 0 (paired, vs delta = 0) and accepted tokens per step >= 1.2x delta = 0's; SpS (delta = 0) "
+        "is the safe choice",
+    )
+    assert cal.choose_delta(rows, C(min_acceptance_gain=1.2))[0] == 1.0
+    assert cal.choose_delta(rows, C(min_acceptance_gain=1.31))[0] == 0.0
 
 
 def costs(verify: dict[int, float], draft: float):
@@ -139,6 +174,7 @@ def costs(verify: dict[int, float], draft: float):
         (["--max-divergence", "-1"], "must be a finite number >= 0"),
         (["--save", str(builtin_profile_dir() / "default.yaml")], "is a built-in profile"),
         (["-k", "0"], "each value must be an integer in 1..64"),
+        (["--min-acceptance-gain", "0"], "--min-acceptance-gain must be a finite number > 0"),
     ],
 )
 def test_bad_inputs(tiny, args, needle):

@@ -247,6 +247,8 @@ def test_an_interrupted_eval_goes_on_with_resume_and_refuses_another_run(tiny, t
     r = cli.invoke(app, eval_args(tiny, tasks, "--out", str(out)))
     assert r.exit_code == 130
     assert len((out / "progress.jsonl").read_text().splitlines()) == 1 + 2  # the run's name, two problems kept
+    r = cli.invoke(app, [a for a in eval_args(tiny, tasks, "--out", str(out), "--resume") if a != "--json"])
+    assert r.exit_code == 130 and "2 of 3 problems" in r.stdout  # the table says what it covers
     r = cli.invoke(app, eval_args(tiny, tasks, "--out", str(out)))
     assert r.exit_code == 2 and "add --resume to go on with it" in r.stderr
     r = cli.invoke(app, eval_args(tiny, tasks, "--out", str(out), "-n", "7", "--resume"))
@@ -265,3 +267,30 @@ def test_a_stopped_completion_loses_the_start_of_its_stop_string():
     # the closing fence came as "``" then "`": the stream had already emitted "``"
     assert trim_stop("return x\n``", ("```",)) == "return x\n"
     assert trim_stop("return x\n", ("```",)) == "return x\n"
+
+
+def test_calibrate_on_code_tasks_grades_each_delta_and_keeps_sps_when_the_gain_is_too_small(tiny, tmp_path):
+    """The choice of issue 48's rule: within the accuracy allowance, yet accepting less than the
+    gain asked for, delta goes to 0 and the profile is written as SpS; the table shows each delta's
+    accuracy and its paired difference, and the answers are not cut to the sweep's 64 tokens."""
+    target = tmp_path / "he.yaml"
+    args = ["calibrate", "--verifier", tiny["verifier"], "--draft", tiny["draft_close"], "--device", "cpu"]
+    args += ["--dtype", "float32", "--tasks", str(code_tasks(tmp_path, True)), "--limit", "3", "--delta", "1"]
+    args += ["-k", "2", "--max-divergence", "10", "--max-accuracy-drop", "1.5", "--min-acceptance-gain", "50"]
+    r = cli.invoke(app, [*args, "--save", str(target), "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["chosen"]["delta"] == 0.0 and "accepted tokens per step >= 50x" in doc["chosen"]["reason"]
+    assert [row["accuracy"] for row in doc["delta_sweep"]["rows"]] == [1.0, 1.0]
+    assert doc["settings"]["max_tokens"] != 64  # the profile's cap: the sweep's 64 would cut answers short
+    saved = target.read_text()
+    assert "rule: sps" in saved and "\ndelta:" not in saved and "min_acceptance_gain: 50" in saved
+
+    from rich.console import Console
+
+    from cactus_cli.cli.tables import print_calibration
+
+    console = Console(width=200, record=True)
+    print_calibration(console, doc)
+    shown = console.export_text()
+    assert "vs SpS (95%)" in shown and "+0.0 (+0.0, +0.0)" in shown and "chosen: SpS (delta = 0)" in shown

@@ -107,6 +107,7 @@ def test_numbers_in_e_notation_are_read_as_numbers_everywhere_yaml_is(tiny):
         ("calibrate", "--max-divergence"),
         ("calibrate", "--max-quality-drop"),
         ("calibrate", "--max-accuracy-drop"),
+        ("calibrate", "--min-acceptance-gain"),
         ("bench", "--delta"),
         ("generate", "--param"),
         ("generate", "--top-p"),

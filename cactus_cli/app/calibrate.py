@@ -4,9 +4,10 @@
    per step, the realized KL(h_alg || q) per position, and the verifier log-likelihood of the
    generated tokens relative to SpS (delta = 0 is always in the sweep).
 2. Choose the largest delta whose mean realized KL is within --max-divergence (and whose
-   log-likelihood drop is within --max-quality-drop, when given; and, with --tasks, whose
-   accuracy drop against delta = 0, paired over the same problems, is within
-   --max-accuracy-drop points).
+   log-likelihood drop is within --max-quality-drop, when given; with --tasks, whose accuracy
+   against delta = 0, paired over the same problems, drops by at most --max-accuracy-drop points
+   with a 95% interval that reaches zero; with --min-acceptance-gain, that accepts at least that
+   many times delta = 0's draft tokens per step). None: SpS (delta = 0 is SpS).
 3. Rank the candidate k with the engine's own cost model (costs.py: draft seconds per token and
    verifier seconds per width t_v(w), measured on this machine) and the chosen delta's `a`; time the
    verifier alone, the best few k and `-k auto` with the meter off, and keep the fastest. When
@@ -16,7 +17,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -60,6 +61,7 @@ class DeltaPoint:
     def row(self, ref_loglik: float | None, ref: ConfigResult | None = None) -> dict[str, Any]:
         m = self.result.metrics()
         ll = m["mean_verifier_loglik"]
+        al, ref_al = m["mean_accepted_tokens_per_step"], ref.stats.mean_accepted_tokens_per_step if ref else None
         graded = {}
         if self.result.graded:  # --tasks: accuracy, and its change from delta = 0 over the same problems
             d, lo, hi, n = paired_difference(self.result.pass_rates(), ref.pass_rates())
@@ -74,7 +76,8 @@ class DeltaPoint:
             "delta": self.delta,
             "acceptance_rate": m["draft_acceptance_rate"],
             "per_token_acceptance": m["per_token_acceptance"],
-            "mean_accepted_tokens_per_step": m["mean_accepted_tokens_per_step"],
+            "mean_accepted_tokens_per_step": al,
+            "accepted_vs_sps": al / ref_al if al is not None and ref_al else None,  # (per step, vs delta = 0)
             "tokens_per_second_metered": m["tokens_per_second"],
             "realized_kl_mean": m["realized_kl_mean"],
             "realized_kl_p90": m["realized_kl_p90"],
@@ -100,33 +103,53 @@ class Calibration:
     advice: str = ""  # said plainly when speculation with this draft does not pay here
 
 
-def choose_delta(
-    rows: list[dict[str, Any]],
-    max_divergence: float,
-    max_quality_drop: float | None,
-    max_accuracy_drop: float | None = None,
-) -> tuple[float, str]:
-    """The largest delta within every constraint given; ``max_accuracy_drop`` in points of
-    accuracy (the paired difference from delta = 0, its point estimate)."""
-    ok = []
-    for r in rows:
+@dataclass(frozen=True)
+class Constraints:
+    """What a chosen delta must meet (the command line's --max-* and --min-* options)."""
+
+    max_divergence: float = DEFAULT_MAX_DIVERGENCE  # mean realized KL(h_alg || q) per token, nats
+    max_quality_drop: float | None = None  # mean verifier log-likelihood per token vs delta = 0, nats
+    max_accuracy_drop: float | None = None  # points of accuracy vs delta = 0, paired (--tasks)
+    min_acceptance_gain: float | None = None  # accepted draft tokens per step over delta = 0's
+
+    def describe(self) -> str:
+        said = [f"mean realized KL <= {self.max_divergence:g}"]
+        if self.max_quality_drop is not None:
+            said.append(f"log-likelihood drop <= {self.max_quality_drop:g} nats/token")
+        if self.max_accuracy_drop is not None:
+            said.append(
+                f"accuracy drop <= {self.max_accuracy_drop:g} points with its 95% interval reaching 0 (paired, vs delta = 0)"
+            )
+        if self.min_acceptance_gain is not None:
+            said.append(f"accepted tokens per step >= {self.min_acceptance_gain:g}x delta = 0's")
+        return " and ".join(said)
+
+    def allow(self, r: dict[str, Any]) -> bool:
+        """Whether one row of the delta sweep meets them (delta = 0, SpS, is the reference of the last two)."""
         kl = r["realized_kl_mean"]
-        if kl is None or kl > max_divergence:
-            continue
-        if max_quality_drop is not None and (r["loglik_vs_sps"] or 0.0) < -max_quality_drop:
-            continue
-        if max_accuracy_drop is not None and 100 * r.get("accuracy_vs_sps", 0.0) < -max_accuracy_drop:
-            continue
-        ok.append(r["delta"])
-    if not ok:
-        return 0.0, "no delta met the constraints; SpS (delta = 0) is the safe choice"
-    best = max(ok)
-    why = f"largest delta with mean realized KL <= {max_divergence:g}"
-    if max_quality_drop is not None:
-        why += f" and log-likelihood drop <= {max_quality_drop:g} nats/token"
-    if max_accuracy_drop is not None:
-        why += f" and accuracy drop <= {max_accuracy_drop:g} points (paired, vs delta = 0)"
-    return best, why
+        if kl is None or kl > self.max_divergence:
+            return False
+        if self.max_quality_drop is not None and (r["loglik_vs_sps"] or 0.0) < -self.max_quality_drop:
+            return False
+        if r["delta"] == 0:
+            return True
+        if self.max_accuracy_drop is not None:
+            # the point estimate within the allowance, and no drop the data already confirms
+            d, (_, hi) = r.get("accuracy_vs_sps", 0.0), r.get("accuracy_vs_sps_ci95", (0.0, 0.0))
+            if 100 * d < -self.max_accuracy_drop or hi < 0:
+                return False
+        return self.min_acceptance_gain is None or (r.get("accepted_vs_sps") or 0.0) >= self.min_acceptance_gain
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def choose_delta(rows: list[dict[str, Any]], constraints: Constraints) -> tuple[float, str]:
+    """The largest delta within every constraint, or SpS (delta = 0) when no larger one is."""
+    best = max((r["delta"] for r in rows if constraints.allow(r)), default=0.0)
+    if best == 0.0:
+        return 0.0, f"no delta above 0 met {constraints.describe()}; SpS (delta = 0) is the safe choice"
+    return best, f"largest delta with {constraints.describe()}"
 
 
 def validate(settings: Settings, deltas: list[float], ks: list[int]) -> None:
@@ -152,11 +175,9 @@ def run(
     base,
     deltas: list[float],
     ks: list[int],
-    max_divergence: float,
-    max_quality_drop: float | None,
+    constraints: Constraints,
     on_prompt: Callable[[str], None],
     grade: Grade | None = None,
-    max_accuracy_drop: float | None = None,
 ) -> Calibration:
     """``grade``: the prompts are tasks (--tasks), each delta's answers graded."""
     validate(settings, deltas, ks)
@@ -177,7 +198,7 @@ def run(
         grade,
     )
     cal.deltas = [pt.row(points[0].result.stats.mean_verifier_loglik, points[0].result) for pt in points]
-    cal.chosen_delta, cal.reason = choose_delta(cal.deltas, max_divergence, max_quality_drop, max_accuracy_drop)
+    cal.chosen_delta, cal.reason = choose_delta(cal.deltas, constraints)
     chosen = next(pt for pt in points if pt.delta == cal.chosen_delta)
 
     # 3. k: the measured cost model ranks, then tokens/s with the meter off decides
@@ -288,10 +309,8 @@ def document(
     cal: Calibration,
     settings: Settings,
     prompts,
-    max_divergence: float,
-    max_quality_drop: float | None,
+    constraints: Constraints,
     env: dict[str, Any],
-    max_accuracy_drop: float | None = None,
 ) -> dict[str, Any]:
     return {
         "schema_version": 1,
@@ -302,11 +321,7 @@ def document(
             "reason": cal.reason,
             "advice": cal.advice,
         },
-        "constraints": {
-            "max_divergence": max_divergence,
-            "max_quality_drop": max_quality_drop,
-            "max_accuracy_drop": max_accuracy_drop,
-        },
+        "constraints": constraints.to_dict(),
         "delta_sweep": {"k": cal.k0, "rows": cal.deltas},
         "k_sweep": {
             "delta": cal.chosen_delta,
@@ -378,8 +393,15 @@ def save_profile(target: Path, base_profile: str | None, settings: Settings, doc
         value = getattr(settings, key)
         if value != data.get(key) and value not in (None, {}):
             data[key] = value
-    data["rule"] = doc["rule"]
-    data["delta"] = float(doc["chosen"]["delta"])
+    if doc["chosen"]["delta"] == 0:  # delta = 0 is SpS: say so, rather than a rule that does nothing
+        data["rule"] = "sps"
+        data.pop("delta", None)
+        params = {k: v for k, v in (data.pop("rule_params", None) or {}).items() if k != "delta"}
+        if params:
+            data["rule_params"] = params
+    else:
+        data["rule"] = doc["rule"]
+        data["delta"] = float(doc["chosen"]["delta"])
     k = doc["chosen"]["num_draft_tokens"]
     data["num_draft_tokens"] = k if k == "auto" else int(k)
     if k == "auto":

@@ -96,9 +96,11 @@ def print_eval(console: Console, doc: dict) -> None:
         console.width = max(console.width, 132)
     rows = doc["results"]
     env = doc["environment"]
+    total = len(doc["prompts"])
+    done = max((r.get("problems") or 0 for r in rows), default=0)  # fewer when stopped early
     title = (
         f"{env['verifier']} / {env['draft']} · {env['device']} {env['dtype']} · "
-        f"{len(doc['prompts'])} problems · T={doc['settings']['temperature']}"
+        f"{f'{done} of {total}' if done < total else total} problems · T={doc['settings']['temperature']}"
     )
     table = Table(
         title=title,
@@ -171,25 +173,36 @@ def print_calibration(console: Console, doc: dict) -> None:
 
     rows = doc["delta_sweep"]["rows"]
     chosen = doc["chosen"]
+    graded = any("accuracy" in r for r in rows)  # --tasks
     t = Table(title=f"delta sweep ({doc['rule']}, k={doc['delta_sweep']['k']}, meter on)", title_justify="left")
-    for col in ("delta", "a", "AL", "KL(h‖q) mean", "KL p90", "TV mean", "loglik vs SpS"):
-        t.add_column(col, justify="right")
+    for col in ("delta", "a", "AL", "AL vs SpS", "KL(h‖q) mean", "KL p90", "TV mean", "loglik vs SpS") + (
+        ("accuracy", "vs SpS (95%)") if graded else ()
+    ):
+        t.add_column(col, justify="right", no_wrap=col.startswith("vs"))
+
+    def f(v, fmt):
+        return "-" if v is None else fmt.format(v)
+
     for r in rows:
-        style = "bold green" if r["delta"] == chosen["delta"] else ""
-
-        def f(v, fmt):
-            return "-" if v is None else fmt.format(v)
-
-        t.add_row(
+        cells = [
             f"{r['delta']:g}",
             f(r["per_token_acceptance"], "{:.3f}"),
             f(r["mean_accepted_tokens_per_step"], "{:.2f}"),
+            f(r.get("accepted_vs_sps"), "{:.3f}x"),
             f(r["realized_kl_mean"], "{:.4f}"),
             f(r["realized_kl_p90"], "{:.4f}"),
             f(r["realized_tv_mean"], "{:.4f}"),
             f(r["loglik_vs_sps"], "{:+.4f}"),
-            style=style,
-        )
+        ]
+        if graded:
+            lo, hi = r.get("accuracy_vs_sps_ci95", (None, None))
+            cells.append(f(r.get("accuracy"), "{:.1%}"))
+            cells.append(
+                "-"
+                if r["delta"] == 0 or lo is None
+                else f"{100 * r['accuracy_vs_sps']:+.1f} ({100 * lo:+.1f}, {100 * hi:+.1f})"
+            )
+        t.add_row(*cells, style="bold green" if r["delta"] == chosen["delta"] else "")
     console.print(t)
     console.print(trade_off_chart(rows, doc["constraints"]["max_divergence"], max(10, (console.width - 34) // 2)))
     k = doc["k_sweep"]
@@ -216,11 +229,8 @@ def print_calibration(console: Console, doc: dict) -> None:
         )
     console.print(t2)
     overhead = doc.get("meter_overhead")
-    console.print(
-        Text(
-            f"chosen: delta = {chosen['delta']:g}, k = {chosen['num_draft_tokens']} ({chosen['reason']})", style="bold"
-        )
-    )
+    picked = "SpS (delta = 0)" if chosen["delta"] == 0 else f"delta = {chosen['delta']:g}"
+    console.print(Text(f"chosen: {picked}, k = {chosen['num_draft_tokens']} ({chosen['reason']})", style="bold"))
     if chosen.get("advice"):
         console.print(Text(chosen["advice"], style="yellow"))
     if overhead is not None:

@@ -56,7 +56,14 @@ def calibrate(
         Optional[float],
         typer.Option(
             "--max-accuracy-drop",
-            help="With --tasks: largest drop in accuracy (pass@1 for code tasks), in points, against delta = 0 over the same problems (paired).",
+            help="With --tasks: largest drop in accuracy (pass@1 for code tasks), in points, against delta = 0 (SpS) over the same problems (paired); a delta whose 95% interval excludes zero is refused too.",
+        ),
+    ] = None,
+    min_acceptance_gain: Annotated[
+        Optional[float],
+        typer.Option(
+            "--min-acceptance-gain",
+            help="Smallest gain worth a delta: accepted draft tokens per step over delta = 0's (SpS), e.g. 1.2. A delta that buys less is not taken.",
         ),
     ] = None,
     prompts_file: Annotated[
@@ -95,8 +102,10 @@ def calibrate(
     shared: o.Shared,
 ) -> None:
     """Choose delta and k for a model pair from measurements: sweep delta with the divergence
-    meter on, keep the largest delta within the divergence (or quality) budget, then time the k
-    values the cost model ranks best and keep the fastest."""
+    meter on, keep the largest delta within the divergence budget (and the quality, accuracy and
+    acceptance-gain bounds given; none met: SpS, delta = 0), then time the k values the cost model
+    ranks best and keep the fastest. With --tasks each delta's answers are graded (give --limit
+    and -n large enough for whole answers)."""
     with user_errors():
         from cactus_cli.app import calibrate as cal_mod
         from cactus_cli.app import grid as b
@@ -104,7 +113,9 @@ def calibrate(
         from cactus_cli.app.parsing import parse_list
         from cactus_cli.app.session import Session
 
-        settings, budget = _settings(shared, max_divergence, max_quality_drop)
+        settings, constraints = _settings(
+            shared, max_divergence, max_quality_drop, max_accuracy_drop, min_acceptance_gain, tasks_file is not None
+        )
         delta_list = parse_list(deltas, float, "--delta") if deltas else list(cal_mod.DEFAULT_DELTAS)
         k_list = parse_list(ks, int, "-k") if ks else list(cal_mod.DEFAULT_KS)
         cal_mod.validate(settings, delta_list, k_list)
@@ -128,20 +139,16 @@ def calibrate(
                 base,
                 delta_list,
                 k_list,
-                budget,
-                max_quality_drop,
+                constraints,
                 lambda label: advance(1, label),
                 grade,
-                max_accuracy_drop,
             )
         doc = cal_mod.document(
             cal,
             settings,
             prompts,
-            budget,
-            max_quality_drop,
+            constraints,
             report.environment(engine, settings.to_dict()),
-            max_accuracy_drop,
         )
         _report(doc, cal, settings, shared, target, plot, as_json, err)
 
@@ -164,8 +171,16 @@ def _prompts(
     return load_prompts(str(prompts_file) if prompts_file else None, limit), None
 
 
-def _settings(shared: o.Shared, max_divergence: float | None, max_quality_drop: float | None):
-    """The run's settings (seed 0 and 64 tokens per prompt unless given) and the divergence budget."""
+def _settings(
+    shared: o.Shared,
+    max_divergence: float | None,
+    max_quality_drop: float | None,
+    max_accuracy_drop: float | None,
+    min_acceptance_gain: float | None,
+    graded: bool,
+):
+    """The run's settings (seed 0 unless given; 64 tokens per prompt unless given, or with --tasks
+    the profile's cap: an answer cut short fails its grade) and the constraints on delta."""
     from cactus_cli.app import calibrate as cal_mod
     from cactus_cli.app.profiles import resolve_settings
 
@@ -178,11 +193,16 @@ def _settings(shared: o.Shared, max_divergence: float | None, max_quality_drop: 
     for flag, value in (("--max-divergence", budget), ("--max-quality-drop", max_quality_drop)):
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"{flag} must be a finite number >= 0, got {value!r}")
+    if min_acceptance_gain is not None and not (math.isfinite(min_acceptance_gain) and min_acceptance_gain > 0):
+        raise ConfigError(
+            f"--min-acceptance-gain must be a finite number > 0 (1.2: 20% more), got {min_acceptance_gain!r}"
+        )
     if settings.seed is None:
         settings = replace(settings, seed=0)
-    if shared.flags.get("max_tokens", ...) is ...:
+    if shared.flags.get("max_tokens", ...) is ... and not graded:
         settings = replace(settings, max_tokens=64)  # enough tokens per prompt to measure, short enough to sweep
-    return settings, budget
+    constraints = cal_mod.Constraints(budget, max_quality_drop, max_accuracy_drop, min_acceptance_gain)
+    return settings, constraints
 
 
 def _check_outputs(save: str | None, plot: Path | None) -> tuple[Path | None, Path | None]:

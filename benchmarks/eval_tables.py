@@ -1,0 +1,206 @@
+"""The docs' HumanEval tables, rebuilt from `cactus eval --out DIR` folders (their progress.jsonl),
+finished or not: one row per configuration over the problems every folder has finished.
+
+    python benchmarks/eval_tables.py /work/he/k10 /work/he/k10exact
+    python benchmarks/eval_tables.py he/k10 --json
+
+Each folder's first row must be the verifier alone; rows from several folders are put side by
+side only if their verifier-alone answers agree problem by problem (the same seeds give the same
+text), so every paired difference is against the same baseline. Per row: pass@1, its paired
+difference from the verifier alone (95% percentile bootstrap over problems, as `cactus eval`),
+problems won and lost, MAL, accepted draft tokens per drafting step and its ratio to the SpS row
+at the same k (with a bootstrap interval over problems), the realized KL per token (mean, max)
+and the largest per-draft budget KL(h^(n) || q) against the rule's bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import sys
+from pathlib import Path
+
+from cactus_cli.app.checkpoint import FILE
+from cactus_cli.app.tasks import paired_difference, wilson
+from cactus_cli.core.stats import SpecStats
+
+RESAMPLES = 10_000
+
+
+def read(folder: Path) -> dict[str, dict[str, dict]]:
+    """problem -> label -> {"stats": SpecStats, "passed": [bool], "texts": [str]} (samples merged)."""
+    lines = (folder / FILE).read_text(encoding="utf-8").splitlines()[1:]
+    out: dict[str, dict[str, dict]] = {}
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+        per = out.setdefault(row["problem"], {})
+        for g in row["generated"]:
+            cell = per.setdefault(g["label"], {"stats": SpecStats(), "passed": [], "texts": []})
+            cell["stats"].merge(SpecStats(**g["stats"]))
+            cell["passed"].append(bool(g["verdict"] and g["verdict"][0]))
+            cell["texts"].append(g["text"])
+    return out
+
+
+def budget_bound(label: str) -> float | None:
+    """The per-draft budget's largest value: delta for exact-KL Cactus; for the paper's closed form
+    h = q + sqrt(2 delta q (1 - q)) clipped at 1, the largest KL(h || q) over q, which is log(1 + 2 delta)
+    (at q = 1 / (1 + 2 delta), where h reaches 1)."""
+    m = re.search(r"δ=([0-9.]+)", label)
+    if not m:
+        return None
+    delta = float(m.group(1))
+    return delta if label.startswith("cactus-exact") else math.log1p(2 * delta)
+
+
+def merge(folders: list[Path]) -> tuple[list[str], list[str], dict[str, dict[str, dict]]]:
+    runs = [read(f) for f in folders]
+    problems = sorted(set.intersection(*(set(r) for r in runs)), key=_order)
+    labels: list[str] = []
+    merged: dict[str, dict[str, dict]] = {p: {} for p in problems}
+    alone = None
+    for folder, run in zip(folders, runs):
+        first = next(iter(run[problems[0]])) if problems else None
+        if alone is None:
+            alone = first
+        elif first != alone:
+            sys.exit(f"{folder}: its first row is {first!r}, not {alone!r}")
+        for p in problems:
+            if p in merged and alone in merged[p] and merged[p][alone]["texts"] != run[p][alone]["texts"]:
+                sys.exit(f"{folder}: the verifier alone answered {p} otherwise than in {folders[0]}: not one baseline")
+            for label, cell in run[p].items():
+                merged[p].setdefault(label, cell)
+                if label not in labels:
+                    labels.append(label)
+    return problems, labels, merged
+
+
+def _order(problem: str) -> tuple:
+    head, _, n = problem.rpartition("/")
+    return (head, int(n)) if n.isdigit() else (problem, 0)
+
+
+def ratio_interval(num: dict[str, SpecStats], den: dict[str, SpecStats], keys: list[str]) -> tuple[float, float, float]:
+    """Accepted tokens per drafting step of one row over another's, and its 95% bootstrap interval
+    over problems (each problem's accepted tokens and drafting steps resampled together)."""
+
+    def per_step(stats: dict[str, SpecStats], pick: list[str]) -> float:
+        acc = sum(stats[k].num_accepted_tokens for k in pick)
+        steps = sum(stats[k].num_drafts for k in pick)
+        return acc / steps if steps else math.nan
+
+    point = per_step(num, keys) / per_step(den, keys)
+    rng = random.Random(0)
+    n = len(keys)
+    boots = []
+    for _ in range(RESAMPLES):
+        pick = [keys[rng.randrange(n)] for _ in range(n)]
+        boots.append(per_step(num, pick) / per_step(den, pick))
+    boots.sort()
+    return point, boots[int(0.025 * RESAMPLES)], boots[int(0.975 * RESAMPLES) - 1]
+
+
+def rows(problems: list[str], labels: list[str], merged: dict[str, dict[str, dict]]) -> list[dict]:
+    alone = labels[0]
+    rates = {
+        lab: {p: sum(merged[p][lab]["passed"]) / len(merged[p][lab]["passed"]) for p in problems} for lab in labels
+    }
+    stats = {lab: {p: merged[p][lab]["stats"] for p in problems} for lab in labels}
+    out = []
+    for lab in labels:
+        total = SpecStats()
+        for p in problems:
+            total.merge(stats[lab][p])
+        graded = sum(len(merged[p][lab]["passed"]) for p in problems)
+        correct = sum(sum(merged[p][lab]["passed"]) for p in problems)
+        lo, hi = wilson(correct, graded)
+        row = {
+            "config": lab,
+            "problems": len(problems),
+            "samples": graded // max(len(problems), 1),
+            "pass_at_1": correct / graded if graded else math.nan,
+            "pass_ci95": [lo, hi],
+            "mal": total.mean_acceptance_length,
+            "accepted_per_step": total.mean_accepted_tokens_per_step,
+            "per_token_acceptance": total.per_token_acceptance,
+            "mean_k": total.mean_k,
+            "tokens_per_answer": total.num_output_tokens / graded if graded else math.nan,
+            "realized_kl_mean": sum(total.realized_kl) / len(total.realized_kl) if total.realized_kl else None,
+            "realized_kl_max": max(total.realized_kl) if total.realized_kl else None,
+            "budget_max": max(total.draft_budget) if total.draft_budget else None,
+            "budget_bound": budget_bound(lab),
+        }
+        if lab != alone:
+            d, dlo, dhi, _ = paired_difference(rates[lab], rates[alone])
+            row["vs_alone"] = [d, dlo, dhi]
+            row["won"] = sum(rates[lab][p] > rates[alone][p] for p in problems)
+            row["lost"] = sum(rates[lab][p] < rates[alone][p] for p in problems)
+            k = lab.rsplit(" k=", 1)[-1] if " k=" in lab else None
+            sps = next((x for x in labels if x == f"sps k={k}"), None)
+            if sps and sps != lab and total.num_drafts:
+                row["accepted_vs_sps"] = list(ratio_interval(stats[lab], stats[sps], problems))
+        out.append(row)
+    return out
+
+
+def markdown(table: list[dict]) -> str:
+    def f(x, spec="{:.2f}"):
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else spec.format(x)
+
+    head = (
+        "| row | pass@1 % [95% CI] | vs verifier alone, paired [95% CI] | won / lost | MAL | accepted / step "
+        "| vs SpS's, per step [95% CI] | realized KL / token: mean, max | budget max (bound) |"
+    )
+    lines = [head, "|" + "---|" * 9]
+    for r in table:
+        ci, vs, ratio = r["pass_ci95"], r.get("vs_alone"), r.get("accepted_vs_sps")
+        kl = "-" if r["realized_kl_mean"] is None else f"{r['realized_kl_mean']:.4f}, {r['realized_kl_max']:.3f}"
+        budget = "-" if r["budget_max"] is None else f"{r['budget_max']:.3f} ({f(r['budget_bound'], '{:.3f}')})"
+        cells = [
+            r["config"],
+            f"{100 * ci[0]:.1f}, {100 * ci[1]:.1f}",
+            "-" if vs is None else f"{100 * vs[0]:+.1f} [{100 * vs[1]:+.1f}, {100 * vs[2]:+.1f}]",
+            "-" if vs is None else f"{r['won']} / {r['lost']}",
+            f(r["mal"]),
+            f(r["accepted_per_step"]),
+            "-" if ratio is None else f"{ratio[0]:.3f}x [{ratio[1]:.3f}, {ratio[2]:.3f}]",
+            kl,
+            budget,
+        ]
+        cells[1] = f"{100 * r['pass_at_1']:.1f} [{cells[1]}]"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "folders",
+        nargs="+",
+        type=Path,
+        help="cactus eval --out folders (the first one's verifier alone is the baseline)",
+    )
+    ap.add_argument("--json", action="store_true", help="one JSON document instead of the markdown table")
+    args = ap.parse_args()
+    for folder in args.folders:
+        if not (folder / FILE).is_file():
+            sys.exit(f"{folder}: no {FILE} (give a cactus eval --out folder)")
+    problems, labels, merged = merge(args.folders)
+    if not problems:
+        sys.exit("no problem is finished in every folder")
+    table = rows(problems, labels, merged)
+    if args.json:
+        print(json.dumps({"problems": len(problems), "rows": table}, indent=2))
+    else:
+        print(f"{len(problems)} problems finished in every folder\n")
+        print(markdown(table))
+
+
+if __name__ == "__main__":
+    main()
