@@ -195,3 +195,27 @@ def test_a_signal_to_the_whole_group_stays_in_the_check():
         assert not got
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_finished_check_never_sweeps_the_namespace_of_the_next(monkeypatch):
+    """A check's last sweep kills what is left in its PID namespace by the namespace's name, an
+    inode number the kernel hands to the next namespace made once the first one is gone. Checks run
+    side by side, so one check's sweep killed another's fresh namespace (a canonical HumanEval
+    solution 'failed', about once in 500 checks). Here the next check starts in that very window:
+    the first check's namespace must still be held, so the second one gets another name and passes."""
+    import threading
+
+    real_kill, second = sandbox._kill, []
+
+    def kill_after_the_next_check_starts(launcher, ns):
+        if not second:
+            worker = threading.Thread(target=lambda: second.append(sandbox.run_check("import time; time.sleep(2)\n")))
+            second.append(worker)
+            worker.start()
+            time.sleep(1.0)  # the second check's namespaces exist by now
+        real_kill(launcher, ns)
+
+    monkeypatch.setattr(sandbox, "_kill", kill_after_the_next_check_starts)
+    first = sandbox.run_check("import time; time.sleep(0.3)\n")  # long enough for its namespace to be seen
+    second[0].join()
+    assert first.passed and second[1].passed, (first, second[1])

@@ -227,8 +227,11 @@ def _processes(launcher: int, pgid: int, ns: str | None) -> list[int]:
     return found
 
 
-def _namespace_of(launcher: int) -> str | None:
-    """The PID namespace the launcher made for the check (its child's), once it exists."""
+def _hold_namespace(launcher: int) -> tuple[int, str] | None:
+    """The PID namespace the launcher made for the check (its child's), once it exists, held
+    open: (a descriptor, its name). While the descriptor is open the namespace cannot be freed,
+    so its name (an inode number) cannot pass to another check's namespace, whose processes a
+    sweep by that name would then kill (checks run side by side: it happened)."""
     mine = _ns("self")
     try:
         with open(f"/proc/{launcher}/task/{launcher}/children") as f:
@@ -236,9 +239,14 @@ def _namespace_of(launcher: int) -> str | None:
     except OSError:
         return None
     for child in children:
-        ns = _ns(child)
-        if ns is not None and ns != mine:
-            return ns
+        try:
+            fd = os.open(f"/proc/{child}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        ns = f"pid:[{os.fstat(fd).st_ino}]"  # (the name readlink gives, read from what is held)
+        if ns != mine:
+            return fd, ns
+        os.close(fd)
     return None
 
 
@@ -302,18 +310,19 @@ def _launch(work: Path, token_fd: int, result_fd: int, isolate: bool, timeout: f
     return env, boot
 
 
-def _watch(proc: subprocess.Popen, t0: float, timeout: float, isolate: bool) -> tuple[str | None, str | None]:
-    """Wait for a check; stop at its timeout or its process limit. Returns (why it was
-    stopped or None, its PID namespace)."""
-    ns = None
+def _watch(proc: subprocess.Popen, t0: float, timeout: float, isolate: bool, held: list[tuple[int, str]]) -> str | None:
+    """Wait for a check; stop at its timeout or its process limit. Returns why it was stopped
+    or None; its PID namespace, once seen, is appended to ``held`` (the caller closes it)."""
     while proc.poll() is None:
-        ns = ns or (_namespace_of(proc.pid) if isolate else None)
+        if isolate and not held and (ns := _hold_namespace(proc.pid)) is not None:
+            held.append(ns)
+        name = held[0][1] if held else None
         if time.monotonic() - t0 > timeout:
-            return "timeout", ns
-        if len(_processes(proc.pid, proc.pid, ns)) + (ns is not None) >= MAX_PROCESSES:  # (+ the launcher)
-            return "too many processes", ns
+            return "timeout"
+        if len(_processes(proc.pid, proc.pid, name)) + (name is not None) >= MAX_PROCESSES:  # (+ the launcher)
+            return "too many processes"
         time.sleep(0.05)
-    return None, ns
+    return None
 
 
 def run_check(program: str, timeout: float | None = None, isolate: bool = True) -> Outcome:
@@ -326,6 +335,7 @@ def run_check(program: str, timeout: float | None = None, isolate: bool = True) 
     token_read, token_write = os.pipe()
     result_read, result_write = os.pipe()
     cgroup = _Cgroup() if isolate else None
+    held: list[tuple[int, str]] = []  # the check's PID namespace, held open until it is swept
     t0 = time.monotonic()
     try:
         (work / "check.py").write_text(program, encoding="utf-8")
@@ -354,8 +364,8 @@ def run_check(program: str, timeout: float | None = None, isolate: bool = True) 
         kept = bytearray()
         reader = threading.Thread(target=_drain, args=(proc.stdout, kept), daemon=True)
         reader.start()
-        status, ns = _watch(proc, t0, timeout, isolate)
-        _kill(proc.pid, ns)
+        status = _watch(proc, t0, timeout, isolate, held)
+        _kill(proc.pid, held[0][1] if held else None)
         proc.wait()
         reader.join(timeout=2)
         ran_to_end = _read_all(result_read) == token
@@ -367,7 +377,7 @@ def run_check(program: str, timeout: float | None = None, isolate: bool = True) 
             )
         return Outcome(status == "passed", status, kept.decode("utf-8", "replace"), time.monotonic() - t0)
     finally:
-        for fd in (token_read, token_write, result_read, result_write):
+        for fd in (token_read, token_write, result_read, result_write, *(fd for fd, _ in held)):
             if fd >= 0:
                 try:
                     os.close(fd)
