@@ -81,6 +81,24 @@ def merge(folders: list[Path]) -> tuple[list[str], list[str], dict[str, dict[str
     return problems, labels, merged
 
 
+def regrade(merged: dict[str, dict[str, dict]]) -> list[tuple[str, str, bool, bool]]:
+    """Run every HumanEval completion's check again with the sandbox as it is now; the verdicts
+    are replaced, and each one that changed is returned (problem, row, before, after)."""
+    from cactus_cli.app.sandbox import run_checks
+    from cactus_cli.app.tasks import humaneval_tasks
+
+    tasks = {t.id: t for t in humaneval_tasks()}
+    cells = [(p, lab, i) for p, per in merged.items() for lab, cell in per.items() for i in range(len(cell["texts"]))]
+    outcomes = run_checks([tasks[p].program(merged[p][lab]["texts"][i]) for p, lab, i in cells])
+    changed = []
+    for (p, lab, i), o in zip(cells, outcomes):
+        before = merged[p][lab]["passed"][i]
+        if before != o.passed:
+            changed.append((p, lab, before, o.passed))
+        merged[p][lab]["passed"][i] = o.passed
+    return changed
+
+
 def _order(problem: str) -> tuple:
     head, _, n = problem.rpartition("/")
     return (head, int(n)) if n.isdigit() else (problem, 0)
@@ -187,6 +205,11 @@ def main() -> None:
         help="cactus eval --out folders (the first one's verifier alone is the baseline)",
     )
     ap.add_argument("--json", action="store_true", help="one JSON document instead of the markdown table")
+    ap.add_argument(
+        "--regrade",
+        action="store_true",
+        help="run every HumanEval check again (isolated) and say which verdicts change",
+    )
     args = ap.parse_args()
     for folder in args.folders:
         if not (folder / FILE).is_file():
@@ -194,6 +217,9 @@ def main() -> None:
     problems, labels, merged = merge(args.folders)
     if not problems:
         sys.exit("no problem is finished in every folder")
+    changed = regrade(merged) if args.regrade else []
+    if args.regrade:
+        print(f"regraded: {len(changed)} verdicts changed {changed}", file=sys.stderr)
     table = rows(problems, labels, merged)
     if args.json:
         print(json.dumps({"problems": len(problems), "rows": table}, indent=2))
