@@ -71,7 +71,7 @@ def test_multi_turn_and_every_slash_command(tiny, tmp_path):
     assert "k = 2 (from the next turn)" in out and "temperature=0" in out
     assert "num_accepted_tokens" in out and "prefill_tokens_saved" in out  # /stats
     assert "conversation cleared" in out
-    assert "profile default: rule=cactus" in out  # models are kept: flags override the profile's
+    assert "profile default: rule=sps" in out  # models are kept: flags override the profile's
     assert "unknown command /nonsense" in out
     doc = json.loads(js.read_text())
     assert [t["user"] for t in doc["turns"]] == ["the cat sat", "the dog ran"]

@@ -168,7 +168,10 @@ def test_user_profile_by_name(tiny, isolated_home):
         (["-k", "0"], "--num-draft-tokens must be an integer in 1..64"),
         (["--rule", "magic"], "--rule must be one of sps, cactus"),
         (["--rule", "sps", "--delta", "0.5"], "--delta has no effect with rule 'sps'"),
-        (["--param", "topk=3"], "--param topk has no effect with rule 'cactus' (it takes: delta); use --rule topk"),
+        (
+            ["--param", "topk=3"],
+            "--param topk has no effect with rule 'sps' (it takes: no parameters); use --rule topk",
+        ),
         (["--param", "nonsense"], "expected KEY=VALUE"),
         (["--rule", "interp", "--param", "alpha=2"], "parameter 'alpha' must be a number in [0, 1]"),
         (["--top-p", "0"], "--top-p must be a number in (0, 1]"),

@@ -171,6 +171,8 @@ def print_calibration(console: Console, doc: dict) -> None:
     """The delta sweep, a terminal trade-off chart, the k sweep and the choice."""
     from rich.table import Table
 
+    if not console.is_terminal:  # (a file or a pipe: whole numbers, not a column cut to 80)
+        console.width = max(console.width, 132)
     rows = doc["delta_sweep"]["rows"]
     chosen = doc["chosen"]
     graded = any("accuracy" in r for r in rows)  # --tasks
@@ -178,7 +180,7 @@ def print_calibration(console: Console, doc: dict) -> None:
     for col in ("delta", "a", "AL", "AL vs SpS", "KL(h‖q) mean", "KL p90", "TV mean", "loglik vs SpS") + (
         ("accuracy", "vs SpS (95%)") if graded else ()
     ):
-        t.add_column(col, justify="right", no_wrap=col.startswith("vs"))
+        t.add_column(col, justify="right", no_wrap=True)
 
     def f(v, fmt):
         return "-" if v is None else fmt.format(v)

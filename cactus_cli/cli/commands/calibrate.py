@@ -183,8 +183,11 @@ def _settings(
     the profile's cap: an answer cut short fails its grade) and the constraints on delta."""
     from cactus_cli.app import calibrate as cal_mod
     from cactus_cli.app.profiles import resolve_settings
+    from cactus_cli.core.acceptance import RULES
 
     settings = resolve_settings(shared.profile, shared.flags)
+    if shared.flags.get("rule", ...) is ... and "delta" not in RULES[settings.rule].param_names():
+        settings = replace(settings, rule="cactus")  # a profile of SpS (the default): sweep Cactus's delta from 0
     if settings.draft is None:
         raise ConfigError("calibrate needs a --draft model")
     if settings.temperature == 0:
