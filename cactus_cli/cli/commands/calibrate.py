@@ -104,8 +104,9 @@ def calibrate(
     """Choose delta and k for a model pair from measurements: sweep delta with the divergence
     meter on, keep the largest delta within the divergence budget (and the quality, accuracy and
     acceptance-gain bounds given; none met: SpS, delta = 0), then time the k values the cost model
-    ranks best and keep the fastest. With --tasks each delta's answers are graded (give --limit
-    and -n large enough for whole answers)."""
+    ranks best and keep the fastest. The rule is the profile's, or Cactus where the profile decodes
+    with SpS (the default: delta = 0 is SpS). With --tasks each delta's answers are graded (give
+    --limit and -n large enough for whole answers)."""
     with user_errors():
         from cactus_cli.app import calibrate as cal_mod
         from cactus_cli.app import grid as b
@@ -183,11 +184,10 @@ def _settings(
     the profile's cap: an answer cut short fails its grade) and the constraints on delta."""
     from cactus_cli.app import calibrate as cal_mod
     from cactus_cli.app.profiles import resolve_settings
-    from cactus_cli.core.acceptance import RULES
 
     settings = resolve_settings(shared.profile, shared.flags)
-    if shared.flags.get("rule", ...) is ... and "delta" not in RULES[settings.rule].param_names():
-        settings = replace(settings, rule="cactus")  # a profile of SpS (the default): sweep Cactus's delta from 0
+    if shared.flags.get("rule", ...) is ... and settings.rule == "sps":
+        settings = replace(settings, rule="cactus")  # a profile of SpS (the default): Cactus's delta, from 0 (SpS)
     if settings.draft is None:
         raise ConfigError("calibrate needs a --draft model")
     if settings.temperature == 0:
