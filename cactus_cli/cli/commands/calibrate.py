@@ -184,9 +184,10 @@ def _settings(
     the profile's cap: an answer cut short fails its grade) and the constraints on delta."""
     from cactus_cli.app import calibrate as cal_mod
     from cactus_cli.app.profiles import resolve_settings
+    from cactus_cli.core.acceptance import RULES
 
     settings = resolve_settings(shared.profile, shared.flags)
-    if shared.flags.get("rule", ...) is ... and settings.rule == "sps":
+    if shared.flags.get("rule", ...) is ... and RULES[settings.rule].lossless:
         settings = replace(settings, rule="cactus")  # a profile of SpS (the default): Cactus's delta, from 0 (SpS)
     if settings.draft is None:
         raise ConfigError("calibrate needs a --draft model")
