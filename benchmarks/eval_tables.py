@@ -19,48 +19,59 @@ import argparse
 import json
 import math
 import random
-import re
 import sys
 from pathlib import Path
 
-from cactus_cli.app.checkpoint import FILE
+from cactus_cli.app.checkpoint import FILE, records
 from cactus_cli.app.tasks import paired_difference, wilson
+from cactus_cli.core.acceptance import RULES, resolve_params
+from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.stats import SpecStats
 
 RESAMPLES = 10_000
 
 
-def read(folder: Path) -> dict[str, dict[str, dict]]:
-    """problem -> label -> {"stats": SpecStats, "passed": [bool], "texts": [str]} (samples merged)."""
-    lines = (folder / FILE).read_text(encoding="utf-8").splitlines()[1:]
+def read(folder: Path) -> tuple[dict[str, dict[str, dict]], dict[str, float | None]]:
+    """problem -> label -> {"stats": SpecStats, "passed": [bool], "texts": [str]} (samples merged),
+    and each row's budget bound."""
+    try:
+        head, done, _ = records(folder / FILE)  # (a last line cut short by a kill: left out)
+    except ConfigError as e:
+        sys.exit(str(e))
     out: dict[str, dict[str, dict]] = {}
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a kill
-            continue
-        per = out.setdefault(row["problem"], {})
-        for g in row["generated"]:
-            cell = per.setdefault(g["label"], {"stats": SpecStats(), "passed": [], "texts": []})
-            cell["stats"].merge(SpecStats(**g["stats"]))
-            cell["passed"].append(bool(g["verdict"] and g["verdict"][0]))
-            cell["texts"].append(g["text"])
-    return out
+    for problem, generated in done.items():
+        per = out.setdefault(problem, {})
+        for g in generated:
+            cell = per.setdefault(g.label, {"stats": SpecStats(), "passed": [], "texts": []})
+            cell["stats"].merge(g.stats)
+            cell["passed"].append(bool(g.verdict and g.verdict[0]))
+            cell["texts"].append(g.text)
+    return out, budget_bounds(folder, head)
 
 
-def budget_bound(label: str) -> float | None:
-    """The per-draft budget's largest value: delta for exact-KL Cactus; for the paper's closed form
-    h = q + sqrt(2 delta q (1 - q)) clipped at 1, the largest KL(h || q) over q, which is log(1 + 2 delta)
-    (at q = 1 / (1 + 2 delta), where h reaches 1)."""
-    m = re.search(r"δ=([0-9.]+)", label)
-    if not m:
-        return None
-    delta = float(m.group(1))
-    return delta if label.startswith("cactus-exact") else math.log1p(2 * delta)
+def budget_bounds(folder: Path, head: dict) -> dict[str, float | None]:
+    """Each row's largest per-draft budget KL(h^(n) || q), from its rule and parameters (the rule's
+    own ``budget_bound``: delta for exact-KL Cactus, log(1 + 2 delta) for the closed form). The
+    progress file's first line names them; a run started before it did has them in its eval.json
+    (written when the run ends or is stopped)."""
+    rows = head.get("rows")
+    if not rows and (folder / "eval.json").is_file():
+        rows = {r["config"]: r for r in json.loads((folder / "eval.json").read_text(encoding="utf-8"))["results"]}
+    if not rows:
+        print(f"{folder}: no row names its rule yet (no eval.json): budget bounds left out", file=sys.stderr)
+        return {}
+    return {
+        label: RULES[r["rule"]].budget_bound(resolve_params(r["rule"], r.get("rule_params")))
+        if r.get("rule") in RULES
+        else None
+        for label, r in rows.items()
+    }
 
 
-def merge(folders: list[Path]) -> tuple[list[str], list[str], dict[str, dict[str, dict]]]:
-    runs = [read(f) for f in folders]
+def merge(folders: list[Path]) -> tuple[list[str], list[str], dict[str, dict[str, dict]], dict[str, float | None]]:
+    read_back = [read(f) for f in folders]
+    runs = [run for run, _ in read_back]
+    bounds = {label: b for _, each in read_back for label, b in each.items()}
     problems = sorted(set.intersection(*(set(r) for r in runs)), key=_order)
     labels: list[str] = []
     merged: dict[str, dict[str, dict]] = {p: {} for p in problems}
@@ -78,7 +89,7 @@ def merge(folders: list[Path]) -> tuple[list[str], list[str], dict[str, dict[str
                 merged[p].setdefault(label, cell)
                 if label not in labels:
                     labels.append(label)
-    return problems, labels, merged
+    return problems, labels, merged, bounds
 
 
 def regrade(merged: dict[str, dict[str, dict]]) -> list[tuple[str, str, bool, bool]]:
@@ -124,7 +135,9 @@ def ratio_interval(num: dict[str, SpecStats], den: dict[str, SpecStats], keys: l
     return point, boots[int(0.025 * RESAMPLES)], boots[int(0.975 * RESAMPLES) - 1]
 
 
-def rows(problems: list[str], labels: list[str], merged: dict[str, dict[str, dict]]) -> list[dict]:
+def rows(
+    problems: list[str], labels: list[str], merged: dict[str, dict[str, dict]], bounds: dict[str, float | None]
+) -> list[dict]:
     alone = labels[0]
     rates = {
         lab: {p: sum(merged[p][lab]["passed"]) / len(merged[p][lab]["passed"]) for p in problems} for lab in labels
@@ -152,7 +165,7 @@ def rows(problems: list[str], labels: list[str], merged: dict[str, dict[str, dic
             "realized_kl_mean": sum(total.realized_kl) / len(total.realized_kl) if total.realized_kl else None,
             "realized_kl_max": max(total.realized_kl) if total.realized_kl else None,
             "budget_max": max(total.draft_budget) if total.draft_budget else None,
-            "budget_bound": budget_bound(lab),
+            "budget_bound": bounds.get(lab),
         }
         if lab != alone:
             d, dlo, dhi, _ = paired_difference(rates[lab], rates[alone])
@@ -214,13 +227,13 @@ def main() -> None:
     for folder in args.folders:
         if not (folder / FILE).is_file():
             sys.exit(f"{folder}: no {FILE} (give a cactus eval --out folder)")
-    problems, labels, merged = merge(args.folders)
+    problems, labels, merged, bounds = merge(args.folders)
     if not problems:
         sys.exit("no problem is finished in every folder")
     changed = regrade(merged) if args.regrade else []
     if args.regrade:
         print(f"regraded: {len(changed)} verdicts changed {changed}", file=sys.stderr)
-    table = rows(problems, labels, merged)
+    table = rows(problems, labels, merged, bounds)
     if args.json:
         print(json.dumps({"problems": len(problems), "rows": table}, indent=2))
     else:

@@ -487,11 +487,19 @@ def test_the_per_draft_budget_holds_where_the_emitted_mixture_may_exceed_it():
     def bern(g: float, q: float) -> float:
         return sum(a * math.log(a / b) for a, b in ((g, q), (1 - g, 1 - q)) if a > 0)
 
-    closed_max = max(bern(min(1.0, q + math.sqrt(q * (1 - q))), q) for q in (i / 4000 for i in range(1, 4000)))
-    assert abs(closed_max - math.log(2)) < 1e-3  # delta 0.5: at q = 1/2, g = 1
+    for delta in (0.25, 0.5, 1.0, 3.0):  # the rule's stated bound is the closed form's maximum over q
+        grid = (i / 20000 for i in range(1, 20000))
+        closed_max = max(bern(min(1.0, q + math.sqrt(2 * delta * q * (1 - q))), q) for q in grid)
+        stated = RULES["cactus"].budget_bound({"delta": delta})
+        assert closed_max <= stated + 1e-12 and stated - closed_max < 1e-3, (delta, closed_max, stated)
+    assert abs(RULES["cactus"].budget_bound({"delta": 0.5}) - math.log(2)) < 1e-12  # at q = 1/2, g = 1
+    assert RULES["cactus-exact"].budget_bound(resolve_params("cactus-exact", {"delta": 0.5})) == 0.5
+    assert RULES["cactus-exact"].budget_bound(resolve_params("cactus-exact", {"divergence": "tv"})) is None
+    assert RULES["tas"].budget_bound(resolve_params("tas")) is None
     p, q, _ = random_dists(200, 4, 40, seed=31)
     drafts = torch.multinomial(p.reshape(-1, 40), 1, generator=torch.Generator().manual_seed(2)).view(200, 4)
-    for rule, bound in (("cactus-exact", 0.5), ("cactus", closed_max), ("sps", 0.0)):
+    for rule in ("cactus-exact", "cactus", "sps"):
+        bound = RULES[rule].budget_bound(resolve_params(rule, {} if rule == "sps" else {"delta": 0.5}))
         worst = 0.0
         for b in range(200):
             qs = torch.cat([q[b], q[b, -1:]])  # [k+1, V] (the bonus row: not metered)

@@ -247,6 +247,12 @@ def test_an_interrupted_eval_goes_on_with_resume_and_refuses_another_run(tiny, t
     r = cli.invoke(app, eval_args(tiny, tasks, "--out", str(out)))
     assert r.exit_code == 130
     assert len((out / "progress.jsonl").read_text().splitlines()) == 1 + 2  # the run's name, two problems kept
+    from cactus_cli.app.checkpoint import records
+
+    assert records(out / "progress.jsonl")[0]["rows"] == {  # what each row is, for eval_tables.py
+        "verifier alone": {"rule": None, "rule_params": {}},
+        "sps k=2": {"rule": "sps", "rule_params": {}},
+    }
     r = cli.invoke(app, [a for a in eval_args(tiny, tasks, "--out", str(out), "--resume") if a != "--json"])
     assert r.exit_code == 130 and "2 of 3 problems" in r.stdout  # the table says what it covers
     r = cli.invoke(app, eval_args(tiny, tasks, "--out", str(out)))
@@ -259,6 +265,32 @@ def test_an_interrupted_eval_goes_on_with_resume_and_refuses_another_run(tiny, t
     assert set(calls) == {2} or set(calls) == {0, 2}  # only the problem left (and the warm-up's first prompt)
     rows = json.loads(r.stdout)["results"]
     assert [a["id"] for a in rows[0]["answers"]] == ["c0", "c1", "c2"] and rows[0]["graded"] == 3
+
+
+def test_a_progress_line_cut_by_a_kill_is_done_again_and_any_other_bad_line_is_refused(tmp_path):
+    from cactus_cli.app.checkpoint import Checkpoint, records
+    from cactus_cli.app.grid import Generated
+    from cactus_cli.core.errors import ConfigError
+    from cactus_cli.core.stats import SpecStats
+
+    keep = Checkpoint(tmp_path, "run1", resume=False, rows={"verifier alone": {"rule": None, "rule_params": {}}})
+    keep.add("p0", [Generated("verifier alone", SpecStats(num_output_tokens=3), "a", (True, "passed"))])
+    keep.add("p1", [Generated("verifier alone", SpecStats(num_output_tokens=4), "b", (False, "failed"))])
+    whole = keep.path.read_text()
+    keep.path.write_text(whole + '{"problem": "p2", "generated": [{"lab')  # killed while writing p2
+    head, done, cut = records(keep.path)
+    assert (head["run"], list(done), cut) == ("run1", ["p0", "p1"], True)
+    assert head["rows"] == {"verifier alone": {"rule": None, "rule_params": {}}}
+    assert done["p1"][0].stats.num_output_tokens == 4 and done["p1"][0].verdict == (False, "failed")
+    again = Checkpoint(tmp_path, "run1", resume=True)
+    assert list(again.done) == ["p0", "p1"] and keep.path.read_text() == whole  # the cut line is gone
+    lines = whole.splitlines()
+    keep.path.write_text("\n".join([lines[0], "not json", lines[2]]) + "\n")
+    with pytest.raises(ConfigError, match=":2: not a progress record"):
+        records(keep.path)
+    keep.path.write_text("[1]\n")
+    with pytest.raises(ConfigError, match="not an eval progress file"):
+        Checkpoint(tmp_path, "run1", resume=True)
 
 
 def test_a_stopped_completion_loses_the_start_of_its_stop_string():

@@ -1,7 +1,7 @@
 """eval --out DIR keeps every finished problem, so a long eval can stop and go on: each problem's
 generations (configuration, stats, text, verdict) are appended to DIR/progress.jsonl as soon as
 they are graded, behind a first line naming the run (a digest of its settings, grid, samples and
-problems). ``--resume`` reads them back and the run does only the rest; a folder holding another
+problems) and each row's rule and parameters. ``--resume`` reads them back and the run does only the rest; a folder holding another
 run, or a run without --resume, is refused, so no finished work is overwritten or mixed."""
 
 from __future__ import annotations
@@ -29,8 +29,41 @@ def run_key(settings: dict[str, Any], labels: list[str], samples: int, problems:
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
 
 
+def records(path: Path) -> tuple[dict[str, Any], dict[str, list[Generated]], bool]:
+    """A progress file read back: its first line (the run's key, and each row's rule and parameters),
+    each finished problem's generations (every sample, in order), and whether its last line was cut
+    short by a kill (that problem is left out). Anything else that does not parse is refused."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        head = json.loads(lines[0])
+    except (json.JSONDecodeError, IndexError):
+        head = None
+    if not isinstance(head, dict):
+        raise ConfigError(f"{path}: not an eval progress file; give another --out folder")
+    done: dict[str, list[Generated]] = {}
+    for n, line in enumerate(lines[1:], start=2):
+        try:
+            row = json.loads(line)
+            done[row["problem"]] = [
+                Generated(
+                    g["label"],
+                    SpecStats(**g["stats"]),
+                    g["text"],
+                    tuple(g["verdict"]) if g["verdict"] is not None else None,
+                )
+                for g in row["generated"]
+            ]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            if n == len(lines):
+                return head, done, True
+            raise ConfigError(f"{path}:{n}: not a progress record; give another --out folder") from None
+    return head, done, False
+
+
 class Checkpoint:
-    def __init__(self, folder: Path, key: str, resume: bool):
+    def __init__(self, folder: Path, key: str, resume: bool, rows: dict[str, dict[str, Any]] | None = None):
+        """``rows``: each row's label -> its rule and parameters, written beside the key so the file
+        says what its rows are (benchmarks/eval_tables.py checks the rule's budget with them)."""
         self.path = folder / FILE
         self.key = key
         self.done: dict[str, list[Generated]] = {}
@@ -44,40 +77,18 @@ class Checkpoint:
         else:  # a fresh start (also --resume on a folder with nothing to resume)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "w", encoding="utf-8") as f:
-                f.write(json.dumps({"run": key}) + "\n")
+                f.write(json.dumps({"run": key, "rows": rows or {}}) + "\n")
 
     def _read(self) -> None:
-        lines = self.path.read_text(encoding="utf-8").splitlines()
-        try:
-            head = json.loads(lines[0])
-        except (json.JSONDecodeError, IndexError):
-            raise ConfigError(f"{self.path}: not an eval progress file; give another --out folder") from None
+        head, self.done, cut = records(self.path)
         if head.get("run") != self.key:
             raise ConfigError(
                 f"--resume: {self.path} is from a run with other settings, grid, samples or problems "
                 "(each must match); give another --out folder, or the same options as that run"
             )
-        for n, line in enumerate(lines[1:], start=2):
-            try:
-                row = json.loads(line)
-                gens = [
-                    Generated(
-                        g["label"],
-                        SpecStats(**g["stats"]),
-                        g["text"],
-                        tuple(g["verdict"]) if g["verdict"] is not None else None,
-                    )
-                    for g in row["generated"]
-                ]
-            except (ValueError, KeyError, TypeError, RecursionError):
-                if n == len(lines):  # a line cut short by a kill: that problem is simply done again
-                    self._truncate(lines[: n - 1])
-                    break
-                raise ConfigError(f"{self.path}:{n}: not a progress record; give another --out folder") from None
-            self.done[row["problem"]] = gens
-
-    def _truncate(self, lines: list[str]) -> None:
-        self.path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        if cut:  # a last line cut short by a kill: that problem is simply done again
+            lines = self.path.read_text(encoding="utf-8").splitlines()[:-1]
+            self.path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
 
     def add(self, problem: str, generated: list[Generated]) -> None:
         """One finished problem, on disk before the next starts."""

@@ -195,7 +195,8 @@ def _checkpoint(kind: str, settings, grid: list, prompts: list, flags: GridFlags
     from cactus_cli.app.checkpoint import Checkpoint, run_key
 
     key = run_key(settings.to_dict(), [c.label for c in grid], flags.samples, [p.id for p in prompts])
-    return Checkpoint(output.out_dir, key, flags.resume)
+    rows = {c.label: {"rule": c.rule, "rule_params": c.rule_kwargs} for c in grid}
+    return Checkpoint(output.out_dir, key, flags.resume, rows)
 
 
 def _on_problem(kind: str, keep, results: list, total: int, advance, err):

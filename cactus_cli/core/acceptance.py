@@ -27,6 +27,9 @@ All distributions are taken after the sampling transforms (temperature, top-k, t
 applied identically to both models. Every random draw comes from the ``generator``
 argument: ``torch.rand`` for the acceptance tests, then one uniform per sequence for the
 extra token (inverse CDF), in that order for every rule, so equal generator states give equal results.
+
+Long because every rule sits here whole (parameters, acceptance, residual, target, emitted
+distribution, budget bound), beside the shared verify and sampling code they all run through.
 """
 
 from __future__ import annotations
@@ -125,6 +128,11 @@ class Rule:
         """[B, V]: the unnormalized distribution a replacement is drawn from at the rejected
         position (p, q [B, V] there; n [B] the rejected token)."""
         raise NotImplementedError
+
+    def budget_bound(self, prm: dict) -> float | None:
+        """The largest KL(h^(n) || q) any draft's target can have, or None where the rule gives none
+        (the meter's per-draft budget is checked against it: benchmarks/eval_tables.py)."""
+        return None
 
     def target(self, prm: dict, p: torch.Tensor, q: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """[B, k, V]: the target h each drafted token is verified against."""
@@ -233,6 +241,9 @@ class SpS(ScaledRule):
     name, summary = "sps", "standard speculative sampling: h = q, lossless"
     lossless = True
 
+    def budget_bound(self, prm):
+        return 0.0
+
     def g(self, prm, q_n):
         return q_n
 
@@ -242,6 +253,9 @@ class Cactus(ScaledRule):
     summary = "Cactus, the paper's closed form h_n = q_n + sqrt(2 delta q_n (1 - q_n))"
     params = (_DELTA,)
 
+    def budget_bound(self, prm):  # not delta: KL(h || q) peaks where h reaches 1, at q_n = 1 / (1 + 2 delta)
+        return math.log1p(2 * prm["delta"])
+
     def g(self, prm, q_n):
         return cactus_target_prob(q_n, prm["delta"])
 
@@ -250,6 +264,9 @@ class CactusExact(ScaledRule):
     name = "cactus-exact"
     summary = "Cactus with the exact per-token budget D(h || q) = delta (kl, chi2, hellinger, tv)"
     params = (_DELTA, Param("divergence", "kl", lambda v: v in DIVERGENCES, "one of " + ", ".join(DIVERGENCES), str))
+
+    def budget_bound(self, prm):
+        return prm["delta"] if prm["divergence"] == "kl" else None  # (other divergences bound their own D)
 
     def g(self, prm, q_n):
         return cactus_target_prob(q_n, prm["delta"], prm["divergence"])
