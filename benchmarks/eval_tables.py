@@ -9,7 +9,8 @@ side only if their verifier-alone answers agree problem by problem (the same see
 text), so every paired difference is against the same baseline. Per row: pass@1, its paired
 difference from the verifier alone (95% percentile bootstrap over problems, as `cactus eval`),
 problems won and lost, MAL, accepted draft tokens per drafting step and its ratio to the SpS row
-at the same k (with a bootstrap interval over problems), the realized KL per token (mean, max)
+at the same k (with a bootstrap interval over problems), output tokens per verifier call and its
+ratio to SpS's (the same interval), the realized KL per token (mean, max)
 and the largest per-draft budget KL(h^(n) || q) against the rule's bound.
 """
 
@@ -115,22 +116,32 @@ def _order(problem: str) -> tuple:
     return (head, int(n)) if n.isdigit() else (problem, 0)
 
 
-def ratio_interval(num: dict[str, SpecStats], den: dict[str, SpecStats], keys: list[str]) -> tuple[float, float, float]:
-    """Accepted tokens per drafting step of one row over another's, and its 95% bootstrap interval
-    over problems (each problem's accepted tokens and drafting steps resampled together)."""
+def per_step(stats: dict[str, SpecStats], pick: list[str]) -> float:
+    """Accepted draft tokens per drafting step over the problems ``pick``."""
+    steps = sum(stats[k].num_drafts for k in pick)
+    return sum(stats[k].num_accepted_tokens for k in pick) / steps if steps else math.nan
 
-    def per_step(stats: dict[str, SpecStats], pick: list[str]) -> float:
-        acc = sum(stats[k].num_accepted_tokens for k in pick)
-        steps = sum(stats[k].num_drafts for k in pick)
-        return acc / steps if steps else math.nan
 
-    point = per_step(num, keys) / per_step(den, keys)
+def per_call(stats: dict[str, SpecStats], pick: list[str]) -> float:
+    """Output tokens per verifier forward pass (prefill included) over the problems ``pick``: what
+    sets the speed, and with -k auto the fair comparison, since the policy also decides which steps
+    draft at all (a rule accepting more drafts where SpS would not draft lowers its per-step mean)."""
+    calls = sum(stats[k].verifier_forward_passes for k in pick)
+    return sum(stats[k].num_output_tokens for k in pick) / calls if calls else math.nan
+
+
+def ratio_interval(
+    num: dict[str, SpecStats], den: dict[str, SpecStats], keys: list[str], measure=per_step
+) -> tuple[float, float, float]:
+    """``measure`` of one row over another's, and its 95% bootstrap interval over problems (each
+    problem's counts resampled together)."""
+    point = measure(num, keys) / measure(den, keys)
     rng = random.Random(0)
     n = len(keys)
     boots = []
     for _ in range(RESAMPLES):
         pick = [keys[rng.randrange(n)] for _ in range(n)]
-        boots.append(per_step(num, pick) / per_step(den, pick))
+        boots.append(measure(num, pick) / measure(den, pick))
     boots.sort()
     return point, boots[int(0.025 * RESAMPLES)], boots[int(0.975 * RESAMPLES) - 1]
 
@@ -159,6 +170,7 @@ def rows(
             "pass_ci95": [lo, hi],
             "mal": total.mean_acceptance_length,
             "accepted_per_step": total.mean_accepted_tokens_per_step,
+            "tokens_per_verifier_call": per_call(stats[lab], problems),
             "per_token_acceptance": total.per_token_acceptance,
             "mean_k": total.mean_k,
             "tokens_per_answer": total.num_output_tokens / graded if graded else math.nan,
@@ -176,6 +188,7 @@ def rows(
             sps = next((x for x in labels if x == f"sps k={k}"), None)
             if sps and sps != lab and total.num_drafts:
                 row["accepted_vs_sps"] = list(ratio_interval(stats[lab], stats[sps], problems))
+                row["tokens_per_call_vs_sps"] = list(ratio_interval(stats[lab], stats[sps], problems, per_call))
         out.append(row)
     return out
 
@@ -186,11 +199,17 @@ def markdown(table: list[dict]) -> str:
 
     head = (
         "| row | pass@1 % [95% CI] | vs verifier alone, paired [95% CI] | won / lost | MAL | accepted / step "
-        "| vs SpS's, per step [95% CI] | realized KL / token: mean, max | budget max (bound) |"
+        "| vs SpS's, per step [95% CI] | tokens / verifier call, vs SpS's [95% CI] "
+        "| realized KL / token: mean, max | budget max (bound) |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 10]
     for r in table:
-        ci, vs, ratio = r["pass_ci95"], r.get("vs_alone"), r.get("accepted_vs_sps")
+        ci, vs, ratio, calls = (
+            r["pass_ci95"],
+            r.get("vs_alone"),
+            r.get("accepted_vs_sps"),
+            r.get("tokens_per_call_vs_sps"),
+        )
         kl = "-" if r["realized_kl_mean"] is None else f"{r['realized_kl_mean']:.4f}, {r['realized_kl_max']:.3f}"
         budget = "-" if r["budget_max"] is None else f"{r['budget_max']:.3f} ({f(r['budget_bound'], '{:.3f}')})"
         cells = [
@@ -201,6 +220,8 @@ def markdown(table: list[dict]) -> str:
             f(r["mal"]),
             f(r["accepted_per_step"]),
             "-" if ratio is None else f"{ratio[0]:.3f}x [{ratio[1]:.3f}, {ratio[2]:.3f}]",
+            f(r["tokens_per_verifier_call"])
+            + ("" if calls is None else f", {calls[0]:.3f}x [{calls[1]:.3f}, {calls[2]:.3f}]"),
             kl,
             budget,
         ]
