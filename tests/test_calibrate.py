@@ -11,7 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from cactus_cli.app import calibrate as cal
-from cactus_cli.app.profiles import builtin_profile_dir
+from cactus_cli.app.profiles import builtin_profile_dir, load_profile
 from cactus_cli.cli.main import app
 from cactus_cli.core import fileio
 from tests.helpers import assert_one_line_error, calibrate_args, invoke
@@ -71,18 +71,21 @@ def test_tight_budget_keeps_sps_and_save_keeps_other_keys(tiny, tmp_path):
     target = tmp_path / "mine.yaml"
     target.write_text(
         f"description: my pair\nverifier: {tiny['verifier']}\ndraft: {tiny['draft_close']}\nmax_tokens: 7\n"
+        "rule: cactus-exact\ndivergence: chi2\n"
     )
     r = calibrate(tiny, "--max-divergence", "0", "--save", target)
     assert r.exit_code == 0, r.output
     data = yaml.safe_load(target.read_text())
     assert data["rule"] == "sps" and "delta" not in data  # delta = 0 is saved as what it is: SpS
+    assert "divergence" not in data and "rule_params" not in data  # (SpS takes none: refused at load)
+    assert load_profile(str(target))[0]["rule"] == "sps"
     assert data["max_tokens"] == 7 and data["description"] == "my pair"
     assert "chosen: SpS (delta = 0)" in r.output and "delta sweep" in r.output and "trade-off" in r.output
 
 
 def test_a_killed_save_leaves_the_old_profile_intact(tiny, tmp_path, monkeypatch):
     target = tmp_path / "keep.yaml"
-    old = f"verifier: {tiny['verifier']}\ndraft: {tiny['draft_close']}\ndelta: 0.3\n"
+    old = f"verifier: {tiny['verifier']}\ndraft: {tiny['draft_close']}\nrule: cactus\ndelta: 0.3\n"
     target.write_text(old)
 
     real_replace = os.replace

@@ -134,3 +134,17 @@ def test_a_profile_or_set_value_that_is_not_finite_is_refused():
     for text in ("delta: .nan\n", "top_p: .inf\n", "rule_params: {epsilon: .nan}\n"):
         with pytest.raises(ConfigError, match="finite number"):
             check_layer(parse_yaml(text, "p.yaml"), "p.yaml")
+
+
+def test_a_profile_that_names_no_rule_decodes_as_the_shipped_default(isolated_home, tmp_path):
+    """Issue 48 chose SpS for the default profile; the built-in default (a profile or a Session
+    without `rule`) is the same rule, and delta alone is refused rather than silently ignored."""
+    from cactus_cli.app.profiles import load_profile, resolve_settings
+
+    (tmp_path / "mine.yaml").write_text("verifier: embedded:qwen2.5-coder-1.5b\n")
+    default, _ = load_profile("default")
+    assert resolve_settings(str(tmp_path / "mine.yaml"), {}).rule == default["rule"] == "sps"
+    assert load_profile("cactus")[0]["rule"] == "cactus"
+    (tmp_path / "delta.yaml").write_text("verifier: embedded:qwen2.5-coder-1.5b\ndelta: 0.5\n")
+    with pytest.raises(ConfigError, match="delta"):
+        resolve_settings(str(tmp_path / "delta.yaml"), {})

@@ -29,7 +29,7 @@ from cactus_cli.app.profiles import (
     load_profile,
     user_profile_dir,
 )
-from cactus_cli.app.settings import Settings, check_each
+from cactus_cli.app.settings import Settings, check_each, rule_param_specs
 from cactus_cli.app.tasks import paired_difference
 from cactus_cli.core.acceptance import RULES
 from cactus_cli.core.errors import ConfigError
@@ -395,13 +395,16 @@ def save_profile(target: Path, base_profile: str | None, settings: Settings, doc
             data[key] = value
     if doc["chosen"]["delta"] == 0:  # delta = 0 is SpS: say so, rather than a rule that does nothing
         data["rule"] = "sps"
-        data.pop("delta", None)
-        params = {k: v for k, v in (data.pop("rule_params", None) or {}).items() if k != "delta"}
-        if params:
-            data["rule_params"] = params
     else:
         data["rule"] = doc["rule"]
         data["delta"] = float(doc["chosen"]["delta"])
+    takes = RULES[data["rule"]].param_names()  # the swept rule's other parameters under SpS: refused at load
+    for name in rule_param_specs():
+        if name not in takes:
+            data.pop(name, None)
+    params = {k: v for k, v in (data.pop("rule_params", None) or {}).items() if k in takes}
+    if params:
+        data["rule_params"] = params
     k = doc["chosen"]["num_draft_tokens"]
     data["num_draft_tokens"] = k if k == "auto" else int(k)
     if k == "auto":

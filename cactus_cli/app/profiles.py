@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from cactus_cli.app.parsing import parse_yaml
-from cactus_cli.app.settings import Settings, build_settings, check_layer, kind_setting_problem
+from cactus_cli.app.settings import Settings, build_settings, check_layer, inert_rule_param, kind_setting_problem
+from cactus_cli.core import defaults
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.fileio import read_utf8_file
 from cactus_cli.core.paths import cactus_home
@@ -89,6 +90,16 @@ def check_profile_keys(data: dict[str, Any], origin: str, lines: dict[str, int])
         key, owners = problem
         raise ConfigError(
             f"{origin}:{lines.get(key, '?')}: {key} applies only to {owners}, not to draft {draft!r}; remove it"
+        )
+    rule = data.get("rule") or defaults.RULE
+    if inert := inert_rule_param(rule, data):
+        key, rules = inert
+        whose = (
+            f"rule {rule!r}" if data.get("rule") else f"rule {rule!r} (the built-in default: the profile names no rule)"
+        )
+        raise ConfigError(
+            f"{origin}:{lines.get(key, lines.get('rule_params', '?'))}: {key} has no effect with {whose}; "
+            f"add rule: {' or '.join(rules)}, or remove {key}"
         )
     if "max_draft_tokens" in data and isinstance(data.get("num_draft_tokens"), int):
         raise ConfigError(

@@ -2,7 +2,7 @@
 ``GenerationParams``, ``SamplingParams``, the rules' parameters and the sweep commands all read
 them from here; a profile or a flag overrides them (defaults < profile < flags)."""
 
-RULE = "cactus"
+RULE = "sps"  # the verifier's own distribution: Cactus is chosen by name (profiles/cactus.yaml, --rule), docs/eval.md says why
 DELTA = 1.0  # nats: the divergence budget of cactus / cactus-exact (the paper's delta = 1)
 NUM_DRAFT_TOKENS = 4  # k
 MAX_DRAFT_TOKENS = 64  # k_max for -k auto: free drafts run long where text is copied (docs/performance.md)
