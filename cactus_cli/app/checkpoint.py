@@ -1,8 +1,9 @@
 """eval --out DIR keeps every finished problem, so a long eval can stop and go on: each problem's
 generations (configuration, stats, text, verdict) are appended to DIR/progress.jsonl as soon as
 they are graded, behind a first line naming the run (a digest of its settings, grid, samples and
-problems) and each row's rule and parameters. ``--resume`` reads them back and the run does only the rest; a folder holding another
-run, or a run without --resume, is refused, so no finished work is overwritten or mixed."""
+problems) and each row's rule and parameters. ``--resume`` reads them back and the run does only
+the rest; a folder holding another run, or a run without --resume, is refused, so no finished work
+is overwritten or mixed. ``records`` is the one reader (benchmarks/eval_tables.py uses it too)."""
 
 from __future__ import annotations
 
