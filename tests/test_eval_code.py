@@ -259,6 +259,7 @@ def test_an_interrupted_eval_goes_on_with_resume_and_refuses_another_run(tiny, t
     assert r.exit_code == 2 and "add --resume to go on with it" in r.stderr
     r = cli.invoke(app, eval_args(tiny, tasks, "--out", str(out), "-n", "7", "--resume"))
     assert r.exit_code == 2 and "from a run with other settings" in r.stderr
+    assert "(max_tokens: 6 then, 7 now)" in r.stderr  # what differs, named
     calls.clear()
     r = cli.invoke(app, eval_args(tiny, tasks, "--out", str(out), "--resume"))
     assert r.exit_code == 0, r.output
@@ -273,16 +274,17 @@ def test_a_progress_line_cut_by_a_kill_is_done_again_and_any_other_bad_line_is_r
     from cactus_cli.core.errors import ConfigError
     from cactus_cli.core.stats import SpecStats
 
-    keep = Checkpoint(tmp_path, "run1", resume=False, rows={"verifier alone": {"rule": None, "rule_params": {}}})
+    run = {"settings": {"max_tokens": 6}, "grid": ["verifier alone"], "samples": 1, "problems": ["p0", "p1", "p2"]}
+    keep = Checkpoint(tmp_path, run, resume=False, rows={"verifier alone": {"rule": None, "rule_params": {}}})
     keep.add("p0", [Generated("verifier alone", SpecStats(num_output_tokens=3), "a", (True, "passed"))])
     keep.add("p1", [Generated("verifier alone", SpecStats(num_output_tokens=4), "b", (False, "failed"))])
     whole = keep.path.read_text()
     keep.path.write_text(whole + '{"problem": "p2", "generated": [{"lab')  # killed while writing p2
     head, done, cut = records(keep.path)
-    assert (head["run"], list(done), cut) == ("run1", ["p0", "p1"], True)
+    assert (head["run"], head["of"], list(done), cut) == (keep.key, run, ["p0", "p1"], True)
     assert head["rows"] == {"verifier alone": {"rule": None, "rule_params": {}}}
     assert done["p1"][0].stats.num_output_tokens == 4 and done["p1"][0].verdict == (False, "failed")
-    again = Checkpoint(tmp_path, "run1", resume=True)
+    again = Checkpoint(tmp_path, run, resume=True)
     assert list(again.done) == ["p0", "p1"] and keep.path.read_text() == whole  # the cut line is gone
     lines = whole.splitlines()
     keep.path.write_text("\n".join([lines[0], "not json", lines[2]]) + "\n")
@@ -290,7 +292,7 @@ def test_a_progress_line_cut_by_a_kill_is_done_again_and_any_other_bad_line_is_r
         records(keep.path)
     keep.path.write_text("[1]\n")
     with pytest.raises(ConfigError, match="not an eval progress file"):
-        Checkpoint(tmp_path, "run1", resume=True)
+        Checkpoint(tmp_path, run, resume=True)
 
 
 def test_a_stopped_completion_loses_the_start_of_its_stop_string():

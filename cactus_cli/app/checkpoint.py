@@ -21,13 +21,31 @@ from cactus_cli.core.stats import SpecStats
 FILE = "progress.jsonl"
 
 
-def run_key(settings: dict[str, Any], labels: list[str], samples: int, problems: list[str]) -> str:
-    """What must match for earlier results to count as this run's."""
+def run_of(settings: dict[str, Any], labels: list[str], samples: int, problems: list[str]) -> dict[str, Any]:
+    """What must match for earlier results to count as this run's (as JSON would read it back)."""
     keep = {k: v for k, v in settings.items() if k not in ("description", "remember", "history")}  # (not results)
-    doc = json.dumps(
-        {"settings": keep, "grid": labels, "samples": samples, "problems": problems}, sort_keys=True, default=str
-    )
-    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+    doc = {"settings": keep, "grid": labels, "samples": samples, "problems": problems}
+    return json.loads(json.dumps(doc, sort_keys=True, default=str))
+
+
+def run_key(run: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def differences(then: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """How the run a progress file was made by differs from this one, in words."""
+    out = [
+        f"{k}: {then['settings'].get(k)!r} then, {now['settings'].get(k)!r} now"
+        for k in sorted(set(then["settings"]) | set(now["settings"]))
+        if then["settings"].get(k) != now["settings"].get(k)
+    ]
+    if then["grid"] != now["grid"]:
+        out.append(f"rows: {', '.join(then['grid'])} then, {', '.join(now['grid'])} now")
+    if then["samples"] != now["samples"]:
+        out.append(f"samples: {then['samples']} then, {now['samples']} now")
+    if then["problems"] != now["problems"]:
+        out.append(f"problems: {len(then['problems'])} then, {len(now['problems'])} now (or others)")
+    return out
 
 
 def records(path: Path) -> tuple[dict[str, Any], dict[str, list[Generated]], bool]:
@@ -62,11 +80,12 @@ def records(path: Path) -> tuple[dict[str, Any], dict[str, list[Generated]], boo
 
 
 class Checkpoint:
-    def __init__(self, folder: Path, key: str, resume: bool, rows: dict[str, dict[str, Any]] | None = None):
-        """``rows``: each row's label -> its rule and parameters, written beside the key so the file
-        says what its rows are (benchmarks/eval_tables.py checks the rule's budget with them)."""
+    def __init__(self, folder: Path, run: dict[str, Any], resume: bool, rows: dict[str, dict[str, Any]] | None = None):
+        """``run``: ``run_of`` this run; ``rows``: each row's label -> its rule and parameters, written
+        beside it so the file says what its rows are (benchmarks/eval_tables.py checks the rule's
+        budget with them)."""
         self.path = folder / FILE
-        self.key = key
+        self.run, self.key = run, run_key(run)
         self.done: dict[str, list[Generated]] = {}
         if self.path.is_file() and self.path.stat().st_size:
             if not resume:
@@ -78,14 +97,16 @@ class Checkpoint:
         else:  # a fresh start (also --resume on a folder with nothing to resume)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "w", encoding="utf-8") as f:
-                f.write(json.dumps({"run": key, "rows": rows or {}}) + "\n")
+                f.write(json.dumps({"run": self.key, "of": run, "rows": rows or {}}) + "\n")
 
     def _read(self) -> None:
         head, self.done, cut = records(self.path)
         if head.get("run") != self.key:
+            said = differences(head["of"], self.run) if isinstance(head.get("of"), dict) else []
+            what = f" ({'; '.join(said[:3])})" if said else " (each must match)"
             raise ConfigError(
-                f"--resume: {self.path} is from a run with other settings, grid, samples or problems "
-                "(each must match); give another --out folder, or the same options as that run"
+                f"--resume: {self.path} is from a run with other settings, grid, samples or problems{what}; "
+                "give the same options and profile as that run, or another --out folder"
             )
         if cut:  # a last line cut short by a kill: that problem is simply done again
             lines = self.path.read_text(encoding="utf-8").splitlines()[:-1]

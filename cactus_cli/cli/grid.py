@@ -192,11 +192,11 @@ def _checkpoint(kind: str, settings, grid: list, prompts: list, flags: GridFlags
         raise ConfigError("--resume goes on with the run kept in --out DIR; give --out")
     if kind != "eval" or output.out_dir is None:
         return None
-    from cactus_cli.app.checkpoint import Checkpoint, run_key
+    from cactus_cli.app.checkpoint import Checkpoint, run_of
 
-    key = run_key(settings.to_dict(), [c.label for c in grid], flags.samples, [p.id for p in prompts])
+    run = run_of(settings.to_dict(), [c.label for c in grid], flags.samples, [p.id for p in prompts])
     rows = {c.label: {"rule": c.rule, "rule_params": c.rule_kwargs} for c in grid}
-    return Checkpoint(output.out_dir, key, flags.resume, rows)
+    return Checkpoint(output.out_dir, run, flags.resume, rows)
 
 
 def _on_problem(kind: str, keep, results: list, total: int, advance, err):
