@@ -3,6 +3,7 @@ finished or not: one row per configuration over the problems every folder has fi
 
     python benchmarks/eval_tables.py /work/he/k10 /work/he/k10exact
     python benchmarks/eval_tables.py he/k10 --json
+    python benchmarks/eval_tables.py /work/he/k10,/work/he/k10tail116 /work/he/k10exact   # a run in two parts
 
 Each folder's first row must be the verifier alone; rows from several folders are put side by
 side only if their verifier-alone answers agree problem by problem (the same seeds give the same
@@ -69,8 +70,24 @@ def budget_bounds(folder: Path, head: dict) -> dict[str, float | None]:
     }
 
 
-def merge(folders: list[Path]) -> tuple[list[str], list[str], dict[str, dict[str, dict]], dict[str, float | None]]:
-    read_back = [read(f) for f in folders]
+def read_parts(parts: list[Path]) -> tuple[dict[str, dict[str, dict]], dict[str, float | None]]:
+    """One run kept in several folders, each over other problems (a run split to use more cores:
+    a task file of the later problems with ``--seed`` moved by as many, so each problem keeps its
+    seed): their problems together, the first folder's where two hold one."""
+    run: dict[str, dict[str, dict]] = {}
+    bounds: dict[str, float | None] = {}
+    for part in parts:
+        more, each = read(part)
+        for problem, cells in more.items():
+            run.setdefault(problem, cells)
+        bounds.update(each)
+    return run, bounds
+
+
+def merge(
+    folders: list[list[Path]],
+) -> tuple[list[str], list[str], dict[str, dict[str, dict]], dict[str, float | None]]:
+    read_back = [read_parts(parts) for parts in folders]
     runs = [run for run, _ in read_back]
     bounds = {label: b for _, each in read_back for label, b in each.items()}
     problems = sorted(set.intersection(*(set(r) for r in runs)), key=_order)
@@ -82,10 +99,13 @@ def merge(folders: list[Path]) -> tuple[list[str], list[str], dict[str, dict[str
         if alone is None:
             alone = first
         elif first != alone:
-            sys.exit(f"{folder}: its first row is {first!r}, not {alone!r}")
+            sys.exit(f"{','.join(map(str, folder))}: its first row is {first!r}, not {alone!r}")
         for p in problems:
             if p in merged and alone in merged[p] and merged[p][alone]["texts"] != run[p][alone]["texts"]:
-                sys.exit(f"{folder}: the verifier alone answered {p} otherwise than in {folders[0]}: not one baseline")
+                sys.exit(
+                    f"{','.join(map(str, folder))}: the verifier alone answered {p} otherwise than in "
+                    f"{','.join(map(str, folders[0]))}: not one baseline"
+                )
             for label, cell in run[p].items():
                 merged[p].setdefault(label, cell)
                 if label not in labels:
@@ -235,8 +255,8 @@ def main() -> None:
     ap.add_argument(
         "folders",
         nargs="+",
-        type=Path,
-        help="cactus eval --out folders (the first one's verifier alone is the baseline)",
+        help="cactus eval --out folders (the first one's verifier alone is the baseline); A,B: one run "
+        "kept in two folders over other problems",
     )
     ap.add_argument("--json", action="store_true", help="one JSON document instead of the markdown table")
     ap.add_argument(
@@ -245,10 +265,11 @@ def main() -> None:
         help="run every HumanEval check again (isolated) and say which verdicts change",
     )
     args = ap.parse_args()
-    for folder in args.folders:
+    groups = [[Path(part) for part in arg.split(",")] for arg in args.folders]
+    for folder in (part for parts in groups for part in parts):
         if not (folder / FILE).is_file():
             sys.exit(f"{folder}: no {FILE} (give a cactus eval --out folder)")
-    problems, labels, merged, bounds = merge(args.folders)
+    problems, labels, merged, bounds = merge(groups)
     if not problems:
         sys.exit("no problem is finished in every folder")
     changed = regrade(merged) if args.regrade else []
