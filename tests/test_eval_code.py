@@ -293,6 +293,10 @@ def test_a_progress_line_cut_by_a_kill_is_done_again_and_any_other_bad_line_is_r
     keep.path.write_text("[1]\n")
     with pytest.raises(ConfigError, match="not an eval progress file"):
         Checkpoint(tmp_path, run, resume=True)
+    for head in ('{"run": "0123"}', '{"run": "0123", "of": {"settings": 1}}'):  # from before the run was kept; edited
+        keep.path.write_text(head + "\n")
+        with pytest.raises(ConfigError, match=r"other settings, grid, samples or problems \(each must match\)"):
+            Checkpoint(tmp_path, run, resume=True)
 
 
 def test_a_stopped_completion_loses_the_start_of_its_stop_string():

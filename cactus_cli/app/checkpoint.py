@@ -1,7 +1,7 @@
 """eval --out DIR keeps every finished problem, so a long eval can stop and go on: each problem's
 generations (configuration, stats, text, verdict) are appended to DIR/progress.jsonl as soon as
-they are graded, behind a first line naming the run (a digest of its settings, grid, samples and
-problems) and each row's rule and parameters. ``--resume`` reads them back and the run does only
+they are graded, behind a first line naming the run (its settings, grid, samples and problems, and
+their digest) and each row's rule and parameters. ``--resume`` reads them back and the run does only
 the rest; a folder holding another run, or a run without --resume, is refused, so no finished work
 is overwritten or mixed. ``records`` is the one reader (benchmarks/eval_tables.py uses it too)."""
 
@@ -102,7 +102,10 @@ class Checkpoint:
     def _read(self) -> None:
         head, self.done, cut = records(self.path)
         if head.get("run") != self.key:
-            said = differences(head["of"], self.run) if isinstance(head.get("of"), dict) else []
+            try:
+                said = differences(head["of"], self.run)
+            except (KeyError, TypeError, AttributeError):  # a file from before the run was kept, or edited
+                said = []
             what = f" ({'; '.join(said[:3])})" if said else " (each must match)"
             raise ConfigError(
                 f"--resume: {self.path} is from a run with other settings, grid, samples or problems{what}; "
