@@ -299,14 +299,6 @@ def test_a_progress_line_cut_by_a_kill_is_done_again_and_any_other_bad_line_is_r
             Checkpoint(tmp_path, run, resume=True)
 
 
-def test_a_stopped_completion_loses_the_start_of_its_stop_string():
-    from cactus_cli.infer.text import trim_stop
-
-    # the closing fence came as "``" then "`": the stream had already emitted "``"
-    assert trim_stop("return x\n``", ("```",)) == "return x\n"
-    assert trim_stop("return x\n", ("```",)) == "return x\n"
-
-
 def test_calibrate_on_code_tasks_grades_each_delta_and_keeps_sps_when_the_gain_is_too_small(tiny, tmp_path):
     """The choice of issue 48's rule: within the accuracy allowance, yet accepting less than the
     gain asked for, delta goes to 0 and the profile is written as SpS; the table shows each delta's

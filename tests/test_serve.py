@@ -402,12 +402,14 @@ def test_the_command_serves_curl_and_sigterm_ends_the_stream_and_exits_0(tiny, t
     watchdog = threading.Timer(120, proc.kill)  # (a hang fails the test instead of the suite)
     watchdog.start()
     try:
-        url = None
+        url, said = None, []
         for line in proc.stderr:
+            said.append(line)
             if m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line):
                 url = m.group(1)
                 break
         assert url, "serve did not say where it listens"
+        assert any("answers without max_tokens run to their end" in line for line in said), said
         out = subprocess.run(
             [
                 "curl",
@@ -446,3 +448,70 @@ def test_the_command_serves_curl_and_sigterm_ends_the_stream_and_exits_0(tiny, t
         watchdog.cancel()
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_stop_string_is_cut_whole_whole_and_streamed(served, session):
+    """A stop string that spans two tokens ends the answer before its first character, in the
+    whole answer and in the stream (smolagents' "</code>" came back as "...</code")."""
+    server, url, client = served
+    messages = [{"role": "user", "content": PROMPT}]
+    text = chat(client, messages=messages, max_tokens=12, temperature=0).choices[0].message.content
+    words = text.split()
+    stop = f"{words[3]} {words[4]}"  # (the tiny tokenizer: one token a word)
+    cut = text[: text.index(stop)]
+    whole = chat(client, messages=messages, max_tokens=12, temperature=0, stop=[stop])
+    assert whole.choices[0].message.content == cut and whole.choices[0].finish_reason == "stop"
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in chat(client, messages=messages, max_tokens=12, temperature=0, stop=stop, stream=True)
+        if c.choices
+    ]
+    assert "".join(pieces) == cut
+
+
+def test_an_answer_without_max_tokens_runs_to_its_end_and_a_server_cap_holds(session):
+    """No max_tokens: until the end of sequence or the context window, not the profile's 16; with
+    --max-tokens the cap applies, and asking past it is a 400 naming max_tokens."""
+    body = {"prompt": PROMPT, "temperature": 0}
+    with serving(session) as (server, url):
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        n_prompt, n_out = r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"]
+        assert session.settings.max_tokens == 16 and n_out > 16
+        assert r["choices"][0]["finish_reason"] == "stop" or n_prompt + n_out == server.context_length
+    with serving(session, max_tokens=5) as (server, url):
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert r["usage"]["completion_tokens"] == 5 and r["choices"][0]["finish_reason"] == "length"
+        r = httpx.post(f"{url}/v1/completions", json=body | {"max_tokens": 6}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        assert "cap of 5" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": []},
+        {"tools": None},
+        {"functions": []},
+        {"response_format": None},
+        {"response_format": {"type": "text"}},
+        {"tool_choice": "none"},
+        {"echo": False, "best_of": 1},
+    ],
+)
+def test_what_clients_send_as_defaults_is_taken(served, extra):
+    server, url, client = served
+    payload = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2} | extra
+    r = httpx.post(f"{url}/v1/chat/completions", json=payload, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_unknown_keys_inside_a_message_are_ignored(served):
+    """litellm sends the assistant turn back with provider_specific_fields (mini-swe-agent's step 3)."""
+    server, url, client = served
+    messages = [
+        {"role": "user", "content": PROMPT},
+        {"role": "assistant", "content": "the dog", "provider_specific_fields": {"x": 1}},
+        {"role": "user", "content": "the mat"},
+    ]
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text

@@ -21,7 +21,6 @@ from cactus_cli.core.stats import SpecStats, summarize
 from cactus_cli.infer.backends import FALLBACK, backend_of
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.runners.base import sync
-from cactus_cli.infer.text import trim_stop
 
 
 @dataclass(frozen=True)
@@ -253,8 +252,7 @@ def run_one(
     for ev in engine.generate(ids, params):
         s.update(ev)
         text.append(ev.text)
-    out = "".join(text)
-    return s, trim_stop(out, params.stop) if s.finish_reason == "stop" else out
+    return s, "".join(text)
 
 
 def run_speculative(

@@ -53,7 +53,7 @@ class StreamOptions(BaseModel):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")  # (keys a client adds to a message, as OpenAI's API ignores them)
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict[str, Any]]
     name: str | None = None
@@ -94,6 +94,17 @@ class _Common(BaseModel):
     top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # what clients send as defaults (null, [], {"type": "text"}) is taken; anything more: UNSUPPORTED
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
     # cactus's own, per request
     rule: str | None = None
     delta: float | None = None
@@ -135,7 +146,7 @@ class _Common(BaseModel):
     def _unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for key, why in UNSUPPORTED.items():
-                if data.get(key) not in (None, [], {}):
+                if data.get(key) not in (None, [], {}) and not _default(key, data.get(key)):
                     raise ApiError(400, f"{key}: {why}", key)
         return data
 
@@ -169,6 +180,13 @@ class CompletionRequest(_Common):
         if not v:
             raise ValueError("the prompt is empty")
         return v
+
+
+def _default(key: str, value: Any) -> bool:
+    """A value that asks for nothing beyond plain text (what clients send when they set nothing)."""
+    return {"response_format": {"type": "text"}, "tool_choice": "none", "best_of": 1, "echo": False}.get(
+        key, ...
+    ) == value
 
 
 def check_text(value: Any, field: str) -> None:

@@ -88,8 +88,17 @@ class Metrics:
 class Server:
     """The session, its queue and its worker. ``submit`` never blocks: a full queue is ``Busy``."""
 
-    def __init__(self, session: Session, max_queue: int = 16, log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        session: Session,
+        max_queue: int = 16,
+        log: Callable[[str], None] | None = None,
+        max_tokens: int | None = None,
+    ):
+        """``max_tokens``: the most tokens any answer may have (``cactus serve --max-tokens``);
+        None: an answer whose request names no max_tokens runs to its end or the context window."""
         self.session = session
+        self.max_tokens = max_tokens
         self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.metrics = Metrics()
         self.running: Job | None = None
@@ -136,14 +145,25 @@ class Server:
         return settings
 
     def job(self, ids: list[int], overrides: dict[str, Any], deliver: Callable[[Any], None], label: str = "") -> Job:
-        """A job for ``ids``, its settings checked and its length too (a 400, before any queueing)."""
-        settings = self.settings_for(overrides)
+        """A job for ``ids``, its settings checked and its length too (a 400, before any queueing).
+        A request that names no max_tokens generates until the end of sequence or the context
+        window (as OpenAI's API and llama-server do), within the server's cap if it has one."""
         room = self.context_length - len(ids)
         if room <= 0:
             raise FieldError(
                 "messages",
                 f"the prompt is {len(ids)} tokens but the context window is {self.context_length}; shorten it",
             )
+        asked = overrides.get("max_tokens")
+        if asked is not None and self.max_tokens is not None and asked > self.max_tokens:
+            raise FieldError(
+                "max_tokens",
+                f"max_tokens {asked} is over this server's cap of {self.max_tokens} (cactus serve --max-tokens); "
+                f"ask for at most {self.max_tokens}, or leave it out",
+            )
+        if asked is None:
+            overrides = {**overrides, "max_tokens": min(room, self.max_tokens or room)}
+        settings = self.settings_for(overrides)
         if settings.max_tokens > room:
             raise FieldError(
                 "max_tokens",

@@ -158,7 +158,13 @@ TopP = Annotated[
     Optional[float], typer.Option("--top-p", help="Nucleus sampling mass (1 = off).", rich_help_panel=SAMPLING)
 ]
 MaxTokens = Annotated[
-    Optional[int], typer.Option("--max-tokens", "-n", help="Stop after this many new tokens.", rich_help_panel=SAMPLING)
+    Optional[int],
+    typer.Option(
+        "--max-tokens",
+        "-n",
+        help="Stop after this many new tokens. serve: the most any answer may have (a request without max_tokens otherwise runs to its end or the context window).",
+        rich_help_panel=SAMPLING,
+    ),
 ]
 Seed = Annotated[
     Optional[int],

@@ -34,17 +34,21 @@ class Detokenizer:
 
 
 class TextStream:
-    """Adds text to step events; ends the run at the first stop string (the text is cut where
-    it starts; text already shown stays shown). The event that hits it keeps only the tokens up
-    to it, accepted ones included, and ``on_cut`` hears how many emitted tokens were dropped."""
+    """Adds text to step events; ends the run at the first stop string, cut whole: text that
+    could be the start of a stop string is held back until the next pieces show whether it is
+    (then the text ends before it) or not (then it is shown with them), as OpenAI's API and
+    vLLM do, so no part of a stop string is ever shown. The event that completes a stop string
+    keeps only the tokens up to it, accepted ones included, and ``on_cut`` hears how many
+    emitted tokens were dropped. What is held when the run ends otherwise goes out with its
+    last event."""
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), on_cut: Callable[[int], None] | None = None):
         self.tokenizer = tokenizer
         self.detok = Detokenizer(tokenizer)
         self.on_cut = on_cut
         self.stop = stop
-        self.max_stop = max((len(s) for s in stop), default=0)
-        self.text = ""
+        self.text = ""  # shown so far
+        self.held = ""  # decoded, not shown: it may be the start of a stop string
 
     def wrap(self, events: Iterator[StepEvent]) -> Iterator[StepEvent]:
         try:
@@ -65,14 +69,16 @@ class TextStream:
         for i, token in enumerate(ev.emitted):
             if finish == "eos" and i == len(ev.emitted) - 1:
                 break  # the EOS token ends the text and adds none
-            piece = self.detok.add(token)
-            hit = self._stop_at(piece)
-            if hit is not None:
-                piece, finish, emitted = piece[:hit], "stop", ev.emitted[: i + 1]
-            self.text += piece
+            piece, hit = self._show(self.detok.add(token))
+            if hit:
+                finish, emitted = "stop", ev.emitted[: i + 1]
             pieces.append(Piece(piece, accepted_kind if i < len(ev.accepted) else ev.extra_kind))
             if finish == "stop":
                 break
+        if finish is not None and finish != "stop" and self.held:  # the run ends: nothing more can complete a stop
+            last = pieces[-1] if pieces else Piece("", ev.extra_kind)
+            pieces[-1:] = [Piece(last.text + self.held, last.kind)]
+            self.text, self.held = self.text + self.held, ""
         n = len(emitted)
         if n < len(ev.emitted) and self.on_cut is not None:
             self.on_cut(len(ev.emitted) - n)
@@ -88,22 +94,22 @@ class TextStream:
             verifier_loglik=ev.verifier_loglik[:n],
         )
 
-    def _stop_at(self, piece: str) -> int | None:
-        """Where in ``piece`` the text must end, if a stop string appears in the text so far."""
-        if not self.stop or not piece:
-            return None
-        tail = self.text[-self.max_stop :]
-        window = tail + piece
-        hits = [window.find(s) for s in self.stop if s in window]
-        return max(min(hits) - len(tail), 0) if hits else None
-
-
-def trim_stop(text: str, stop: tuple[str, ...]) -> str:
-    """A stopped run's text without the start of its stop string: the stream cuts where a stop
-    string begins, but the part of it that came in earlier pieces was already emitted (a fence
-    "```" arriving as "``" then "`" leaves "``")."""
-    for s in stop:
-        for n in range(len(s) - 1, 0, -1):
-            if text.endswith(s[:n]):
-                return text[:-n]
-    return text
+    def _show(self, piece: str) -> tuple[str, bool]:
+        """The text ``piece`` lets be shown now, and whether a stop string ended the text. A stop
+        string never starts in shown text: whatever could begin one was held back."""
+        if not self.stop:
+            self.text += piece
+            return piece, False
+        window = self.held + piece
+        hits = [i for i in (window.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            shown, self.held = window[: min(hits)], ""
+            self.text += shown
+            return shown, True
+        keep = max(
+            (n for s in self.stop for n in range(min(len(s) - 1, len(window)), 0, -1) if window.endswith(s[:n])),
+            default=0,
+        )
+        shown, self.held = window[: len(window) - keep], window[len(window) - keep :]
+        self.text += shown
+        return shown, False

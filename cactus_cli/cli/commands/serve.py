@@ -42,7 +42,9 @@ def serve(
 
     One pair is loaded once and serves one request at a time, in arrival order, from a bounded
     queue. Each request may set its own rule, delta, num_draft_tokens, top_k and draft (none or the
-    loaded one) as extra body fields; each answer says what the speculation bought. The KV caches
+    loaded one) as extra body fields; each answer says what the speculation bought. A request
+    without max_tokens generates until the end of sequence or the context window; --max-tokens N
+    caps every answer at N tokens (a request asking for more is a 400). The KV caches
     keep the last request, so a request that shares its prefix skips that prefill. Ctrl-C or
     SIGTERM stops taking requests, ends the one in flight and exits 0.
     """
@@ -74,9 +76,15 @@ def serve(
         with ui.LoadProgress(err) as progress:
             session = Session.load(settings=settings, reporter=progress)
             session.prepare(256, progress)  # the cost probe for -k auto, before the first request
+        cap = shared.flags.get("max_tokens", ...)  # (the profile's max_tokens is the CLI's default, not a cap)
+        cap = None if cap is ... else cap
         server = Server(
-            session, max_queue, log=(lambda line: print(line, file=sys.stderr, flush=True)) if log_requests else None
+            session,
+            max_queue,
+            log=(lambda line: print(line, file=sys.stderr, flush=True)) if log_requests else None,
+            max_tokens=cap,
         )
+        err.print(_length_note(cap, server.context_length), markup=False, soft_wrap=True)
         app = build_app(server, api_key)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
         http = _http(config, server, err)
@@ -84,6 +92,15 @@ def serve(
             signal.signal(sig, lambda *_: None)  # for the handlers it found: a stop asked for is a clean exit
         http.run(sockets=[sock])
         err.print("stopped", markup=False)
+
+
+def _length_note(cap: int | None, context: int) -> str:
+    if cap is None:
+        return (
+            f"answers without max_tokens run to their end or the {context}-token context window "
+            "(--max-tokens N caps them)"
+        )
+    return f"answers are capped at {cap} tokens (--max-tokens); a request asking for more gets a 400"
 
 
 def _check_key(key: str | None) -> None:
