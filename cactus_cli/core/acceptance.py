@@ -48,6 +48,8 @@ __all__ = [
     "DIVERGENCES",
     "Verdict",
     "verify",
+    "verify_rows",
+    "Row",
     "greedy_verify",
     "target_distribution",
     "resolve_params",
@@ -492,6 +494,89 @@ def verify(
     padded = torch.cat([n, n.new_zeros(B, 1)], dim=-1)
     tokens = torch.where(pos < m, padded, torch.where(pos == m, extra.unsqueeze(-1), torch.full_like(padded, -1)))
     return Verdict(num_accepted=num_accepted, tokens=tokens, acceptance_probs=acc_prob)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence's drafts for ``verify_rows``: its own rule, parameters, k and generator."""
+
+    rule: str
+    params: dict[str, Any]
+    p: torch.Tensor  # [k, V] draft probabilities
+    q: torch.Tensor  # [k+1, V] verifier probabilities (row k: the bonus)
+    n: torch.Tensor  # [k] drafted tokens
+    generator: torch.Generator | None = None
+
+
+def verify_rows(rows: list[Row]) -> list[Verdict]:
+    """``verify`` for ragged rows in one call: each row its own rule, parameters, k and generator
+    (a step of several sequences; vLLM's rejection sampler takes ragged drafts the same way). Rows
+    of one rule and parameters are decided together: every row's acceptance, then one residual
+    call over every row's first rejected position; each row's random draws come from its own
+    generator in ``verify``'s order, so a row's verdict equals ``verify`` of that row alone, bit
+    for bit. No host sync, and no copy of the rows' [k, V] distributions."""
+    out: list[Verdict | None] = [None] * len(rows)
+    groups: dict[tuple, list[int]] = {}
+    for i, row in enumerate(rows):
+        key = (row.rule, tuple(sorted(resolve_params(row.rule, row.params).items())))
+        groups.setdefault(key, []).append(i)
+    for (rule, items), idx in groups.items():
+        prm, spec = dict(items), RULES[rule]
+        for i, verdict in zip(idx, _decide_group(spec, prm, [rows[i] for i in idx])):
+            out[i] = verdict
+    return out
+
+
+def _decide_group(spec: Rule, prm: dict[str, Any], rows: list[Row]) -> list[Verdict]:
+    """One rule's rows: acceptance at every drafted position (each row's own rows, no copy of
+    them), each row's uniforms from its own generator, one residual call over every row's first
+    rejected position, each row's extra token from its own generator."""
+    for row in rows:
+        _check_shapes(row.p.unsqueeze(0), row.q.unsqueeze(0), row.n.unsqueeze(0))
+    work = _work_dtype(*(t for row in rows for t in (row.p, row.q)))
+    ks = [row.n.shape[0] for row in rows]
+    dev = rows[0].q.device
+    drafted = [i for i, k in enumerate(ks) if k]
+    n64 = [row.n.to(torch.int64) for row in rows]
+    acc = [
+        spec.accept(prm, row.p.to(work).unsqueeze(0), row.q[: ks[i]].to(work).unsqueeze(0), n64[i].unsqueeze(0))
+        if ks[i]
+        else None
+        for i, row in enumerate(rows)
+    ]  # [1, k] each
+    num = []
+    for i, row in enumerate(rows):  # each row's uniforms from its own generator, as verify draws them
+        u = torch.rand((1, ks[i]), generator=row.generator, device=dev, dtype=work)
+        num.append(
+            (u < acc[i]).to(torch.int64).cumprod(-1).sum(-1) if ks[i] else torch.zeros(1, dtype=torch.int64, device=dev)
+        )
+    resid = q_j = None
+    if drafted:  # [R, V]: each drafting row's rows at its first rejected position (ignored where all accepted)
+        j = [num[i].clamp(max=ks[i] - 1) for i in drafted]  # [1] each, on the device
+        p_j = torch.cat([rows[i].p.index_select(0, jj) for i, jj in zip(drafted, j)]).to(work)
+        q_j = torch.cat([rows[i].q.index_select(0, jj) for i, jj in zip(drafted, j)]).to(work)
+        n_j = torch.cat([n64[i].index_select(0, jj) for i, jj in zip(drafted, j)])
+        resid = spec.residual(prm, p_j, q_j, n_j)
+    out = []
+    for i, row in enumerate(rows):
+        k, m = ks[i], num[i]
+        bonus = row.q[k : k + 1].to(work)  # [1, V]
+        if k == 0:
+            dist, fallback = bonus, bonus
+        else:
+            r = drafted.index(i)
+            all_in = (m == k).unsqueeze(-1)
+            dist = torch.where(all_in, bonus, resid[r : r + 1])
+            fallback = torch.where(all_in, bonus, q_j[r : r + 1])
+        extra = sample(dist, row.generator, fallback=fallback)  # [1]
+        n = n64[i].view(1, k)
+        pos = torch.arange(k + 1, device=dev)
+        mm = m.unsqueeze(-1)
+        padded = torch.cat([n, n.new_zeros(1, 1)], dim=-1)
+        tokens = torch.where(pos < mm, padded, torch.where(pos == mm, extra.unsqueeze(-1), torch.full_like(padded, -1)))
+        probs = acc[i] if k else bonus.new_zeros(1, 0)
+        out.append(Verdict(num_accepted=m, tokens=tokens, acceptance_probs=probs))
+    return out
 
 
 def greedy_verify(draft_tokens: torch.Tensor, verifier_argmax: torch.Tensor) -> Verdict:

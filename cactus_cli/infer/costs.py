@@ -35,7 +35,7 @@ from cactus_cli.core.paths import cache_path
 from cactus_cli.infer.backends import backend_of
 from cactus_cli.infer.devices import device_name
 from cactus_cli.infer.draft import KINDS
-from cactus_cli.infer.rates import Acceptance, Calibration, expected_tokens
+from cactus_cli.infer.rates import Acceptance, Calibration, expected_by_k, expected_tokens
 from cactus_cli.infer.sources import ModelPair
 
 WINDOW = 15  # timings kept per width (median of these)
@@ -202,8 +202,15 @@ def best_k(costs: CostModel, a: float | list[float], k_max: int, source: str = M
     """The k in 0..k_max with the most expected tokens per second (ties: the smaller k)."""
     if not costs.knows(source):
         return min(k_max, 4)
-    rates = [tokens_per_second(costs, a, k, source, overhead) for k in range(k_max + 1)]
-    return max(range(k_max + 1), key=lambda k: (rates[k], -k))
+    td = costs.t_d(source)
+    expected = expected_by_k(a, k_max)
+    best, best_rate = 0, -1.0
+    for k in range(k_max + 1):  # (tokens_per_second's arithmetic, with E[tokens] built once for every k)
+        step = k * td + costs.t_v(k + 1) + (overhead if k > 0 else 0.0)
+        rate = expected[k] / step if step > 0 else 0.0
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
 
 
 @dataclass(frozen=True)
@@ -218,6 +225,7 @@ class Step:
     fed: int = 1  # tokens the draft model's first forward read (more after plain steps: a catch-up)
     source: str = MODEL  # where the drafts came from
     confidence: list[float] | None = None  # the drafter's own estimate of each draft (the suffix trees)
+    timed: bool = True  # its timings are its own (False: it stepped beside other runs, which shared them)
 
 
 def cost_key(pair: ModelPair, compiled: bool = False) -> dict[str, Any]:
@@ -341,9 +349,15 @@ class CostStore:
         is skipped."""
         if step.k > 0:
             self.acceptance.setdefault(f"{step.akey} {step.source}", Acceptance()).add(step.accepted, step.k)
-            if step.source != MODEL or step.fed <= 2:
+            if step.timed and (step.source != MODEL or step.fed <= 2):
                 self.costs.add_draft(step.draft_seconds / step.k, step.source)
-        self.costs.add_verify(step.k + 1, step.verify_seconds)
+        if step.timed:
+            self.observe_verify(step.k + 1, step.verify_seconds)
+        self.dirty = True
+
+    def observe_verify(self, width: int, seconds: float) -> None:
+        """One verifier call of ``width`` tokens (several runs' rows, stepped together, count as one)."""
+        self.costs.add_verify(width, seconds)
         if not self.costs.source.endswith("+online"):
             self.costs.source += "+online"
         self.dirty = True

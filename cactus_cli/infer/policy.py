@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cactus_cli.core.events import MODEL
 from cactus_cli.infer.costs import WINDOW, Calibration, CostModel, CostStore, Step, best_k, slope
+from cactus_cli.infer.rates import expected_by_k
 
 EXPLORE_BUDGET = 0.03  # while k = 0 wins, spend at most ~3% of the time re-testing k = 1 ...
 MAX_BACKOFF = 8  # ... and, as probes keep confirming it, down to 3% / 8 (a probe every 64+ steps) ...
@@ -74,10 +76,27 @@ class Overhead:
         return max(ms + c * (behind - mb), 0.0)
 
 
+@dataclass(frozen=True)
+class Want:
+    """What one run's next step could draft: up to ``k_max`` tokens from ``source``, accepted at
+    ``rates`` per position, a drafting step costing ``overhead`` beyond k t_d; ``fixed``: k_max
+    whatever it costs (-k N)."""
+
+    k_max: int
+    source: str = MODEL
+    rates: list[float] | None = None  # None: nothing known (the prior)
+    overhead: float = 0.0
+    fixed: bool = False
+
+
 class KPolicy(Protocol):
-    def choose(self, akey: str, k_max: int, source: str = MODEL, confidence: list[float] | None = None) -> int:
-        """k for the next step (at most ``k_max``), whose drafts will come from ``source``, with
-        the drafter's own estimate of each token if it has one (Drafter.confidence)."""
+    def want(self, akey: str, k_max: int, source: str = MODEL, confidence: list[float] | None = None) -> Want:
+        """What the next step could draft (at most ``k_max``) from ``source``, with the drafter's
+        own estimate of each token if it has one (Drafter.confidence). Changes nothing."""
+
+    def settle(self, want: Want, k: int) -> int:
+        """The k the next step takes, given the ``k`` the whole step's choice gives it (allocate):
+        where the policy explores, another."""
 
     def observe(self, step: Step) -> None:
         """One finished step (see CostStore.observe)."""
@@ -87,12 +106,74 @@ class KPolicy(Protocol):
         it prefilled too; the prompt, when it reads it at its first proposal)."""
 
 
+def choose(policy: KPolicy, costs: CostModel, akey: str, k_max: int, source: str = MODEL, confidence=None) -> int:
+    """One run's k, stepping alone."""
+    want = policy.want(akey, k_max, source, confidence)
+    return policy.settle(want, allocate(costs, [want])[0])
+
+
+def allocate(costs: CostModel, wants: list[Want], max_width: int | None = None) -> list[int]:
+    """Every run's k for one step, for the most expected tokens per second of the whole step:
+    sum E_i[tokens | k_i] over sum (k_i t_d(source_i) + overhead_i) + t_v(sum (k_i + 1)), the
+    verifier's measured cost of the step's whole width. A fixed k is taken as it is, a source
+    never timed drafts 4 (as ``best_k`` does), the others by coordinate ascent from k = 0 (each
+    run's best k given the others', until none changes). One run alone: ``best_k``, the choice
+    of a run stepping alone exactly. ``max_width``: the most tokens the step may verify in all
+    (fixed k are cut to fit, in order). docs/adaptive-k.md says why."""
+    if len(wants) == 1:
+        w = wants[0]
+        return [w.k_max if w.fixed else best_k(costs, w.rates or [], w.k_max, w.source, w.overhead)]
+    known = [not w.fixed and costs.knows(w.source) for w in wants]
+    ks = [w.k_max if w.fixed else (0 if ok else min(w.k_max, 4)) for w, ok in zip(wants, known)]
+    if max_width is not None:  # (one token of each run always fits: the caller bounds the runs)
+        room = max_width - len(wants)
+        for i, k in enumerate(ks):
+            ks[i] = min(k, max(room, 0))
+            room -= ks[i]
+    free = [i for i, ok in enumerate(known) if ok]
+    if not free:
+        return ks
+    expected = [expected_by_k(w.rates or [], w.k_max) for w in wants]
+    td = [costs.t_d(w.source) for w in wants]
+    tv: dict[int, float] = {}
+    for _ in range(4):
+        changed = False
+        for i in free:
+            others = [j for j in range(len(wants)) if j != i]
+            base_e = sum(expected[j][ks[j]] for j in others)
+            base_c = sum(ks[j] * td[j] + (wants[j].overhead if ks[j] else 0.0) for j in others)
+            base_w = sum(ks[j] + 1 for j in others)
+            best, best_rate = 0, -1.0
+            top = wants[i].k_max if max_width is None else min(wants[i].k_max, max_width - base_w - 1)
+            for k in range(max(top, 0) + 1):
+                width = base_w + k + 1
+                if width not in tv:
+                    tv[width] = costs.t_v(width)
+                cost = base_c + k * td[i] + (wants[i].overhead if k else 0.0) + tv[width]
+                rate = (base_e + expected[i][k]) / cost if cost > 0 else 0.0
+                if rate > best_rate:
+                    best, best_rate = k, rate
+            changed |= best != ks[i]
+            ks[i] = best
+        if not changed:
+            break
+    return ks
+
+
 class FixedK:
     """``-k N``: N drafts every step (fewer near max_tokens or the context limit). With no store
     (a warm-up run), nothing is learned."""
 
     def __init__(self, store: CostStore | None = None):
         self.store = store
+
+    def want(self, akey: str, k_max: int, source: str = MODEL, confidence: list[float] | None = None) -> Want:
+        return Want(
+            k_max, source, self.store.rates(akey, k_max, source) if self.store is not None else None, fixed=True
+        )
+
+    def settle(self, want: Want, k: int) -> int:
+        return want.k_max
 
     def choose(self, akey: str, k_max: int, source: str = MODEL, confidence: list[float] | None = None) -> int:
         return k_max
@@ -106,7 +187,8 @@ class FixedK:
 
 
 class AdaptiveK(FixedK):
-    """``-k auto``: asked before each step for k; the store is told afterwards what it cost."""
+    """``-k auto``: asked before each step what it could draft and at what rates (``want``), told
+    the step's k (``settle``, which explores around it); the store learns what it cost."""
 
     def __init__(self, store: CostStore | None = None):
         super().__init__(store if store is not None else CostStore())
@@ -133,14 +215,15 @@ class AdaptiveK(FixedK):
         if step.k == 0:
             self.behind += 1
             return
-        extra = step.draft_seconds - step.k * self.costs.t_d(step.source)
-        self.overheads.setdefault(step.source, Overhead()).add(self.behind, extra)
+        if step.timed:  # (a step beside other runs shared its drafting time: not this draft's overhead)
+            extra = step.draft_seconds - step.k * self.costs.t_d(step.source)
+            self.overheads.setdefault(step.source, Overhead()).add(self.behind, extra)
         self.behind = 0
         if step.confidence is not None:
             key = _cal_key(step.akey, step.source, run)
             self.store.calibrations.setdefault(key, Calibration()).add(step.confidence[: step.k], step.accepted)
 
-    def choose(self, akey: str, k_max: int, source: str = MODEL, confidence: list[float] | None = None) -> int:
+    def want(self, akey: str, k_max: int, source: str = MODEL, confidence: list[float] | None = None) -> Want:
         if confidence is not None:  # sized by the drafter's estimates, as calibrated (never past its path)
             k_max = min(k_max, len(confidence))
             rates = self.store.calibrations.get(_cal_key(akey, source, self.run), Calibration()).rates(
@@ -149,7 +232,13 @@ class AdaptiveK(FixedK):
         else:
             rates = self.store.rates(akey, k_max, source)
         overhead = self.overheads[source].predict(self.behind) if source in self.overheads else 0.0
-        k = best_k(self.costs, rates, k_max, source, overhead)
+        return Want(k_max, source, rates, overhead)
+
+    def choose(self, akey: str, k_max: int, source: str = MODEL, confidence: list[float] | None = None) -> int:
+        return choose(self, self.costs, akey, k_max, source, confidence)
+
+    def settle(self, want: Want, k: int) -> int:
+        k_max, source, overhead = want.k_max, want.source, want.overhead
         if k > 0 or k_max == 0:
             self.plain_steps, self.probed = 0, False
             self.backoff = 1 if k > 0 else self.backoff

@@ -36,6 +36,16 @@ def expected_tokens(a: float | list[float], k: int) -> float:
     return total
 
 
+def expected_by_k(a: float | list[float], k_max: int) -> list[float]:
+    """``expected_tokens(a, k)`` for every k in 0..k_max, in one pass (the same sums)."""
+    out, total, reach = [1.0], 1.0, 1.0
+    for r in _rates(a, k_max):
+        reach *= min(max(r, 0.0), A_MAX)
+        total += reach
+        out.append(total)
+    return out
+
+
 @dataclass
 class Acceptance:
     accepted: list[float] = field(default_factory=list)  # [i]: decayed count of drafts accepted at position i
