@@ -102,7 +102,7 @@ def test_chat_on_cuda_reserves_the_whole_context_once(pair, monkeypatch):
 
     asked = []
     engine = SpeculativeEngine(pair)
-    monkeypatch.setattr(engine, "prepare", lambda tokens, widths, report=None, exact=True: asked.append(tokens))
+    monkeypatch.setattr(engine, "prepare", lambda tokens, widths, report=None, exact=True, slot=0: asked.append(tokens))
     settings = Settings(max_tokens=64)
     runtime.prepare(engine, settings, whole_context=True)  # an eager CPU engine: the usual allowance
     engine.compiled = True  # as it would be on a GPU

@@ -350,3 +350,55 @@ def test_without_the_bindings_auto_runs_a_gguf_on_torch_and_says_how_to_install_
     pair = load_pair(files["verifier"], None, None, "cpu", "auto", Reporter(), backend="auto")
     assert pair.verifier.backend == "torch" and pair.backend_reason.startswith("backend auto: torch (not llama.cpp: ")
     assert said == [f"running the models on torch (slower on a CPU): llama.cpp is not available: {gguf.INSTALL_HINT}"]
+
+
+def test_several_sequences_in_one_decode_each_get_their_own_logits(pairs):
+    """forward_rows: three sequences of different lengths and widths in one llama_decode, each
+    row's logits those of its sequence alone; crop and reset touch one sequence only; adopt
+    shares a prefix another sequence holds (seq_cp) and decodes on from it correctly."""
+    pair = pairs["alone"]
+    texts = [PROMPT, "the dog ran fast and the cat", "a red bird sang on the tree and then the sun"]
+    seqs = [encode(pair, t) for t in texts]
+    full = [full_logits(pair, ids) for ids in seqs]
+    first = LlamaCppRunner(pair.verifier, pair.vocab_size, 512, sequences=3)
+    runners = [first.sequence(i) for i in range(3)]
+    for r, ids in zip(runners, seqs):  # prefixes of different lengths, one call each
+        r.forward(ids[:-4], keep=1)
+    calls = first.shared.forward_passes
+    rows = first.forward_rows([(r, ids[-4:], keep) for r, ids, keep in zip(runners, seqs, (4, 1, 2))])
+    assert first.shared.forward_passes == calls + 1  # one decode for all three
+    for got, want, keep in zip(rows, full, (4, 1, 2)):
+        torch.testing.assert_close(got, want[-keep:], atol=1e-4, rtol=1e-4)
+    assert [r.cache_len for r in runners] == [len(s) for s in seqs]
+    runners[1].crop(3)
+    runners[2].reset()
+    assert [r.cache_len for r in runners] == [len(seqs[0]), 3, 0]
+    # (the new token lands in a cell sequence 1 freed: attention runs over the cells in another
+    # order and llama.cpp's float16 accumulation rounds differently; the same token wins)
+    after = runners[0].forward([seqs[1][0]], 1)
+    alone = full_logits(pair, seqs[0] + seqs[1][:1])[-1:]
+    torch.testing.assert_close(after, alone, atol=2e-2, rtol=1e-2)
+    assert torch.equal(after.argmax(-1), alone.argmax(-1))
+    # adopt: sequence 2 takes sequence 0's first 6 tokens without decoding them
+    assert runners[2].adopt(runners[0], 6) == 6 and runners[2].cache_len == 6
+    before = first.shared.forward_passes
+    got = runners[2].forward(seqs[0][6:9], keep=3)
+    assert first.shared.forward_passes == before + 1
+    torch.testing.assert_close(got, full[0][6:9], atol=1e-4, rtol=1e-4)
+
+
+def test_batched_greedy_speculation_on_llama_cpp_equals_each_run_alone(pairs):
+    from cactus_cli.infer.batch import Batch
+
+    pair = pairs["close"]
+    params = GenerationParams(sampling=GREEDY, num_draft_tokens=3, max_tokens=16, ignore_eos=True)
+    prompts = [PROMPT, "the dog ran fast and the cat", PROMPT + " on the mat", "a red bird"]
+    alone = [run(SpeculativeEngine(pair), encode(pair, p), params)[0] for p in prompts]
+    engine = SpeculativeEngine(pair, sequences=4)
+    batch = Batch(engine)
+    entries = [batch.add(engine.start(encode(pair, p), params, slot=i)) for i, p in enumerate(prompts)]
+    got = {id(e): [] for e in entries}
+    while len(batch):
+        for entry, ev in batch.step():
+            got[id(entry)] += ev.emitted
+    assert [got[id(e)] for e in entries] == alone

@@ -64,7 +64,16 @@ class Backend:
         """Load a model as ``plan`` says (``role``: verifier or draft)."""
         raise NotImplementedError
 
-    def runner(self, lm: LoadedModel, vocab_size: int, compiled: bool, context_length: int, role: str) -> Runner:
+    def runner(
+        self, lm: LoadedModel, vocab_size: int, compiled: bool, context_length: int, role: str, sequences: int = 1
+    ) -> Runner:
+        """The runner of sequence 0 of ``lm`` (``sequences``: how many its cache holds; the others
+        are ``Runner.sequence(i)``)."""
+        raise NotImplementedError
+
+    def kv_bytes_per_token(self, lm: LoadedModel) -> int:
+        """Bytes one cached token of ``lm`` takes (keys and values of every layer): what one more
+        sequence costs (serve --parallel)."""
         raise NotImplementedError
 
     def cost_key(self, threads: int | None) -> dict[str, Any]:

@@ -119,8 +119,16 @@ class LlamaCppBackend(Backend):
             threads=model.threads,
         )
 
-    def runner(self, lm: LoadedModel, vocab_size: int, compiled: bool, context_length: int, role: str) -> Runner:
-        return LlamaCppRunner(lm, vocab_size, context_length)  # (never compiled: --compile on chooses torch)
+    def runner(
+        self, lm: LoadedModel, vocab_size: int, compiled: bool, context_length: int, role: str, sequences: int = 1
+    ) -> Runner:
+        return LlamaCppRunner(lm, vocab_size, context_length, sequences)  # (never compiled: --compile on chooses torch)
+
+    def kv_bytes_per_token(self, lm: LoadedModel) -> int:
+        ll, handle = gguf.bindings(), lm.model.handle
+        heads, kv = ll.llama_model_n_head(handle), ll.llama_model_n_head_kv(handle)
+        head_dim = ll.llama_model_n_embd(handle) // max(heads, 1)
+        return 2 * ll.llama_model_n_layer(handle) * kv * head_dim * 2  # keys and values, float16 cells
 
     def cost_key(self, threads: int | None) -> dict[str, Any]:
         return {"backend": self.name, "threads": threads, "extra_buffers": not gguf.amx_in_use()}

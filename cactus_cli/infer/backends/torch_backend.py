@@ -21,7 +21,7 @@ from cactus_cli.infer.devices import (
 from cactus_cli.infer.quant.quantize import QualityGateFailed, quality_verdict, quantize_model
 from cactus_cli.infer.quant.smooth import CALIBRATION_TEXT
 from cactus_cli.infer.runners.base import Runner
-from cactus_cli.infer.runners.compiled import CompiledLM
+from cactus_cli.infer.runners.compiled import CompiledLM, kv_bytes_per_token
 from cactus_cli.infer.runners.eager import CachedLM
 from cactus_cli.infer.runners.sharded import ShardedRunner
 from cactus_cli.infer.sources import LoadedModel, Source, _from_pretrained, load_tokenizer, materialize, mlp_shape
@@ -71,10 +71,16 @@ class TorchBackend(Backend):
             name, src, plan.device, plan.dtype, role, plan.quantize, reporter, plan.tp, calibration, plan.gate
         )
 
-    def runner(self, lm: LoadedModel, vocab_size: int, compiled: bool, context_length: int, role: str) -> Runner:
+    def runner(
+        self, lm: LoadedModel, vocab_size: int, compiled: bool, context_length: int, role: str, sequences: int = 1
+    ) -> Runner:
+        # (a sharded or compiled runner holds one sequence: the engine steps one slot there)
         if lm.tp > 1:  # a sharded verifier: its calls are announced to the other ranks (eager only)
             return ShardedRunner(CachedLM(lm, vocab_size))
-        return CompiledLM(lm, vocab_size, context_length, role) if compiled else CachedLM(lm, vocab_size)
+        return CompiledLM(lm, vocab_size, context_length, role) if compiled else CachedLM(lm, vocab_size, sequences)
+
+    def kv_bytes_per_token(self, lm: LoadedModel) -> int:
+        return kv_bytes_per_token(lm.model.config, lm.dtype)
 
     def chat_context(self, compiled: bool, device: torch.device) -> str:
         return "whole" if compiled and device.type == "cuda" else "request"

@@ -1,6 +1,11 @@
-"""The one interface to a model, ``Runner``: ``forward`` new tokens and read logits, ``crop``
-back after a rejection, ``prefill`` a prompt, ``reserve`` room for a request. The engine and the
-drafters only ever call these; the helpers below are shared by the implementations."""
+"""The one interface to a model, ``Runner``: one sequence of a model's KV cache. ``forward`` new
+tokens and read logits, ``crop`` back after a rejection, ``prefill`` a prompt, ``reserve`` room
+for a request. A model holds several sequences (one per slot of the engine): ``sequence(i)`` is
+the runner of sequence i of the same model, ``forward_rows`` decodes several sequences' new tokens
+in one model call (llama.cpp: one ``llama_decode``; torch: one forward over padded rows), and
+``adopt`` copies a prefix another sequence holds (a shared system prompt is not prefilled twice).
+The engine and the drafters only ever call these; the helpers below are shared by the
+implementations."""
 
 from __future__ import annotations
 
@@ -41,6 +46,34 @@ class Runner(Protocol):
         self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None, exact: bool = True
     ) -> None:
         """Room for ``tokens`` cached tokens and steps of these widths (compiling them, if compiled)."""
+
+    def sequence(self, seq: int) -> "Runner":
+        """The runner of sequence ``seq`` of this model (``seq`` below the ``sequences`` the
+        backend made the model for; 0 is the first runner made)."""
+
+    def forward_rows(self, rows: list[Row]) -> list[torch.Tensor]:
+        """One model call over several sequences of this model: for each row (a runner of one of
+        its sequences, new ids [L], keep) the last ``keep`` logits rows [keep, V] (``keep`` 0:
+        none, the ids only enter the cache). A row is never split across calls."""
+
+    def adopt(self, donor: "Runner", length: int) -> int:
+        """Make this sequence's cache hold the first ``length`` tokens that ``donor`` (another
+        sequence of the same model) holds, without computing them again; returns the tokens
+        now cached (0 where it cannot copy)."""
+
+
+MAX_STEP_WIDTH = 128  # logits rows one forward_rows call may ask for in all (a step of many runs stays within it)
+Row = tuple["Runner", "torch.Tensor | list[int]", int]  # (the runner of one sequence, new ids [L], logits rows kept)
+
+
+def one_by_one(rows: list[Row]) -> list[torch.Tensor]:
+    """``forward_rows`` for a runner that decodes one sequence per call: each row its own call,
+    in order (rows of different sequences; no row is split). keep 0 returns an empty tensor."""
+    out = []
+    for runner, ids, keep in rows:
+        logits = runner.forward(ids, keep=max(keep, 1))
+        out.append(logits[logits.shape[0] - keep :] if keep else logits[:0])
+    return out
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

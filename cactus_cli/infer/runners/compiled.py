@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from cactus_cli.infer.runners.base import to_device
+from cactus_cli.infer.runners.base import Row, one_by_one, to_device
 from cactus_cli.infer.runners.eager import CachedLM
 from cactus_cli.infer.sources import LoadedModel
 
@@ -125,6 +125,19 @@ class CompiledLM(CachedLM):
         self.cache_note: str | None = None  # set when GPU memory capped the cache below what was asked
         _raise_recompile_limit()
         tune_inductor(lm.device.type)
+
+    # -- sequences: a static cache holds one --------------------------------------------------
+
+    def sequence(self, seq: int) -> CompiledLM:
+        if seq != 0:
+            raise ValueError("a compiled runner holds one sequence (its static cache and graphs are one row's)")
+        return self
+
+    def forward_rows(self, rows: list[Row]) -> list[torch.Tensor]:
+        return one_by_one(rows)
+
+    def adopt(self, donor: CachedLM, length: int) -> int:
+        return 0
 
     # -- the cache ---------------------------------------------------------------------------
 

@@ -1,5 +1,7 @@
-"""``CachedLM``: a transformers causal LM called eagerly, with its dynamic KV cache (grows and
-shrinks as needed)."""
+"""``CachedLM``: one sequence of a transformers causal LM called eagerly, with its own dynamic KV
+cache (grows and shrinks as needed). Several sequences of one model decode in one forward
+(``forward_rows``): their caches padded to one batch, a mask per row hiding the padding, each row's
+cache cut back out of the result."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from cactus_cli.infer.runners.base import prefill, to_device
+from cactus_cli.infer.runners.base import Row, one_by_one, prefill, to_device
 from cactus_cli.infer.sources import LoadedModel
 
 
@@ -23,7 +25,7 @@ class CachedLM:
 
     compiled = False
 
-    def __init__(self, lm: LoadedModel, vocab_size: int):
+    def __init__(self, lm: LoadedModel, vocab_size: int, sequences: int = 1):
         self.lm = lm
         self.vocab_size = vocab_size
         self.cache = None
@@ -31,6 +33,106 @@ class CachedLM:
         self.forward_passes = 0
         self.compile_seconds = 0.0
         self._cache_arg = cache_argument(lm.model)
+        self.sequences = sequences
+        self._siblings: dict[int, CachedLM] = {0: self}
+
+    def sequence(self, seq: int) -> CachedLM:
+        if not 0 <= seq < self.sequences:
+            raise ValueError(f"sequence {seq}: this model holds {self.sequences}")
+        if seq not in self._siblings:
+            other = CachedLM(self.lm, self.vocab_size, self.sequences)
+            other._siblings = self._siblings
+            self._siblings[seq] = other
+        return self._siblings[seq]
+
+    def adopt(self, donor: CachedLM, length: int) -> int:
+        """A copy of the first ``length`` tokens ``donor`` caches (not where a sliding window
+        may have dropped some)."""
+        length = min(length, donor.cache_len)
+        if donor is self or donor.cache is None or donor._window or not length:
+            return 0
+        layers = [
+            (layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone()) for layer in donor.cache.layers
+        ]
+        self.reset()
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(ddp_cache_data=layers)
+        return self.cache_len
+
+    def forward_rows(self, rows: list[Row]) -> list[torch.Tensor]:
+        """One forward over every row (sequences of this model); a model with sliding-window
+        layers (whose caches are not plain) decodes row by row."""
+        if len(rows) == 1:
+            runner, ids, keep = rows[0]
+            logits = runner.forward(ids, max(keep, 1))
+            return [logits if keep else logits[:0]]
+        if _sliding(self.lm.model.config) or any(
+            r.cache is not None and any(type(layer).__name__ != "DynamicLayer" for layer in r.cache.layers)
+            for r, _, _ in rows
+        ):
+            return one_by_one(rows)
+        return self._padded(rows)
+
+    @torch.inference_mode()
+    def _padded(self, rows: list[Row]) -> list[torch.Tensor]:
+        """Rows of different cache lengths L_b and widths w_b as one batch: caches right-padded to
+        max L, new tokens to max W, and an additive mask [B, 1, W, L + W] that lets row b's query
+        i see its own L_b cached tokens and its own new tokens up to i."""
+        from transformers import DynamicCache
+
+        dev, dtype = self.lm.device, self.lm.dtype
+        ids = [to_device(x, dev).view(-1) for _, x, _ in rows]
+        lens = [r.cache_len for r, _, _ in rows]
+        widths = [len(x) for x in ids]
+        B, L, W = len(rows), max(lens), max(widths)
+        batch_ids = torch.zeros(B, W, dtype=torch.int64, device=dev)  # [B, W]
+        for b, x in enumerate(ids):
+            batch_ids[b, : len(x)] = x
+        length = to_device(lens, dev)  # [B] (copied without a sync)
+        pos = length.view(B, 1) + torch.arange(W, device=dev).view(1, W)  # [B, W]
+        past = torch.arange(L, device=dev).view(1, 1, L) < length.view(B, 1, 1)  # [B, 1, L]
+        causal = torch.arange(W, device=dev).view(1, 1, W) <= torch.arange(W, device=dev).view(1, W, 1)  # [1, W, W]
+        allowed = torch.cat([past.expand(B, W, L), causal.expand(B, W, W)], -1)  # [B, W, L + W]
+        mask = torch.zeros(B, 1, W, L + W, dtype=dtype, device=dev)
+        mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(dtype).min)
+        cache = DynamicCache()
+        if L:
+            like = next(r.cache for r, _, _ in rows if r.cache is not None)
+            layers = []
+            for i, layer in enumerate(like.layers):
+                kv = []
+                for name in ("keys", "values"):
+                    ref = getattr(layer, name)  # [1, H, L_b, D]
+                    padded = ref.new_zeros(B, ref.shape[1], L, ref.shape[3])  # [B, H, L, D]
+                    for b, (r, _, _) in enumerate(rows):
+                        if r.cache is not None and lens[b]:
+                            padded[b, :, : lens[b]] = getattr(r.cache.layers[i], name)[0]
+                    kv.append(padded)
+                layers.append(tuple(kv))
+            cache = DynamicCache(ddp_cache_data=layers)
+        out = self.lm.model(
+            input_ids=batch_ids,
+            position_ids=pos,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=W,
+            **{self._cache_arg: cache},
+        )
+        grown = out[self._cache_arg]
+        result = []
+        for b, (r, _, keep) in enumerate(rows):
+            kept = [
+                tuple(
+                    torch.cat([t[b : b + 1, :, : lens[b]], t[b : b + 1, :, L : L + widths[b]]], 2)
+                    for t in (layer.keys, layer.values)
+                )
+                for layer in grown.layers
+            ]
+            r.cache = DynamicCache(ddp_cache_data=kept)
+            r.forward_passes += 1
+            result.append(out.logits[b, widths[b] - keep : widths[b], : self.vocab_size])
+        return result
 
     def reset(self) -> None:
         self.cache = None
@@ -72,6 +174,9 @@ class CachedLM:
         if self._window and before >= self._window:
             self._floor = length  # the window was cut back to its last W - 1 tokens before ``length``
 
+    def close(self) -> None:
+        self.cache = None
+
     def _watch_window(self) -> None:
         """Sliding-window layers (Gemma 2/3, Mistral-style configs) keep only their last W - 1
         tokens, and transformers refuses to crop them once full. Recording the past keeps what
@@ -88,3 +193,9 @@ class CachedLM:
         self.cache.activate_past_recording()
         first = self.cache_len
         self._floor = first if first >= self._window - 1 else 0  # (that first forward was not recorded)
+
+
+def _sliding(config) -> bool:
+    """Whether the model has sliding-window attention layers (their masks are its own)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return any("sliding" in str(t) for t in (getattr(cfg, "layer_types", None) or ()))

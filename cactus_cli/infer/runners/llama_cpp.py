@@ -1,10 +1,14 @@
-"""``LlamaCppRunner``: a GGUF file on llama.cpp's CPU kernels (the model itself: infer/gguf.py).
+"""``LlamaCppRunner``: one sequence of a GGUF model on llama.cpp's CPU kernels (the model itself:
+infer/gguf.py). The model's sequences share one llama.cpp context (``Context``: ``n_seq_max``
+sequences in one unified KV cache), each runner addressing its own ``seq_id``.
 
 ``forward`` is one ``llama_decode`` of the new tokens (split in batches of ``n_batch`` only for a
 long prefill) with logits asked for the last ``keep`` positions, returned as a view of llama.cpp's
-own output buffer (no copy: valid until this runner's next call, as the ``Runner`` protocol says);
-``crop`` is ``llama_memory_seq_rm``; ``reset`` is ``llama_memory_clear``. The context is made
-for the room ``reserve`` asks for and grown (replaying the cached tokens) when a call needs more.
+own output buffer (no copy: valid until the model's next call, as the ``Runner`` protocol says);
+``forward_rows`` puts several sequences' tokens in that one ``llama_batch`` (a ``seq_id`` per
+token); ``crop`` is ``llama_memory_seq_rm``; ``reset`` forgets the sequence; ``adopt`` is
+``llama_memory_seq_cp``. The context is made for the room ``reserve`` asks for and grown
+(replaying every sequence's cached tokens) when a call needs more.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 
 from cactus_cli.core.errors import ContextLimitError, ModelError
 from cactus_cli.infer.gguf import GGUFModel, bindings, last_log
-from cactus_cli.infer.runners.base import prefill
+from cactus_cli.infer.runners.base import MAX_STEP_WIDTH, Row, prefill
 from cactus_cli.infer.sources import LoadedModel
 
 FIRST_CONTEXT = 512  # tokens of KV cache made at least, when no reserve() said more; grown to what a request needs
@@ -25,34 +29,28 @@ MAX_BATCH = 512  # tokens per llama_decode call (a longer prefill is split)
 MAX_OUTPUTS = 17  # logits rows a call may ask for at least (the default k_max + 1); grown when asked for more
 
 
-class LlamaCppRunner:
-    """A ``Runner`` over one llama.cpp context (one sequence) of a ``GGUFModel``."""
+class Context:
+    """The llama.cpp context every sequence of one model shares, and what each sequence holds."""
 
-    compiled = False
-
-    def __init__(self, lm: LoadedModel, vocab_size: int, context_length: int):
-        self.lm = lm
-        self.vocab_size = vocab_size
-        self.model: GGUFModel = lm.model
-        self.limit = min(context_length, self.model.n_ctx_train)
-        self.forward_passes = 0
-        self.compile_seconds = 0.0
+    def __init__(self, model: GGUFModel, limit: int, sequences: int):
+        self.model = model
+        self.limit = limit  # positions one sequence may reach (the model's window)
+        self.sequences = sequences
         self.ctx = None
-        self.n_ctx = self.n_outputs = 0
-        self._ids: list[int] = []  # what the cache holds (replayed into a larger context)
-        # (the context is made at the first reserve() or forward(), the size the request needs: its
-        # KV cache and logits rows are the process's memory, and a 4096-token context for a
-        # 300-token request was a tenth of the run's peak)
+        self.n_ctx = self.n_outputs = self.n_batch = 0
+        self.ids: list[list[int]] = [[] for _ in range(sequences)]  # what each sequence holds (replayed when grown)
+        self.need = [0] * sequences  # the room each sequence's request reserved
+        self.forward_passes = 0
 
-    # ------------------------------------------------------------------ the context
-
-    def _make_context(self, n_ctx: int, n_outputs: int) -> None:
+    def make(self, n_ctx: int, n_outputs: int) -> None:
         ll = bindings()
         self.close()
         params = ll.llama_context_default_params()
         params.n_ctx = n_ctx
-        params.n_batch = params.n_ubatch = max(min(MAX_BATCH, n_ctx), n_outputs)  # (the last batch holds every output)
-        params.n_seq_max = 1
+        # (one call holds every row of a step: its tokens and its outputs)
+        params.n_batch = params.n_ubatch = max(min(MAX_BATCH, n_ctx), n_outputs)
+        params.n_seq_max = self.sequences
+        params.kv_unified = True  # one pool of cells: a long sequence beside short ones, and seq_cp without a copy
         params.n_outputs_max = n_outputs
         params.n_threads = params.n_threads_batch = self.model.threads  # (the bindings' default: half the CPUs)
         params.no_perf = True
@@ -67,9 +65,10 @@ class LlamaCppRunner:
         self.n_batch = int(params.n_batch)
         self.memory = ll.llama_get_memory(ctx)
         self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
-        cached, self._ids = self._ids, []
-        if cached:  # a grown context: the same cache, replayed
-            self._decode(cached, 0)
+        cached, self.ids = self.ids, [[] for _ in range(self.sequences)]
+        for seq, ids in enumerate(cached):  # a grown context: the same caches, replayed
+            if ids:
+                self.decode([(seq, ids, 0)])
 
     def close(self) -> None:
         if self.ctx:
@@ -82,18 +81,113 @@ class LlamaCppRunner:
         with contextlib.suppress(Exception):
             self.close()
 
-    def _room(self, tokens: int, outputs: int) -> None:
-        """A context that holds ``tokens`` cached tokens and gives ``outputs`` logits rows."""
+    def room(self, seq: int, tokens: int, outputs: int, reserving: bool = False) -> None:
+        """A context where sequence ``seq`` holds ``tokens`` (the others what they hold or
+        reserved) and one call gives ``outputs`` logits rows; ``reserving``: what its next
+        request will need (it replaces what the last one reserved)."""
         if tokens > self.limit:
             raise ContextLimitError(
                 f"{tokens} tokens do not fit the model's context window of {self.limit}; "
                 "shorten the prompt or --max-tokens"
             )
+        self.need[seq] = tokens if reserving else max(self.need[seq], tokens)
+        total = sum(max(n, len(ids)) for n, ids in zip(self.need, self.ids))
+        cells = min(self.limit * self.sequences, max(total, FIRST_CONTEXT))
         if self.ctx is None:
-            self._make_context(min(self.limit, max(tokens, FIRST_CONTEXT)), max(outputs, MAX_OUTPUTS))
-        elif tokens > self.n_ctx or outputs > self.n_outputs:
-            grown = min(self.limit, max(tokens, 2 * self.n_ctx if tokens > self.n_ctx else self.n_ctx))
-            self._make_context(grown, max(outputs, self.n_outputs))
+            self.make(cells, max(outputs, MAX_OUTPUTS))
+        elif total > self.n_ctx or outputs > self.n_outputs:
+            grown = max(cells, 2 * self.n_ctx) if total > self.n_ctx else self.n_ctx
+            self.make(min(grown, self.limit * self.sequences), max(outputs, self.n_outputs))
+
+    def decode(self, rows: list[tuple[int, list[int], int]]) -> torch.Tensor | None:
+        """Decode each row's ids (sequence, ids, keep) after what its sequence holds, in one call
+        when they fit a batch. When they do not, a row's head goes first, alone, in batches that
+        end where a single sequence's always did (the last one full), and the final call holds
+        every row's last ``keep`` tokens: every output comes from that one call. Returns the
+        outputs [sum keep, V] in row order, a view of llama.cpp's buffer."""
+        ll = bindings()
+        rows = [(seq, ids, keep) for seq, ids, keep in rows if ids]
+        if sum(len(ids) for _, ids, _ in rows) > self.n_batch:
+            final = []
+            for seq, ids, keep in rows:
+                tail = min(len(ids), self.n_batch) if len(rows) == 1 else keep
+                head = ids[: len(ids) - tail]
+                begin = 0
+                for end in list(range(len(head), 0, -self.n_batch))[::-1]:
+                    self._call([(seq, head[begin:end], 0)])
+                    begin = end
+                if tail:
+                    final.append((seq, ids[len(head) :], keep))
+            rows = final
+            if sum(len(ids) for _, ids, _ in rows) > self.n_batch:
+                raise ModelError(
+                    f"internal error: {sum(k for _, _, k in rows)} logits rows do not fit one llama.cpp batch of "
+                    f"{self.n_batch}; reserve() the widths first"
+                )
+        self._call(rows)
+        total = sum(keep for _, _, keep in rows)
+        if not total:
+            return None
+        width = self.model.n_vocab
+        buf = (ctypes.c_float * (total * width)).from_address(ctypes.addressof(ll.llama_get_logits(self.ctx).contents))
+        return torch.frombuffer(buf, dtype=torch.float32).view(total, width)
+
+    def _call(self, rows: list[tuple[int, list[int], int]]) -> None:
+        ll = bindings()
+        b = self.batch
+        i = 0
+        for seq, ids, keep in rows:
+            start = len(self.ids[seq])
+            for j, token in enumerate(ids):
+                b.token[i] = token
+                b.pos[i] = start + j
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = seq
+                b.logits[i] = j >= len(ids) - keep
+                i += 1
+        b.n_tokens = i
+        code = ll.llama_decode(self.ctx, b)
+        if code != 0:
+            for seq, ids, _ in rows:  # (what this call may have written is dropped: the caches stay as they were)
+                ll.llama_memory_seq_rm(self.memory, seq, len(self.ids[seq]), -1)
+            raise ModelError(
+                f"llama.cpp could not decode {i} tokens (llama_decode returned {code}"
+                f"{': ' + last_log() if last_log() else ''})"
+            )
+        for seq, ids, _ in rows:
+            self.ids[seq].extend(ids)
+        self.forward_passes += 1
+
+
+class LlamaCppRunner:
+    """A ``Runner`` over sequence ``seq`` of a ``Context`` of a ``GGUFModel``."""
+
+    compiled = False
+
+    def __init__(self, lm: LoadedModel, vocab_size: int, context_length: int, sequences: int = 1, seq: int = 0):
+        self.lm = lm
+        self.vocab_size = vocab_size
+        self.model: GGUFModel = lm.model
+        self.seq = seq
+        self.shared = Context(self.model, min(context_length, self.model.n_ctx_train), sequences)
+        self._siblings: dict[int, LlamaCppRunner] = {seq: self}
+        self.forward_passes = 0
+        self.compile_seconds = 0.0
+        # (the context is made at the first reserve() or forward(), the size the requests need: its
+        # KV cache and logits rows are the process's memory, and a 4096-token context for a
+        # 300-token request was a tenth of the run's peak)
+
+    @property
+    def limit(self) -> int:
+        return self.shared.limit
+
+    @property
+    def n_ctx(self) -> int:
+        return self.shared.n_ctx
+
+    @property
+    def _ids(self) -> list[int]:
+        return self.shared.ids[self.seq]
 
     # ------------------------------------------------------------------ the Runner protocol
 
@@ -104,65 +198,76 @@ class LlamaCppRunner:
     def reserve(
         self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None, exact: bool = True
     ) -> None:
-        """Room for ``tokens`` cached tokens and steps of these widths (a larger context if needed)."""
-        self._room(min(tokens, self.limit), max(widths, default=1))
+        """Room for ``tokens`` cached tokens and steps of these widths (a larger context if needed:
+        every sequence may step at once, within MAX_STEP_WIDTH rows in all)."""
+        widest = max(widths, default=1)
+        rows = max(widest, min(self.shared.sequences * widest, MAX_STEP_WIDTH))
+        self.shared.room(self.seq, min(tokens, self.limit), rows, True)
+
+    def sequence(self, seq: int) -> LlamaCppRunner:
+        if not 0 <= seq < self.shared.sequences:
+            raise ValueError(f"sequence {seq}: this model holds {self.shared.sequences}")
+        if seq not in self._siblings:
+            other = LlamaCppRunner.__new__(LlamaCppRunner)
+            other.__dict__.update(self.__dict__)
+            other.seq, other.forward_passes = seq, 0
+            self._siblings[seq] = other
+        return self._siblings[seq]
 
     def forward(self, ids: torch.Tensor | list[int], keep: int) -> torch.Tensor:
         """Append ``ids`` [L] to the cache; return the last ``keep`` logits rows [keep, V], a view
-        of llama.cpp's buffer valid until this runner's next call."""
-        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        if not 1 <= keep <= len(ids):
-            raise ValueError(f"keep={keep} for {len(ids)} tokens")
-        self._room(len(self._ids) + len(ids), keep)
-        rows = self._decode(ids, keep)
-        self.forward_passes += 1
-        return rows[:, : self.vocab_size]
+        of llama.cpp's buffer valid until this model's next call."""
+        return self.forward_rows([(self, ids, keep)])[0]
 
-    def _decode(self, ids: list[int], keep: int) -> torch.Tensor | None:
-        """Decode ``ids`` after the cache, in batches whose last one holds the ``keep`` outputs."""
-        ll = bindings()
-        start = len(self._ids)
-        ends = list(range(len(ids), 0, -self.n_batch))[::-1]  # the last batch is a full one, so it holds keep
-        begin = 0
-        for end in ends:
-            chunk = ids[begin:end]
-            b = self.batch
-            for i, token in enumerate(chunk):
-                b.token[i] = token
-                b.pos[i] = start + begin + i
-                b.n_seq_id[i] = 1
-                b.seq_id[i][0] = 0
-                b.logits[i] = end == len(ids) and i >= len(chunk) - keep
-            b.n_tokens = len(chunk)
-            code = ll.llama_decode(self.ctx, b)
-            if code != 0:
-                self._ids = self._ids[: start + begin]
-                ll.llama_memory_seq_rm(self.memory, 0, start + begin, -1)
-                raise ModelError(
-                    f"llama.cpp could not decode {len(chunk)} tokens at position {start + begin} "
-                    f"(llama_decode returned {code}{': ' + last_log() if last_log() else ''})"
-                )
-            self._ids.extend(chunk)
-            begin = end
-        if not keep:
-            return None
-        width = self.model.n_vocab
-        buf = (ctypes.c_float * (keep * width)).from_address(ctypes.addressof(ll.llama_get_logits(self.ctx).contents))
-        return torch.frombuffer(buf, dtype=torch.float32).view(keep, width)
+    def forward_rows(self, rows: list[Row]) -> list[torch.Tensor]:
+        plain = []
+        for runner, ids, keep in rows:
+            if runner.shared is not self.shared:
+                raise ValueError("forward_rows: every row must be a sequence of this model")
+            ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+            if not 0 <= keep <= len(ids) or not ids:
+                raise ValueError(f"keep={keep} for {len(ids)} tokens")
+            plain.append((runner.seq, ids, keep))
+        outputs = sum(keep for _, _, keep in plain)
+        for seq, ids, _ in plain:
+            self.shared.room(seq, len(self.shared.ids[seq]) + len(ids), outputs)
+        logits = self.shared.decode(plain)
+        out, at = [], 0
+        for (runner, _, _), (_, _, keep) in zip(rows, plain):
+            runner.forward_passes += 1
+            out.append(logits[at : at + keep, : self.vocab_size] if keep else torch.empty(0, self.vocab_size))
+            at += keep
+        return out
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` cached tokens."""
-        if length >= len(self._ids) or self.ctx is None:
+        if length >= len(self._ids) or self.shared.ctx is None:
             return
-        if not bindings().llama_memory_seq_rm(self.memory, 0, length, -1):
+        if not bindings().llama_memory_seq_rm(self.shared.memory, self.seq, length, -1):
             self.reset()  # (a cache that cannot go back: callers feed again from 0)
             return
         del self._ids[length:]
 
     def reset(self) -> None:
-        if self.ctx is not None:
-            bindings().llama_memory_clear(self.memory, True)
-        self._ids = []
+        if self.shared.ctx is not None and self._ids:
+            bindings().llama_memory_seq_rm(self.shared.memory, self.seq, 0, -1)
+        self._ids.clear()
+        self.shared.need[self.seq] = 0
 
     def prefill(self, prompt: list[int], previous: list[int], reuse: bool) -> int:
         return prefill(self, prompt, previous, reuse)
+
+    def adopt(self, donor: LlamaCppRunner, length: int) -> int:
+        """This sequence holds the first ``length`` tokens of ``donor``'s (unified KV cells are
+        shared, not copied)."""
+        if donor.shared is not self.shared or donor.seq == self.seq or self.shared.ctx is None:
+            return 0
+        length = min(length, donor.cache_len)
+        self.reset()
+        ll = bindings()
+        ll.llama_memory_seq_cp(self.shared.memory, donor.seq, self.seq, 0, length)
+        self._ids.extend(donor._ids[:length])
+        return length
+
+    def close(self) -> None:
+        self.shared.close()

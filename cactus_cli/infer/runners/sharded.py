@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from cactus_cli.infer.runners.base import Runner, prefill, to_device
+from cactus_cli.infer.runners.base import Row, Runner, one_by_one, prefill, to_device
 from cactus_cli.infer.sources import LoadedModel
 from cactus_cli.infer.tp import group
 
@@ -124,6 +124,17 @@ class ShardedRunner:
         self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None, exact: bool = True
     ) -> None:
         self.inner.reserve(tokens, widths, report, exact)
+
+    def sequence(self, seq: int) -> ShardedRunner:
+        if seq != 0:
+            raise ValueError("a sharded runner holds one sequence (every rank keeps the same one)")
+        return self
+
+    def forward_rows(self, rows: list[Row]) -> list[torch.Tensor]:
+        return one_by_one(rows)
+
+    def adopt(self, donor: Runner, length: int) -> int:
+        return 0
 
     def close(self) -> None:
         self._announce("stop")
