@@ -112,14 +112,14 @@ def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs
     index = {c: i for i, c in enumerate(cells)}
     engine = SpeculativeEngine(pair)
     if adaptive:
-        real_choose, calls = engine.auto_k.choose, itertools.count()
+        real_settle, calls = engine.auto_k.settle, itertools.count()
         script = itertools.cycle([0, 1, 2, 2, 0, 1])
 
-        def choose(akey, k_max, source="model", confidence=None):
-            k = real_choose(akey, k_max, source, confidence)
-            return min(next(script), k_max) if next(calls) % 3 else k
+        def settle(want, k):
+            k = real_settle(want, k)
+            return min(next(script), want.k_max) if next(calls) % 3 else k
 
-        monkeypatch.setattr(engine.auto_k, "choose", choose)
+        monkeypatch.setattr(engine.auto_k, "settle", settle)
     samples, ks = [], set()
     for seed in range(1500):
         params = GenerationParams(
@@ -290,7 +290,7 @@ def test_non_finite_probabilities_are_an_error_not_garbage(tiny):
 def test_a_plain_step_says_it_drafted_from_nowhere(pairs, monkeypatch):
     # -k auto choosing k = 0: a plain step, whose draft_source is None (core/events.py)
     engine = SpeculativeEngine(pairs["close"])
-    monkeypatch.setattr(engine.auto_k, "choose", lambda *a, **kw: 0)
+    monkeypatch.setattr(engine.auto_k, "settle", lambda want, k: 0)
     params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=True, max_tokens=12, ignore_eos=True)
     _, stats, events = run(engine, prompt_ids(pairs["close"]), params)
     assert {ev.num_drafted for ev in events} == {0}

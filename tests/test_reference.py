@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import deque
 import os
+from collections import deque
 from pathlib import Path
 
 import pytest

@@ -39,6 +39,9 @@ class StepEvent:
     verifier_forward_passes: int
     prompt_tokens: int
     finish_reason: str | None = None  # "eos", "stop", "length", "context" on the last step
+    # of verify_seconds, the verifier's model call alone (llama_decode, the forward); the rest is the
+    # rule, sampling and the host read (on CUDA the call only queues the work: the split means little)
+    verify_forward_seconds: float = 0.0
     # the divergence meter (GenerationParams.measure), per emitted token decided by the rule:
     realized_kl: tuple[float, ...] = ()  # KL(h_alg || q) of the exact emitted distribution
     realized_tv: tuple[float, ...] = ()  # TV(h_alg, q)

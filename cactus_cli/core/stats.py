@@ -31,6 +31,7 @@ class SpecStats:
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    verify_forward_seconds: float = 0.0  # of verify_seconds, the model call alone
     time_to_first_token: float | None = None
     total_seconds: float = 0.0
     finish_reason: str | None = None
@@ -49,6 +50,7 @@ class SpecStats:
         self.reused_prefix_tokens += ev.reused_tokens
         self.draft_seconds += ev.draft_seconds
         self.verify_seconds += ev.verify_seconds
+        self.verify_forward_seconds += ev.verify_forward_seconds
         if self.time_to_first_token is None and ev.emitted:
             self.time_to_first_token = ev.elapsed
         self.total_seconds = ev.elapsed
@@ -97,6 +99,7 @@ class SpecStats:
             "prefill_seconds",
             "draft_seconds",
             "verify_seconds",
+            "verify_forward_seconds",
             "total_seconds",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -116,6 +119,23 @@ class SpecStats:
         self.finish_reason = other.finish_reason
 
     # derived figures ----------------------------------------------------------------
+
+    @property
+    def step_split(self) -> dict[str, float] | None:
+        """Where decoding time went, as shares of it (after the prefills): drafting, the verifier's
+        model call, the verify's Python around it (the rule, sampling, the host read), and the rest
+        (the loop, the k choice, cache rewinds, events)."""
+        decode = self.total_seconds - self.prefill_seconds
+        if decode <= 0:
+            return None
+        verify_python = self.verify_seconds - self.verify_forward_seconds
+        other = decode - self.draft_seconds - self.verify_seconds
+        return {
+            "draft": self.draft_seconds / decode,
+            "verify_forward": self.verify_forward_seconds / decode,
+            "verify_python": verify_python / decode,
+            "other": other / decode,
+        }
 
     @property
     def draft_acceptance_rate(self) -> float | None:
@@ -209,6 +229,8 @@ class SpecStats:
             "prefill_seconds": self.prefill_seconds,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
+            "verify_forward_seconds": self.verify_forward_seconds,
+            "step_split": self.step_split,
             "verifier_forward_passes": self.verifier_forward_passes,
             "draft_forward_passes": self.draft_forward_passes,
             "verifier_forward_passes_per_token": self.verifier_forward_passes / out_tokens,

@@ -16,7 +16,7 @@ import torch
 from cactus_cli.core import defaults
 from cactus_cli.core.errors import warn as warn_line
 from cactus_cli.core.fileio import check_output_file
-from cactus_cli.infer.draft.base import Drafter, DrafterBase, Fallback, Peek, Proposal, one_hot_proposal
+from cactus_cli.infer.draft.base import Drafter, DrafterBase, Fallback, Peek, Proposal, one_hot_proposal, propose_all
 from cactus_cli.infer.draft.cross import CrossVocabDrafter
 from cactus_cli.infer.draft.model import ModelDrafter
 from cactus_cli.infer.draft.ngram import NGRAM, NgramDrafter
@@ -35,8 +35,10 @@ __all__ = [
     "Kind",
     "Peek",
     "Proposal",
+    "free_drafting",
     "make_drafter",
     "one_hot_proposal",
+    "propose_all",
 ]
 
 
@@ -64,17 +66,20 @@ class Kind:
     state: Callable[[dict[str, Any], Any, int, Callable[[str], None]], Any] | None = None  # (options, tok, V, warn)
 
 
-def _history(options: dict[str, Any], tokenizer: Any, vocab_size: int, warn: Callable[[str], None]) -> History:
-    """The suffix trees' remembered history (``remember``: a file it is loaded from and saved to;
-    one that cannot serve is one warning and an empty history)."""
+def _history(
+    options: dict[str, Any], tokenizer: Any, vocab_size: int, warn: Callable[[str], None]
+) -> dict[str, History]:
+    """The suffix trees' histories by memory name, shared by every slot's drafter: the remembered
+    one under "" (``remember``: a file it is loaded from and saved to; one that cannot serve is
+    one warning and an empty history)."""
     if not options.get("remember"):
-        return History()
+        return {"": History()}
     path = check_output_file(options["remember"], "--remember")
     history, note = History.load(path, tokenizer_fingerprint(tokenizer), vocab_size)
     if note:
         warn(note)
     history.on_error = history.on_note = warn
-    return history
+    return {"": history}
 
 
 KINDS: dict[str, Kind] = {

@@ -3,13 +3,18 @@ their probabilities) continuing the verified sequence, then be told how many wer
 Drafters keep no copy of the sequence: the engine hands them its own (``seq``, read-only), so they
 can never drift out of step with it.
 
-Six members, what the engine needs and no more: ``peek`` (where the next proposal's drafts come
+Seven members, what the engine needs and no more: ``peek`` (where the next proposal's drafts come
 from and the drafter's own estimate of them, or None: nothing to draft, a plain step),
-``propose``, ``accept``, ``start`` / ``finish`` of a sequence, and ``runner``, the draft model's
-runner if any (the engine reads forward counts and the device from it, sizes and compiles it with
-the verifier's, and resets it when a step fails half-way; a drafter rebuilds everything else at
-``start``). ``DrafterBase`` gives the defaults a drafter without a model and without memory
-needs; ``Fallback`` composes a model-free drafter with a draft model, once, for every such drafter.
+``propose``, ``accept``, ``start`` / ``finish`` of a sequence, ``route`` (which drafter will
+propose: a Fallback's lookup or its model), and ``runner``, the draft model's runner if any (the
+engine reads forward counts and the device from it, sizes and compiles it with the verifier's,
+and resets it when a step fails half-way; a drafter rebuilds everything else at ``start``).
+``DrafterBase`` gives the defaults a drafter without a model and without memory needs;
+``Fallback`` composes a model-free drafter with a draft model, once, for every such drafter.
+
+One drafter serves one sequence (an engine slot); ``propose_all`` drafts for several at once,
+each drafter type doing it its own way (``propose_many``: the draft model steps every sequence's
+row in one model call per draft position).
 """
 
 from __future__ import annotations
@@ -66,11 +71,41 @@ class Drafter(Protocol):
         """The sequence is done (finished, stopped or abandoned) at ``seq``, what was output: a
         drafter with memory learns it."""
 
+    def route(self, seq: list[int]) -> "Drafter":
+        """The drafter that will propose the next draft for ``seq`` (itself, or what it composes)."""
+
+
+Item = tuple[
+    "Drafter", list[int], int, SamplingParams, "torch.Generator | None"
+]  # (drafter, seq, k, sampling, generator)
+
+
+def propose_all(items: list[Item]) -> list[Proposal]:
+    """A proposal for each (drafter, seq, k, sampling, generator), drafted together where the
+    drafters can: each routed drafter's type drafts its group at once (``propose_many``)."""
+    routed = [(d.route(seq), seq, k, sp, gen) for d, seq, k, sp, gen in items]
+    out: list[Proposal | None] = [None] * len(items)
+    groups: dict[type, list[int]] = {}
+    for i, (d, *_rest) in enumerate(routed):
+        groups.setdefault(type(d), []).append(i)
+    for kind, idx in groups.items():
+        for i, proposal in zip(idx, kind.propose_many([routed[i] for i in idx])):
+            out[i] = proposal
+    return out
+
 
 class DrafterBase:
     """Defaults: no model, nothing to keep between steps or sequences."""
 
     runner: Runner | None = None
+
+    def route(self, seq: list[int]) -> Drafter:
+        return self
+
+    @staticmethod
+    def propose_many(items: list[Item]) -> list[Proposal]:
+        """Each item's proposal, one by one (a drafter that can draft several at once overrides it)."""
+        return [d.propose(seq, k, sp, gen) for d, seq, k, sp, gen in items]
 
     def peek(self, seq: list[int]) -> Peek | None:
         raise NotImplementedError
@@ -114,6 +149,9 @@ class Fallback(DrafterBase):
 
     def peek(self, seq: list[int]) -> Peek | None:
         return self._drafting(seq)[1]
+
+    def route(self, seq: list[int]) -> Drafter:
+        return self._drafting(seq)[0].route(seq)
 
     def start(self, prompt: list[int], previous: list[int], reuse: bool = False, memory: str | None = "") -> None:
         self.primary.start(prompt, previous, reuse, memory)

@@ -6,7 +6,7 @@ import torch
 
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample
-from cactus_cli.infer.draft.base import DrafterBase, Peek, Proposal
+from cactus_cli.infer.draft.base import DrafterBase, Item, Peek, Proposal
 from cactus_cli.infer.runners.base import Runner, common_prefix
 
 
@@ -37,25 +37,43 @@ class ModelDrafter(DrafterBase):
             self.runner.reset()
         return self.runner.cache_len
 
-    @torch.inference_mode()
     def propose(self, seq: list[int], k: int, sp: SamplingParams, generator: torch.Generator | None) -> Proposal:
-        self._k, self._base = k, len(seq)
-        feed: torch.Tensor | list[int] = seq[self.runner.cache_len :]
-        fed = len(feed)
-        tokens, probs = [], []
-        for _ in range(k):
-            logits = self.runner.forward(feed, keep=1)[-1]  # [V]
-            if sp.greedy:
-                tok = logits.argmax(-1, keepdim=True)  # [1]
+        return self.propose_many([(self, seq, k, sp, generator)])[0]
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_many(items: list[Item]) -> list[Proposal]:
+        """Draft for several sequences of one draft model: at each draft position, one model call
+        over every sequence still drafting (``Runner.forward_rows``), each row sampled with its
+        own sampling and generator as it would be alone."""
+        feeds, state = [], []
+        for d, seq, k, sp, gen in items:
+            d._k, d._base = k, len(seq)
+            feed = seq[d.runner.cache_len :]
+            feeds.append(feed)
+            state.append(([], [], len(feed)))
+        for j in range(max((k for _, _, k, _, _ in items), default=0)):
+            live = [i for i, (_, _, k, _, _) in enumerate(items) if k > j]
+            rows = [(items[i][0].runner, feeds[i], 1) for i in live]
+            for i, logits in zip(live, items[live[0]][0].runner.forward_rows(rows)):
+                d, seq, k, sp, gen = items[i]
+                logits = logits[-1]  # [V]
+                tokens, probs, _ = state[i]
+                if sp.greedy:
+                    tok = logits.argmax(-1, keepdim=True)  # [1]
+                else:
+                    p = probs_from_logits(logits, sp)  # [V]
+                    tok = sample(p.unsqueeze(0), gen)  # [1]
+                    probs.append(p)
+                tokens.append(tok)
+                feeds[i] = tok  # the last drafted token is never fed: the verifier decides what follows
+        out = []
+        for (d, _, _, _, _), (tokens, probs, fed) in zip(items, state):
+            if not tokens:
+                out.append(Proposal(torch.zeros(0, dtype=torch.int64, device=d.runner.lm.device), None))
             else:
-                p = probs_from_logits(logits, sp)  # [V]
-                tok = sample(p.unsqueeze(0), generator)  # [1]
-                probs.append(p)
-            tokens.append(tok)
-            feed = tok  # the last drafted token is never fed: the verifier decides what follows
-        if not tokens:
-            return Proposal(torch.zeros(0, dtype=torch.int64, device=self.runner.lm.device), None)
-        return Proposal(torch.cat(tokens), torch.stack(probs) if probs else None, MODEL, fed)
+                out.append(Proposal(torch.cat(tokens), torch.stack(probs) if probs else None, MODEL, fed))
+        return out
 
     def accept(self, seq: list[int], num_accepted: int) -> None:
         if self._k:  # the cache holds the old sequence + the first k-1 drafts: keep the ones that stayed

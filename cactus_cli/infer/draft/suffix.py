@@ -33,12 +33,21 @@ MAX_DRAFT = 64  # tokens looked ahead when asked whether there is a draft (the k
 
 
 class SuffixDrafter(DrafterBase):
-    def __init__(self, vocab_size: int, device: torch.device, history: History | None = None, sampled: bool = True):
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device,
+        history: History | dict[str, History] | None = None,
+        sampled: bool = True,
+    ):
+        """``history``: the remembered history, or every history by memory name as the engine's
+        slots share them (each slot's drafter reads and extends the same trees)."""
         self.vocab_size = vocab_size
         self.device = device
         self.sampled = sampled
         self.min_prob = MIN_PROB
-        self.histories: dict[str, History] = {"": history if history is not None else History()}
+        shared = history if isinstance(history, dict) else {"": history if history is not None else History()}
+        self.histories: dict[str, History] = shared
         self.memory: str | None = ""  # the history this sequence reads and extends (None: none)
         self.request = SuffixTree()
         self.rng: random.Random | None = None
