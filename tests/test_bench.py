@@ -284,3 +284,27 @@ def test_twin_rows_never_share_a_drafters_memory():
 
     grid = build_grid(["sps", "sps"], [1.0], [2, 2], {}, False, variants=[("torch", "none", False, "suffix", "")])
     assert [c.label for c in grid] == ["verifier alone", "sps k=2"]
+
+
+def test_concurrency_rows_serve_requests_together(tiny):
+    """--concurrency 1,3: each configuration also runs with 3 requests stepped together; those rows
+    give the aggregate rate, each request's rate and the time to first token; greedy answers are
+    the same tokens as one at a time (the same count of output tokens)."""
+    r = bench(tiny, "--rules", "sps", "-k", "2", "--limit", "4", "-t", "0", "--concurrency", "1,3", "--json")
+    assert r.exit_code == 0, r.output
+    rows = {row["config"]: row for row in json.loads(r.output)["results"]}
+    assert set(rows) == {"verifier alone", "verifier alone · 3 at once", "sps k=2", "sps k=2 · 3 at once"}
+    for name in ("verifier alone", "sps k=2"):
+        one, three = rows[name], rows[f"{name} · 3 at once"]
+        assert three["concurrency"] == 3 and one["concurrency"] == 1
+        assert three["num_output_tokens"] == one["num_output_tokens"] and three["prompts"] == 4
+        assert three["aggregate_tokens_per_second"] > 0 and three["ttft_p90"] >= three["ttft_p50"] > 0
+        assert three["request_decode_tokens_per_second"] > 0
+    assert rows["sps k=2 · 3 at once"]["mean_acceptance_length"] == rows["sps k=2"]["mean_acceptance_length"]
+    table = bench(tiny, "--rules", "sps", "-k", "2", "--limit", "3", "--concurrency", "2")
+    assert table.exit_code == 0 and "all tok/s" in table.output and "TTFT p50" in table.output
+
+
+@pytest.mark.parametrize("value", ["0", "1,x", "65"])
+def test_bad_concurrency(tiny, value):
+    assert_one_line_error(invoke(*bench_args(tiny), "--concurrency", value), "--concurrency")

@@ -207,17 +207,16 @@ def test_malformed_and_oversized_bodies(served, monkeypatch):
 
 
 def slow(server: Server, gate: threading.Event | None = None, delay: float = 0.05) -> None:
-    """Make the worker wait for ``gate`` before each job, and each step take ``delay`` seconds."""
-    generate = server.session.generate
+    """Make the worker wait for ``gate`` before each step, and each step take ``delay`` seconds."""
+    step = server.batch.step
 
-    def slowly(*a, **kw):
+    def slowly():
         if gate is not None:
             gate.wait(30)
-        for event in generate(*a, **kw):
-            time.sleep(delay)
-            yield event
+        time.sleep(delay)
+        return step()
 
-    server.session.generate = slowly
+    server.batch.step = slowly
 
 
 @contextlib.contextmanager
@@ -236,8 +235,6 @@ def serving(session, api_key=None, gate=None, delay=None, **server_args):
             gate.set()
         stop()
         server.stop()
-        if slowed:
-            del session.generate  # (the instance attribute slow() set)
 
 
 def test_a_client_that_leaves_cancels_its_generation(session):
@@ -515,3 +512,122 @@ def test_unknown_keys_inside_a_message_are_ignored(served):
     ]
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def batched(tiny):
+    session = Session.load(
+        verifier=tiny["verifier"],
+        draft=tiny["draft_close"],
+        device="cpu",
+        dtype="float32",
+        num_draft_tokens=3,
+        max_tokens=16,
+        temperature=0.0,
+        seed=0,
+        sequences=4,
+    )
+    return session
+
+
+def test_eight_concurrent_requests_each_get_the_answer_they_get_alone(batched):
+    """--parallel 4, 8 requests sent together (mixed lengths, shared prefixes, stop strings): each
+    answer equals the one the request gets served alone, token for token (greedy, float32), and
+    /metrics saw requests running together and waiting."""
+    prompts = [
+        PROMPT,
+        PROMPT + " ran fast",
+        "a red bird",
+        PROMPT,
+        "blue sky and the sun",
+        "one two three",
+        PROMPT + " sat",
+        "the sea",
+    ]
+    bodies = [
+        {"prompt": p, "max_tokens": 6 + 2 * i, "temperature": 0, **({"stop": ["sat on"]} if i % 3 == 0 else {})}
+        for i, p in enumerate(prompts)
+    ]
+    with serving(batched, max_queue=8) as (server, url):
+        alone = [httpx.post(f"{url}/v1/completions", json=b, timeout=120).json() for b in bodies]
+    with serving(batched, max_queue=8, parallel=4, delay=0.02) as (server, url):
+        seen = []
+        answers: list = [None] * len(bodies)
+
+        def send(i):
+            answers[i] = httpx.post(f"{url}/v1/completions", json=bodies[i], timeout=120).json()
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            seen.append(httpx.get(f"{url}/metrics").text)
+            time.sleep(0.02)
+        for t in threads:
+            t.join()
+    for got, want in zip(answers, alone):
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
+        assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+    running = [int(re.search(r"^vllm:num_requests_running (\d+)$", m, re.M).group(1)) for m in seen]
+    waiting = [int(re.search(r"^vllm:num_requests_waiting (\d+)$", m, re.M).group(1)) for m in seen]
+    assert max(running) > 1 and max(running) <= 4 and max(waiting) > 0
+
+
+def test_parallel_bad_values_are_one_line_errors(monkeypatch, capsys):
+    from cactus_cli.cli.main import main
+
+    for value, needle in (
+        ("0", "greater than or equal to 1"),
+        ("-1", "greater than or equal to 1"),
+        ("many", "valid integer"),
+        ("100", "less than or equal to 64"),
+    ):
+        monkeypatch.setattr(sys, "argv", ["cactus", "serve", "--parallel", value])
+        with pytest.raises(SystemExit) as exit_:
+            main()
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+        assert "'--parallel'" in lines[0] and needle in lines[0], lines[0]
+
+
+def test_parallel_past_memory_is_a_one_line_error():
+    from cactus_cli.app.serving import check_parallel
+    from cactus_cli.core.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"--parallel 8: 8 slots of 2048 tokens need 3\.0 GiB .* use --parallel 2 or fewer"
+    ):
+        check_parallel(8, 196608, 1 << 30)
+    check_parallel(8, 196608, None)  # (unknown: no check)
+
+
+def test_the_measured_default_parallel_doubles_while_it_pays():
+    from cactus_cli.app.serving import choose_parallel
+    from cactus_cli.infer.costs import CostModel
+
+    cpu = CostModel()  # the EPYC's llama-bench curve (issue 58): 4 wins, 8 adds only 16%
+    for w, ms in {1: 29, 2: 46, 4: 66, 8: 114, 16: 163}.items():
+        cpu.add_verify(w, ms / 1000)
+    n, why = choose_parallel(cpu, 16)
+    assert n == 4 and "8 would add 16%" in why
+    gpu = CostModel()  # flat: every doubling pays
+    for w in (1, 2, 4, 8, 16):
+        gpu.add_verify(w, 0.01)
+    assert choose_parallel(gpu, 16)[0] == 16
+    assert choose_parallel(CostModel(), 16)[0] == 1
+
+
+def test_a_request_asking_for_auto_on_a_fixed_k_profile_gets_the_cost_probe(tiny, tmp_path, monkeypatch):
+    """The request is prepared with its own settings (it was prepared with the server's, so -k auto
+    on a fixed-k profile never measured what a step costs)."""
+    monkeypatch.setenv("CACTUS_HOME", str(tmp_path / "home"))  # (no cost cache from other tests)
+    session = Session.load(
+        verifier=tiny["verifier"], draft=tiny["draft_close"], device="cpu", dtype="float32", num_draft_tokens=3
+    )
+    assert not session.engine.costs.costs.knows("model")
+    with serving(session) as (server, url):
+        body = {"prompt": PROMPT, "max_tokens": 4, "num_draft_tokens": "auto"}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+    assert session.engine.costs.costs.source.startswith("probe")

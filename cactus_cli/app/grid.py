@@ -19,6 +19,7 @@ from cactus_cli.core.acceptance import LOSSLESS, RULES, resolve_params
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.stats import SpecStats, summarize
 from cactus_cli.infer.backends import FALLBACK, backend_of
+from cactus_cli.infer.batch import Batch
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.runners.base import sync
 
@@ -36,6 +37,7 @@ class BenchConfig:
     cross: str = ""  # ... and --cross-vocab string,intersection (a draft with another vocabulary; "" otherwise)
     tag: str = ""  # names the engine in the label when a grid has more than one
     backend: str = FALLBACK  # ... and --backend torch,llama.cpp
+    concurrency: int = 1  # requests submitted together, stepped in one batch (bench --concurrency)
 
     @property
     def variant(self) -> tuple[str, str, bool, str, str]:
@@ -47,7 +49,8 @@ class BenchConfig:
 
     @property
     def label(self) -> str:
-        return self._label() + (f" · {self.tag}" if self.tag else "")
+        at_once = f" · {self.concurrency} at once" if self.concurrency > 1 else ""
+        return self._label() + at_once + (f" · {self.tag}" if self.tag else "")
 
     def _label(self) -> str:
         if self.kind == "autoregressive":
@@ -72,11 +75,12 @@ def build_grid(
     compare_hf: bool,
     k_max: int = 8,
     variants: list[tuple[str, str, bool, str, str]] = ((FALLBACK, "none", False, "", ""),),
+    concurrency: list[int] = (1,),
 ) -> list[BenchConfig]:
     """Per engine variant (backend, quantize, compiled, draft, cross-vocabulary method): the
     baseline (once per backend, quantize and compiled: it drafts nothing), then each rule (x
-    delta where it takes one) x k; then HF rows (the first variant with a draft model, eager).
-    ``auto`` in ``ks`` is the adaptive k (0..k_max)."""
+    delta where it takes one) x k, each at every ``concurrency``; then HF rows (the first variant
+    with a draft model, eager). ``auto`` in ``ks`` is the adaptive k (0..k_max)."""
     grid: list[BenchConfig] = []
     several = [len({v[i] for v in variants}) > 1 for i in range(5)]
 
@@ -95,9 +99,13 @@ def build_grid(
 
     baselines = set()
     for backend, quantize, compiled, draft, cross in variants:
-        rows = _grid(rules, deltas, ks, rule_params, k_max)
+        rows = [
+            dataclasses.replace(c, concurrency=n)
+            for c in _grid(rules, deltas, ks, rule_params, k_max)
+            for n in concurrency
+        ]
         if (backend, quantize, compiled) in baselines:
-            rows = rows[1:]
+            rows = rows[len(concurrency) :]
         baselines.add((backend, quantize, compiled))
         grid += [
             dataclasses.replace(
@@ -161,6 +169,9 @@ class ConfigResult:
     correct: int = 0  # eval: problems answered correctly, out of ``graded``
     graded: int = 0
     answers: list[dict[str, Any]] = field(default_factory=list)  # eval: one per problem
+    wall_seconds: float = 0.0  # bench --concurrency N > 1: from the requests' submission to the last answer
+    ttfts: list[float] = field(default_factory=list)  # per request: seconds from submission to its first token
+    request_rates: list[float] = field(default_factory=list)  # per request: its decode tokens per second
 
     def metrics(self, stats: SpecStats | None = None) -> dict[str, Any]:
         s = stats or self.stats
@@ -187,9 +198,17 @@ class ConfigResult:
                 if s.num_output_tokens and self.config.kind != "hf-assisted"
                 else None
             ),
+            "step_split": s.step_split,
             "time_to_first_token": (
                 s.time_to_first_token / max(self.prompts_done, 1) if s.time_to_first_token is not None else None
             ),
+            # requests together (bench --concurrency): every answer's tokens over the wall time
+            # from the first request submitted to the last answer; each request's own rate; TTFT
+            "concurrency": self.config.concurrency,
+            "aggregate_tokens_per_second": (s.num_output_tokens / self.wall_seconds if self.wall_seconds else tps),
+            "request_decode_tokens_per_second": _mean(self.request_rates),
+            "ttft_p50": _quantile(self.ttfts, 0.5),
+            "ttft_p90": _quantile(self.ttfts, 0.9),
             # the divergence meter (bench --meter, calibrate): per emitted position
             "realized_kl_mean": kl.get("mean"),
             "realized_kl_p90": kl.get("p90"),
@@ -202,6 +221,11 @@ class ConfigResult:
 
     def add(self, prompt: Prompt, s: SpecStats, verdict: tuple[bool, str | None] | None = None) -> None:
         """One generation (a problem may have several: --samples); its verdict if graded."""
+        if self.config.concurrency == 1:  # (requests together: their own clock, run_concurrent)
+            if s.time_to_first_token is not None:
+                self.ttfts.append(s.time_to_first_token)
+            if s.decode_tokens_per_second:
+                self.request_rates.append(s.decode_tokens_per_second)
         self.stats.merge(s)
         self.by_category.setdefault(prompt.category, SpecStats()).merge(s)
         self.prompts_done += 1
@@ -223,6 +247,21 @@ Grade = Callable[[Prompt, list[str]], list[tuple[bool, str | None]]]  # a proble
 SAMPLE_STRIDE = 1_000_003  # eval --samples: sample s of prompt i is seeded base + i + s * this
 
 
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    """The q-quantile by linear interpolation (numpy's default)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    lo = int(at)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (at - lo)
+
+
 def run_one(
     engine: SpeculativeEngine,
     cfg: BenchConfig,
@@ -237,7 +276,15 @@ def run_one(
     ``stop``: where this prompt's answer ends."""
     if cfg.kind == "hf-assisted":
         return _one_hf(engine, cfg, i, ids, base)
-    params = dataclasses.replace(
+    s, text = SpecStats(), []
+    for ev in engine.generate(ids, _params(cfg, base, i, stop, sample)):
+        s.update(ev)
+        text.append(ev.text)
+    return s, "".join(text)
+
+
+def _params(cfg: BenchConfig, base: GenerationParams, i: int, stop: tuple[str, ...], sample: int = 0):
+    return dataclasses.replace(
         base,
         rule=cfg.rule or LOSSLESS,
         rule_kwargs=cfg.rule_kwargs,
@@ -248,11 +295,50 @@ def run_one(
         stop=base.stop + tuple(stop),
         memory=cfg.label,
     )  # (a drafter with memory learns from this row's own answers only: labels are unique, build_grid)
-    s, text = SpecStats(), []
-    for ev in engine.generate(ids, params):
-        s.update(ev)
-        text.append(ev.text)
-    return s, "".join(text)
+
+
+def run_concurrent(
+    engine: SpeculativeEngine,
+    result: ConfigResult,
+    prompts: list[tuple[Prompt, list[int]]],
+    base: GenerationParams,
+    on_run: Callable[[BenchConfig], None],
+) -> None:
+    """``result``'s configuration over every prompt as a server with ``concurrency`` slots serves
+    them: all submitted together, ``concurrency`` stepped in one batch (continuous batching: the
+    next prompt joins when one finishes), each with the seed it has alone. Each request's time to
+    first token counts from the submission."""
+    cfg = result.config
+    batch = Batch(engine)
+    waiting = list(enumerate(prompts))
+    live: dict[Any, list] = {}
+    t0 = time.perf_counter()
+    try:
+        while waiting or live:
+            while waiting and len(live) < cfg.concurrency:
+                i, (prompt, ids) = waiting.pop(0)
+                used = {rec[3] for rec in live.values()}
+                slot = next(s for s in range(len(engine.slots)) if s not in used)
+                entry = batch.add(engine.start(ids, _params(cfg, base, i, prompt.stop), slot=slot))
+                live[entry] = [prompt, SpecStats(), None, slot]
+            for entry, ev in batch.step():
+                if isinstance(ev, BaseException):
+                    raise ev
+                rec = live[entry]
+                rec[1].update(ev)
+                if rec[2] is None and ev.emitted:
+                    rec[2] = time.perf_counter() - t0
+                if entry.done:
+                    prompt, stats, first, _ = live.pop(entry)
+                    result.ttfts.append(first if first is not None else time.perf_counter() - t0)
+                    if stats.decode_tokens_per_second:
+                        result.request_rates.append(stats.decode_tokens_per_second)
+                    result.add(prompt, stats)
+                    on_run(cfg)
+    finally:
+        for entry in list(live):
+            batch.cancel(entry)
+        result.wall_seconds += time.perf_counter() - t0
 
 
 def run_speculative(
@@ -308,6 +394,8 @@ def run_grid(
     results = [ConfigResult(cfg, SpecStats(), {}, 0) for cfg in grid]
     sink.extend(results)
     by_label = {r.config.label: r for r in results}
+    together = [r for r in results if r.config.concurrency > 1]
+    results = [r for r in results if r.config.concurrency == 1]
     for i, (prompt, ids) in enumerate(prompts):
         if done and prompt.id in done:
             for g in done[prompt.id]:
@@ -327,6 +415,8 @@ def run_grid(
                 result.add(prompt, g.stats, verdict)
         if on_problem is not None:
             on_problem(prompt, [g for _, g in made])
+    for result in together:  # (all prompts at once: a row of its own, after the rows that take them one by one)
+        run_concurrent(engines[result.config.variant], result, prompts, base, on_run)
 
 
 def _one_hf(

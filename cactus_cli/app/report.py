@@ -98,6 +98,9 @@ def document(
             "prompts": r.prompts_done,
             **m,
             "speedup": tps / base_tps if tps and base_tps else None,
+            "aggregate_speedup": (
+                m["aggregate_tokens_per_second"] / base_tps if m["aggregate_tokens_per_second"] and base_tps else None
+            ),
             "tokens_per_second_vs_hf": (
                 tps / hf[r.config.k]
                 if r.config.kind == "speculative" and not r.config.adaptive and hf.get(r.config.k) and tps
@@ -152,6 +155,7 @@ CSV_COLUMNS = [
     "kind",
     "rule",
     "k",
+    "concurrency",
     "backend",
     "quantize",
     "compiled",
@@ -180,6 +184,11 @@ CSV_COLUMNS = [
     "verifier_forward_passes_per_token",
     "mean_k",
     "time_to_first_token",
+    "aggregate_tokens_per_second",
+    "aggregate_speedup",
+    "request_decode_tokens_per_second",
+    "ttft_p50",
+    "ttft_p90",
     "realized_kl_mean",
     "realized_kl_p90",
     "realized_kl_max",

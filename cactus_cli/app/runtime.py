@@ -50,9 +50,11 @@ def load_engine(
     pair: ModelPair | None = None,
     quantize: str | None = None,
     backend: str | None = None,
+    sequences: int = 1,
 ) -> SpeculativeEngine:
     """Load the pair (or take ``pair``, already loaded) and build the engine, compiled or not
-    (``compile_mode``, ``quantize`` and ``backend`` override the settings': bench times several).
+    (``compile_mode``, ``quantize`` and ``backend`` override the settings': bench times several),
+    with ``sequences`` slots (serve and bench --concurrency step several requests together).
     A rank > 0 of a torchrun tensor-parallel group never returns: it serves rank 0, then exits."""
     if settings.threads:
         import torch
@@ -71,7 +73,7 @@ def load_engine(
     if plan.request.compile == "on" and not plan.compiled and reporter is not None:
         reporter.warn(plan.compile_reason)
     engine = SpeculativeEngine(
-        pair, free_drafting(parse_draft(settings.draft)[0], settings, pair, reporter), plan.compiled
+        pair, free_drafting(parse_draft(settings.draft)[0], settings, pair, reporter), plan.compiled, sequences
     )
     for line in engine.costs.notes if reporter is not None else ():
         reporter.warn(line)
@@ -99,8 +101,11 @@ def prepare(
     prompt_tokens: int = PROMPT_ALLOWANCE,
     k_values: list[int | str] | None = None,
     whole_context: bool = False,
+    slot: int = 0,
+    probe: bool = True,
 ) -> None:
-    """Before anything is timed: compile the steps the run will take (a compiled engine), and
+    """Before anything is timed (``slot``: the engine slot the run will take; ``probe`` False: not
+    now, other runs hold the caches): compile the steps the run will take (a compiled engine), and
     when -k auto will run (``k_values`` lists the k a command will use) on a pair never timed on
     this machine, seed the cost model with a short probe. ``whole_context`` (chat): on CUDA the
     static caches are sized once for the whole context window (bounded by free memory), since
@@ -116,10 +121,10 @@ def prepare(
     widths = {w for k in ks for w in engine.step_widths(settings.max_draft_tokens if k == "auto" else int(k))}
     if engine.drafter is not None and k_values is not None:
         widths.add(1)  # bench and calibrate also time the verifier alone
-    engine.prepare(prompt_tokens + settings.max_tokens + 1, widths, report)
+    engine.prepare(prompt_tokens + settings.max_tokens + 1, widths, report, slot=slot)
     if engine.compile_note and reporter is not None:
         reporter.warn(engine.compile_note)
-    if engine.drafter is not None and "auto" in ks and not engine.costs.costs.knows(engine.cost_source):
+    if probe and engine.drafter is not None and "auto" in ks and not engine.costs.costs.knows(engine.cost_source):
         if reporter is not None:
             reporter.task("measuring step costs on this machine (once per pair, device and dtype)")
         engine.probe_costs(settings.max_draft_tokens)

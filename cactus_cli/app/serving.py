@@ -1,10 +1,14 @@
-"""What `cactus serve` does, without HTTP: one loaded Session serves requests one at a time, in
-arrival order, from a bounded queue, on one worker thread (one model pair on a CPU has no spare
-cores to run two: batching is a later step). A request is a ``Job``: its token ids, its settings
-(the session's with the request's overrides, checked as flags are), and a ``deliver`` callback the
+"""What `cactus serve` does, without HTTP: one loaded Session serves up to ``parallel`` requests at
+once by continuous batching (infer/batch.py): a request joins the batch at the next step, in
+its own engine slot, and leaves when it is done; every step verifies every request's tokens and
+drafts in one verifier call. What exceeds ``parallel`` waits in a bounded queue, in arrival order.
+All of it runs on one worker thread. A request is a ``Job``: its token ids, its settings (the
+session's with the request's overrides, checked as flags are), and a ``deliver`` callback the
 worker hands each step event, then the end (``Finished``) or the error. A job whose client went
-away is cancelled between two steps; the KV caches keep what the last request left, so a request
-that shares a prefix with it skips that prefix's prefill (``reuse_cache``).
+away is cancelled between two steps, its slot free at once. Each slot's KV caches keep what its
+last request left, and a request takes the free slot holding the longest prefix of its prompt
+(or adopts that prefix from another slot), so a conversation's next turn, or a file an agent sends
+again, skips that prefix's prefill; the server keeps max(parallel, PREFIXES) such prefixes.
 
 The HTTP side (app/http_api.py) parses and answers; this module owns the queue, the worker, the
 per-request settings and the counters /metrics reports."""
@@ -25,9 +29,15 @@ from cactus_cli.app.settings import Settings, build_settings, inert_rule_param
 from cactus_cli.core.acceptance import RULES
 from cactus_cli.core.errors import CactusError, ConfigError
 from cactus_cli.core.stats import SpecStats
+from cactus_cli.infer.batch import Batch, Entry
+from cactus_cli.infer.costs import CostModel
 from cactus_cli.infer.engine import GenerationParams
+from cactus_cli.infer.runners.base import common_prefix
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # ours -> OpenAI's
+PREFIXES = 4  # cached sequences the server keeps at least (aider alternates two conversations)
+ADOPT_MIN = 16  # a prefix another slot holds is adopted when it is this many tokens longer than the chosen slot's
+MAX_PARALLEL = 16  # --parallel at most (and the widest a measured default goes)
 
 
 class FieldError(ConfigError):
@@ -58,6 +68,7 @@ class Job:
     deliver: Callable[[Any], None]  # (from the worker thread) each StepEvent, then Finished or an exception
     cancel: threading.Event = field(default_factory=threading.Event)
     label: str = ""  # what --log-requests prints (the request's text); empty otherwise
+    stats: SpecStats = field(default_factory=SpecStats)  # this request's, as its events come
 
 
 @dataclass
@@ -85,6 +96,52 @@ class Metrics:
         self.reused_prefix_tokens += stats.reused_prefix_tokens
 
 
+SLOT_TOKENS = 2048  # tokens of KV cache each of --parallel's slots must have room for at least
+PARALLEL_GAIN = 1.25  # the measured default doubles N while N requests together decode this much more in all
+
+
+def choose_parallel(costs: CostModel, limit: int) -> tuple[int, str]:
+    """The default --parallel from the verifier's measured cost per width: N requests stepped
+    together decode N / t_v(N) tokens per second in all (a plain token each), one alone 1 / t_v(1);
+    N doubles while that gains at least PARALLEL_GAIN (each request is slower in a wider step:
+    past that, a little more throughput costs every request much of its speed)."""
+    if limit <= 1 or not costs.verify:
+        return 1, "one request at a time (no measured cost per width yet)" if limit > 1 else "one slot"
+    n = 1
+    while 2 * n <= limit and (2 * n / costs.t_v(2 * n)) >= PARALLEL_GAIN * (n / costs.t_v(n)):
+        n *= 2
+    speed = n / costs.t_v(n) * costs.t_v(1)
+    nxt = f"; {2 * n} would add {2 * n / costs.t_v(2 * n) / (n / costs.t_v(n)) - 1:.0%}" if 2 * n <= limit else ""
+    return n, (
+        f"--parallel {n}, measured here: {n} requests stepped together decode {speed:.2f}x one "
+        f"request's tokens per second in all ({costs.t_v(n) * 1000:.0f} ms a step against "
+        f"{costs.t_v(1) * 1000:.0f} ms){nxt}"
+    )
+
+
+def check_parallel(n: int, bytes_per_token: int, available: int | None) -> None:
+    """A one-line error when ``n`` slots of SLOT_TOKENS each do not fit the memory available."""
+    need = n * SLOT_TOKENS * bytes_per_token
+    if available is not None and need > available:
+        fits = max(available // max(SLOT_TOKENS * bytes_per_token, 1), 0)
+        raise ConfigError(
+            f"--parallel {n}: {n} slots of {SLOT_TOKENS} tokens need {need / 2**30:.1f} GiB of KV cache, "
+            f"and {available / 2**30:.1f} GiB of memory is available; use --parallel {max(fits, 1)} or fewer"
+        )
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux's MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class Server:
     """The session, its queue and its worker. ``submit`` never blocks: a full queue is ``Busy``."""
 
@@ -94,17 +151,22 @@ class Server:
         max_queue: int = 16,
         log: Callable[[str], None] | None = None,
         max_tokens: int | None = None,
+        parallel: int = 1,
     ):
         """``max_tokens``: the most tokens any answer may have (``cactus serve --max-tokens``);
-        None: an answer whose request names no max_tokens runs to its end or the context window."""
+        None: an answer whose request names no max_tokens runs to its end or the context window.
+        ``parallel``: requests stepped together (at most the engine's slots)."""
         self.session = session
         self.max_tokens = max_tokens
+        self.parallel = max(1, min(parallel, len(session.engine.slots)))
+        self.slots = session.engine.slots[: max(self.parallel, min(PREFIXES, len(session.engine.slots)))]
         self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.metrics = Metrics()
-        self.running: Job | None = None
+        self.running: dict[Entry, Job] = {}
         self.stopping = threading.Event()
         self.log = log  # --log-requests: where the requests' text goes (None: nowhere)
         self.started = time.time()
+        self.batch = Batch(session.engine)
         self.worker = threading.Thread(target=self._work, name="cactus-serve-worker", daemon=True)
         self.worker.start()
 
@@ -183,7 +245,7 @@ class Server:
             raise Busy(f"the queue is full ({self.queue.maxsize} requests waiting); retry shortly") from None
 
     def stop(self) -> None:
-        """Take no more jobs; the running one ends after its current step (finish_reason abort), the
+        """Take no more jobs; the running ones end after the current step (finish_reason abort), the
         waiting ones end at once; the worker exits."""
         self.stopping.set()
         while True:
@@ -205,36 +267,73 @@ class Server:
             job.cancel.set()
 
     def _work(self) -> None:
-        while (job := self.queue.get()) is not None:
-            if job.cancel.is_set() or self.stopping.is_set():  # its client left while it waited
-                self._send(job, Finished(SpecStats(), "abort"))
-                continue
-            self.running = job
-            try:
-                self._run(job)
-            finally:
-                self.running = None
+        closing = False
+        while not closing or self.running:
+            while not closing and len(self.running) < self.parallel:
+                try:
+                    job = self.queue.get(block=not self.running)  # (idle: wait for one; busy: take what waits)
+                except queue.Empty:
+                    break
+                if job is None:
+                    closing = True
+                    break
+                if job.cancel.is_set() or self.stopping.is_set():  # its client left while it waited
+                    self._send(job, Finished(SpecStats(), "abort"))
+                    continue
+                self._admit(job)
+            if self.running:
+                try:
+                    self._step()
+                except Exception as err:  # noqa: BLE001 (never the worker's end: every running request gets it)
+                    for entry, job in list(self.running.items()):
+                        self.batch.cancel(entry)
+                        del self.running[entry]
+                        self.metrics.requests["error"] += 1
+                        self._send(job, err)
 
-    def _run(self, job: Job) -> None:
-        session = self.session
+    def _admit(self, job: Job) -> None:
+        """``job`` joins the batch (prefilled at the next step) in the free slot holding the longest
+        prefix of its prompt (ties: the least recently used), adopting a longer one another slot
+        holds."""
+        busy = {entry.run.slot.index for entry in self.running}
+        shared = {s.index: common_prefix(s.tokens[: s.verifier.cache_len], job.ids) for s in self.slots}
+        free = [s for s in self.slots if s.index not in busy]
+        slot = max(free, key=lambda s: (shared[s.index], -s.used))
+        donor = max(self.slots, key=lambda s: shared[s.index])
+        donor = donor if shared[donor.index] >= shared[slot.index] + ADOPT_MIN else None
         if self.log is not None and job.label:
             self.log(f"request: {job.label!r}")
-        reason = "abort"
-        events = session.generate(job.ids, params=job.params, reuse_cache=True)
         try:
-            for event in events:
-                self._send(job, event)
-                if event.finish_reason:
-                    reason = FINISH.get(event.finish_reason, "stop")
-                elif job.cancel.is_set() or self.stopping.is_set():
-                    break  # (closing the events between steps leaves the caches consistent)
+            self.session.prepare(len(job.ids), settings=job.settings, slot=slot.index, probe=not self.running)
+            run = self.session.engine.start(job.ids, job.params, slot=slot.index)
         except Exception as err:  # noqa: BLE001 (one request's failure is its answer, not the server's end)
             self.metrics.requests["error"] += 1
             self._send(job, err)
             return
-        finally:
-            events.close()
-        stats = dataclasses.replace(session.stats)
+        self.running[self.batch.add(run, reuse=True, donor=donor, tag=job)] = job
+
+    def _step(self) -> None:
+        """One step of every running request; each gets its event, its end or its error; then the
+        requests whose client left (or every one, when stopping) end between steps."""
+        for entry, item in self.batch.step():
+            job = self.running[entry]
+            if isinstance(item, BaseException):
+                del self.running[entry]
+                self.metrics.requests["error"] += 1
+                self._send(job, item)
+                continue
+            job.stats.update(item)
+            self._send(job, item)
+            if item.finish_reason:
+                self._done(entry, FINISH.get(item.finish_reason, "stop"))
+        for entry, job in list(self.running.items()):
+            if job.cancel.is_set() or self.stopping.is_set():
+                self.batch.cancel(entry)
+                self._done(entry, "abort")
+
+    def _done(self, entry: Entry, reason: str) -> None:
+        job = self.running.pop(entry)
+        stats = dataclasses.replace(job.stats)
         self.metrics.add(stats, reason)
         if self.log is not None and job.label:
             self.log(f"answer ({reason}, {stats.num_output_tokens} tokens)")
@@ -266,7 +365,7 @@ class Server:
         m = self.metrics
         mal = (m.generation_tokens / m.verify_passes) if m.verify_passes else 0.0
         lines = [
-            ("vllm:num_requests_running", "gauge", "Requests being generated.", [("", int(self.running is not None))]),
+            ("vllm:num_requests_running", "gauge", "Requests being generated.", [("", len(self.running))]),
             ("vllm:num_requests_waiting", "gauge", "Requests waiting in the queue.", [("", self.queue.qsize())]),
             (
                 "vllm:request_success_total",

@@ -43,17 +43,24 @@ class Session:
 
     @classmethod
     def load(
-        cls, profile: str | None = None, *, settings: Settings | None = None, reporter: Any = None, **flags: Any
+        cls,
+        profile: str | None = None,
+        *,
+        settings: Settings | None = None,
+        reporter: Any = None,
+        sequences: int = 1,
+        **flags: Any,
     ) -> "Session":
         """The ``profile`` (name or path; the default profile when None) with ``flags`` over it
         (Settings keys: verifier=..., draft=..., max_tokens=..., as on the command line), or
-        ``settings`` as they are; then the engine, loaded."""
+        ``settings`` as they are; then the engine, loaded, with ``sequences`` slots (requests
+        stepped together: serve, bench --concurrency)."""
         if settings is None:
             given = flags_to_settings(**flags)
             settings = resolve_settings(profile, given)
             check_flags_apply(settings, given)
         settings = with_seed(settings)
-        return cls(settings, runtime.load_engine(settings, reporter))
+        return cls(settings, runtime.load_engine(settings, reporter, sequences=sequences))
 
     @property
     def tokenizer(self) -> Any:
@@ -97,10 +104,15 @@ class Session:
         settings: Settings | None = None,
         k_values: list[int | str] | None = None,
         whole_context: bool = False,
+        slot: int = 0,
+        probe: bool = True,
     ) -> None:
         """Before anything is timed: compiled steps and, for -k auto on a new pair, the cost probe
-        (``k_values``: the k a sweep will use; ``whole_context``: a chat sizes for the window)."""
-        runtime.prepare(self.engine, settings or self.settings, reporter, prompt_tokens, k_values, whole_context)
+        (``k_values``: the k a sweep will use; ``whole_context``: a chat sizes for the window;
+        ``slot``: the engine slot it will run in; ``probe`` False: other runs hold the caches)."""
+        runtime.prepare(
+            self.engine, settings or self.settings, reporter, prompt_tokens, k_values, whole_context, slot, probe
+        )
 
     def report_to(self, note: Any) -> None:
         """Where progress lines during generation go (a long chat outgrows a compiled cache)."""

@@ -29,6 +29,7 @@ def load_engines(
     reporter,
     crosses: list[str] = ("auto",),
     backends: list[str] = ("torch",),
+    sequences: int = 1,
 ) -> tuple[dict[tuple[str, str, bool, str, str], SpeculativeEngine], list]:
     """An engine per variant (backend, quantize, compiled, draft, and for a draft with another
     vocabulary each method in ``crosses``), the verifier in memory once per backend and
@@ -36,7 +37,8 @@ def load_engines(
     string and by intersection, compare on one verifier), each engine prepared (compiled, costs
     probed) for the longest prompt; and the prompts encoded. The quantize and compile lists
     apply to torch (llama.cpp runs the GGUF as it is). A compiled engine that fell back to eager
-    (the warning says why) is not a second variant."""
+    (the warning says why) is not a second variant. ``sequences``: slots per engine (bench
+    --concurrency)."""
     models = list(dict.fromkeys(m for m in (parse_draft(d)[1] for d in drafts) if m))
     loading = dataclasses.replace(settings, cross_vocab="auto")  # (decided per method below, on the map built once)
     engines: list[tuple[tuple[str, str], SpeculativeEngine]] = []
@@ -68,7 +70,13 @@ def load_engines(
                             (
                                 (draft, cross),
                                 runtime.load_engine(
-                                    dataclasses.replace(settings, draft=draft), reporter, mode, own, quantize, backend
+                                    dataclasses.replace(settings, draft=draft),
+                                    reporter,
+                                    mode,
+                                    own,
+                                    quantize,
+                                    backend,
+                                    sequences,
                                 ),
                             )
                         )

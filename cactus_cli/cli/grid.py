@@ -74,6 +74,7 @@ Meter = Annotated[
 ]
 Csv = Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per configuration to this file.")]
 DEFAULT_RULES = defaults.BENCH_RULES
+MAX_CONCURRENCY = 64  # bench --concurrency at most (serve --parallel's bound)
 
 
 @dataclass
@@ -94,6 +95,7 @@ class GridFlags:
     samples: int = 1  # eval: completions per problem
     resume: bool = False  # eval: go on with the run kept in --out
     unsafe_exec: bool = False  # eval: run code tasks without isolation (where it cannot be had)
+    concurrency: str | None = None  # bench: requests served at once, a comma list
 
 
 @dataclass
@@ -135,6 +137,7 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
                 progress,
                 lists["cross"],
                 lists["backend"],
+                max(lists["concurrency"]),
             )
         grid = g.build_grid(
             lists["rules"],
@@ -144,6 +147,7 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
             flags.compare_hf,
             settings.max_draft_tokens,
             list(engines),
+            lists["concurrency"],
         )
         base = replace(generation_params(settings), measure=flags.meter)
         results: list = []
@@ -257,7 +261,12 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
         "compile": parse_list(flags.compiles, str, "--compile") if flags.compiles else [settings.compile],
         "quantize": parse_list(flags.quantizes, str, "--quantize") if flags.quantizes else [settings.quantize],
         "backend": parse_list(flags.backends, str, "--backend") if flags.backends else [settings.backend],
+        "concurrency": parse_list(flags.concurrency, int, "--concurrency") if flags.concurrency else [1],
     }
+    if any(not 1 <= n <= MAX_CONCURRENCY for n in lists["concurrency"]):
+        raise ConfigError(f"--concurrency: give whole numbers from 1 to {MAX_CONCURRENCY}, e.g. 1,2,4,8")
+    if lists["concurrency"] != [1] and flags.compare_hf:
+        raise ConfigError("--compare-hf times transformers' generate one request at a time; drop --concurrency")
     check_each("compile", lists["compile"], "--compile")
     check_each("quantize", lists["quantize"], "--quantize")
     check_each("backend", lists["backend"], "--backend")

@@ -21,6 +21,22 @@ _BENCH_COLUMNS = [  # (key, header, format, better); MAL = 1 + AL is in the JSON
     ("realized_kl_mean", "KL", "{:.4f}", min),
     ("realized_tv_mean", "TV", "{:.4f}", min),
 ]
+_TOGETHER_COLUMNS = [  # shown when a row ran requests together (bench --concurrency)
+    ("concurrency", "at once", "{}", None),
+    ("aggregate_tokens_per_second", "all tok/s", "{:.2f}", max),
+    ("aggregate_speedup", "all speedup", "{:.2f}x", max),
+    ("request_decode_tokens_per_second", "req tok/s", "{:.2f}", max),
+    ("ttft_p50", "TTFT p50", "{:.2f}s", min),
+    ("ttft_p90", "TTFT p90", "{:.2f}s", min),
+]
+
+
+def _bench_columns(rows: list[dict]) -> list[tuple]:
+    """The columns some row has a value for; the together columns when a row ran requests at once."""
+    cols = [c for c in _BENCH_COLUMNS if any(r.get(c[0]) is not None for r in rows)]
+    if any((r.get("concurrency") or 1) > 1 for r in rows):
+        cols += _TOGETHER_COLUMNS
+    return cols
 
 
 def print_bench(console: Console, doc: dict) -> None:
@@ -31,7 +47,7 @@ def print_bench(console: Console, doc: dict) -> None:
         console.width = max(console.width, 132)
     rows = doc["results"]
     env = doc["environment"]
-    cols = [c for c in _BENCH_COLUMNS if any(r.get(c[0]) is not None for r in rows)]
+    cols = _bench_columns(rows)
     title = (
         f"{env['verifier']} / {env['draft']} · {env['device']} {env['dtype']} · "
         f"{len(doc['prompts'])} prompts · T={doc['settings']['temperature']}"
@@ -43,7 +59,8 @@ def print_bench(console: Console, doc: dict) -> None:
         padding=(0, 1),
         caption="AL: accepted draft tokens per step (MAL = 1 + AL); a: per-token acceptance; "
         "accept: accepted / drafted; speedup over the verifier alone; V/tok: verifier passes per token; "
-        "k̄: mean draft length per step (k = auto picks it per step)",
+        "k̄: mean draft length per step (k = auto picks it per step); at once: requests stepped together, "
+        "all tok/s: every answer's tokens over the wall time from their submission to the last answer",
     )
     table.add_column("config", overflow="fold", min_width=12)
     for _, header, _, _ in cols:

@@ -51,6 +51,13 @@ def bench(
             help="Comma list of prompt categories to keep (built-in: code, math, instructions, writing, grounded; and edit, 32 standard-library functions to change, used only when named).",
         ),
     ] = None,
+    concurrency: Annotated[
+        Optional[str],
+        typer.Option(
+            "--concurrency",
+            help="Comma list of how many requests to serve at once, e.g. 1,2,4,8: each row's prompts are all submitted together and that many are stepped in one batch (as cactus serve --parallel N serves them); the table adds every answer's tokens over the wall time, each request's tok/s and time to first token (p50, p90).",
+        ),
+    ] = None,
     meter: Meter = False,
     compare_hf: Annotated[
         bool,
@@ -82,7 +89,20 @@ def bench(
     run_grid_command(
         "bench",
         shared,
-        GridFlags(rules, deltas, ks, compiles, quantizes, prompts_file, limit, category, meter, compare_hf, backends),
+        GridFlags(
+            rules,
+            deltas,
+            ks,
+            compiles,
+            quantizes,
+            prompts_file,
+            limit,
+            category,
+            meter,
+            compare_hf,
+            backends,
+            concurrency=concurrency,
+        ),
         GridOutput(as_json, csv_path, out_dir, plot),
     )
 

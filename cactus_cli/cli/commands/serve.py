@@ -25,8 +25,18 @@ def serve(
         Optional[str],
         typer.Option(envvar="CACTUS_API_KEY", help="Require Authorization: Bearer KEY on every request but /health."),
     ] = None,
+    parallel: Annotated[
+        Optional[int],
+        typer.Option(
+            "--parallel",
+            min=1,
+            max=64,
+            help="Requests served at once, each in its own slot, every step verifying all of their tokens and drafts in one model call (continuous batching: a request joins at the next step and leaves when done). Default: measured here from what a verify of each width costs, said at start-up.",
+        ),
+    ] = None,
     max_queue: Annotated[
-        int, typer.Option(min=1, help="Requests that may wait while one is served; past it: 503 with Retry-After.")
+        int,
+        typer.Option(min=1, help="Requests that may wait while --parallel are served; past it: 503 with Retry-After."),
     ] = 16,
     log_requests: Annotated[
         bool,
@@ -40,8 +50,8 @@ def serve(
     """Serve the model pair over OpenAI's HTTP API: /v1/chat/completions, /v1/completions (streamed
     or whole), /v1/models, /health and /metrics.
 
-    One pair is loaded once and serves one request at a time, in arrival order, from a bounded
-    queue. Each request may set its own rule, delta, num_draft_tokens, top_k and draft (none or the
+    One pair is loaded once and serves --parallel requests at once (continuous batching), the rest
+    waiting in arrival order in a bounded queue. Each request may set its own rule, delta, num_draft_tokens, top_k and draft (none or the
     loaded one) as extra body fields; each answer says what the speculation bought. A request
     without max_tokens generates until the end of sequence or the context window; --max-tokens N
     caps every answer at N tokens (a request asking for more is a 400). The KV caches
@@ -58,7 +68,7 @@ def serve(
                 f"cactus serve needs the serve extra ({err.name} is missing): pip install 'cactus-cli[serve]'"
             ) from None
         from cactus_cli.app.profiles import resolve_settings
-        from cactus_cli.app.serving import Server
+        from cactus_cli.app.serving import MAX_PARALLEL, Server, available_memory, check_parallel, choose_parallel
         from cactus_cli.app.session import Session
         from cactus_cli.app.settings import check_flags_apply, with_seed
 
@@ -74,8 +84,20 @@ def serve(
                 soft_wrap=True,
             )
         with ui.LoadProgress(err) as progress:
-            session = Session.load(settings=settings, reporter=progress)
+            # (slots: what --parallel asks, or as many as a measured default may take; at least
+            # PREFIXES, whose caches keep other conversations' prefixes)
+            session = Session.load(settings=settings, reporter=progress, sequences=max(parallel or MAX_PARALLEL, 4))
             session.prepare(256, progress)  # the cost probe for -k auto, before the first request
+            engine = session.engine
+            if parallel is None and len(engine.slots) > 1 and not engine.costs.costs.verify:
+                progress.task("measuring what a verify of each width costs here (once per pair, device and dtype)")
+                engine.probe_costs(settings.max_draft_tokens if settings.draft else 16)
+        if parallel is None:
+            parallel, why = choose_parallel(engine.costs.costs, len(engine.slots))
+        else:
+            why = "--parallel as given" if len(engine.slots) >= parallel else "a compiled engine steps one sequence"
+            parallel = min(parallel, len(engine.slots))
+        check_parallel(parallel, engine.kv_bytes_per_token(), available_memory())
         cap = shared.flags.get("max_tokens", ...)  # (the profile's max_tokens is the CLI's default, not a cap)
         cap = None if cap is ... else cap
         server = Server(
@@ -83,7 +105,9 @@ def serve(
             max_queue,
             log=(lambda line: print(line, file=sys.stderr, flush=True)) if log_requests else None,
             max_tokens=cap,
+            parallel=parallel,
         )
+        err.print(f"serving {server.parallel} request(s) at once: {why}", markup=False, soft_wrap=True)
         err.print(_length_note(cap, server.context_length), markup=False, soft_wrap=True)
         app = build_app(server, api_key)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
