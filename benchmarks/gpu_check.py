@@ -66,6 +66,37 @@ def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 20) ->
     return 1000 * statistics.median(times)
 
 
+def counted_syncs(device: torch.device, run: Callable[[], int]) -> tuple[int, int]:
+    """(what ``run`` returns, the host syncs it made): CUDA's sync debug mode on a GPU; on a CPU,
+    which has none, the calls that would sync."""
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = run()
+        torch.cuda.set_sync_debug_mode("default")
+        return out, sum("synchroniz" in str(w.message).lower() for w in caught)
+    names = ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+    count = [0]
+
+    def wrap(real):
+        def counted(t, *a, **kw):
+            count[0] += 1
+            return real(t, *a, **kw)
+
+        return counted
+
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, wrap(saved[n]))
+        out = run()
+    finally:
+        for n, real in saved.items():
+            setattr(torch.Tensor, n, real)
+    return out, count[0]
+
+
 def tiny_pair(device: torch.device, dtype: torch.dtype, layers: int = 2):
     """A Qwen3-shaped verifier and draft with random weights, and a ModelPair over them."""
     from gpu import SMOKE, build
@@ -187,38 +218,38 @@ def main() -> None:
         )
         gen = engine.generate(list(range(5, 40)), params)
         next(gen)
-        steps, syncs = 0, 0
-        if device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("warn")
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                steps = sum(1 for _ in gen)
-            torch.cuda.set_sync_debug_mode("default")
-            syncs = sum("synchroniz" in str(w.message).lower() for w in caught)
-        else:  # the CPU has no sync debug mode: count the calls that would sync
-            names = ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy")
-            saved = {n: getattr(torch.Tensor, n) for n in names}
-            count = [0]
-
-            def wrap(real):
-                def counted(t, *a, **kw):
-                    count[0] += 1
-                    return real(t, *a, **kw)
-
-                return counted
-
-            try:
-                for n in names:
-                    setattr(torch.Tensor, n, wrap(saved[n]))
-                steps = sum(1 for _ in gen)
-            finally:
-                for n, real in saved.items():
-                    setattr(torch.Tensor, n, real)
-            syncs = count[0]
+        steps, syncs = counted_syncs(device, lambda: sum(1 for _ in gen))
         per = syncs / max(steps, 1)
         if per > 2:
             raise AssertionError(f"{syncs} syncs in {steps} steps ({per:.2f} per step)")
         return f"{syncs} syncs in {steps} steps ({per:.2f} per step; compiled: {engine.compiled})"
+
+    @check("11. many runs: 4 slots verified in one forward per step, at most 2 host syncs per step")
+    def _() -> str:
+        from cactus_cli.infer.batch import Batch
+
+        engine = SpeculativeEngine(pair, sequences=4)  # (eager: a static cache holds one sequence)
+        sampled = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
+        batch = Batch(engine)
+        for slot, k in enumerate((4, 2, 0, 3)):  # each its own k, and a plain row
+            params = GenerationParams(sampling=sampled, num_draft_tokens=k, max_tokens=32, ignore_eos=True, seed=slot)
+            batch.add(engine.start(list(range(5 + slot, 40 + 3 * slot)), params, slot=slot))
+        batch.step()  # the prefills, then the first step
+        model = pair.verifier.model
+        real, widths = model.forward, []
+        model.forward = lambda *a, **kw: (widths.append(kw["input_ids"].shape[0]), real(*a, **kw))[1]
+        try:
+            steps, syncs = counted_syncs(
+                device, lambda: sum(1 for _ in iter(lambda: batch.step() if len(batch) else None, None))
+            )
+        finally:
+            del model.forward
+        per = syncs / max(steps, 1)
+        if len(widths) != steps or max(widths) != 4:
+            raise AssertionError(f"{len(widths)} verifier forwards in {steps} steps (rows per forward: {widths[:8]})")
+        if per > 2:
+            raise AssertionError(f"{syncs} syncs in {steps} steps ({per:.2f} per step)")
+        return f"{steps} steps, one verifier forward each (4 rows), {syncs} syncs ({per:.2f} per step)"
 
     @check("5. one crop of a 36-layer static cache (microseconds)")
     def _() -> str:

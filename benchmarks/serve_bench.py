@@ -16,6 +16,14 @@ the other in one run:
 
 Both greedy (-t 0) by default, so every side decodes the same text. Prints one table, writes JSON
 with --out. One benchmark at a time: nothing else should run on the machine meanwhile.
+
+Many requests at once (issue 58): ``--concurrent N`` sends N requests together (half edits, half
+ordinary prompts, -n tokens each), streamed, to cactus serve one at a time (--parallel 1) and
+batched (--parallel N), and to llama-server -np 1 with ngram-mod and -np N plain, ngram-simple and
+ngram-mod (same GGUF and threads); each side's aggregate rate (every answer's tokens over the wall
+time from the first request sent to the last answer) and time to first token (p50, p90):
+
+    python benchmarks/serve_bench.py --concurrent 4 -n 256 -t 0.6
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import dataclasses
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -119,8 +128,9 @@ def cactus_url(proc) -> str:
     raise SystemExit("cactus serve did not start")
 
 
-def llama_server_cmd(spec_type: str) -> tuple[list[str], object]:
-    """llama-server on the verifier GGUF cactus runs, with its threads and buffers."""
+def llama_server_cmd(spec_type: str, parallel: int = 1) -> tuple[list[str], object]:
+    """llama-server on the verifier GGUF cactus runs, with its threads and buffers; ``parallel``
+    slots of 4096 tokens each."""
     import socket
     import urllib.request
 
@@ -139,7 +149,8 @@ def llama_server_cmd(spec_type: str) -> tuple[list[str], object]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [str(bin_dir / "llama-server"), "-m", plan.verifier_files[0].location, "-t", str(plan.threads)]
-    cmd += ["-c", "4096", "-np", "1", "--host", "127.0.0.1", "--port", str(port), "--spec-type", spec_type]
+    cmd += ["-c", str(4096 * parallel), "-np", str(parallel), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--spec-type", spec_type]
     cmd += ["--no-repack"] if gguf.amx_in_use() else []
 
     def url_of(proc) -> str:
@@ -155,6 +166,98 @@ def llama_server_cmd(spec_type: str) -> tuple[list[str], object]:
     return cmd, url_of
 
 
+def concurrent(cmd: list[str], url_of, prompts: list[str], n: int, temperature: float, rounds: int) -> dict:
+    """Start a server; ``rounds`` times, send every prompt at once, streamed; the aggregate rate
+    and each request's time to first token per round."""
+    from openai import OpenAI
+
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        url = url_of(proc)
+        client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=1200)
+        model = client.models.list().data[0].id
+        out = []
+        for r in range(rounds):
+            results: list = [None] * len(prompts)
+            t0 = time.perf_counter()
+
+            def one(i: int) -> None:
+                first, tokens, text = None, 0, []
+                stream = client.chat.completions.create(
+                    model=model,
+                    messages=[{"role": "user", "content": prompts[i]}],
+                    max_tokens=n,
+                    temperature=temperature,
+                    seed=i + 1000 * r,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                for chunk in stream:
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        first = first if first is not None else time.perf_counter() - t0
+                        text.append(chunk.choices[0].delta.content)
+                results[i] = {"ttft": first, "tokens": tokens, "done": time.perf_counter() - t0, "text": "".join(text)}
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = max(x["done"] for x in results)
+            out.append({"wall": wall, "tokens": sum(x["tokens"] for x in results), "requests": results})
+        return {"rounds": out}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def concurrent_main(a) -> None:
+    from cactus_cli.app.prompts import load_prompts
+
+    half = a.concurrent // 2
+    edits = [p.prompt for p in load_prompts(None, half, ["edit"])]
+    plain = [p.prompt for p in load_prompts(None, a.concurrent - half, None)]
+    prompts = [x for pair in zip(edits, plain) for x in pair] + edits[len(plain) :] + plain[len(edits) :]
+    serve = [sys.executable, "-m", "cactus_cli", "serve", "--port", "0", "--no-color"]
+    sides = {
+        "cactus serve, one at a time (--parallel 1)": (serve + ["--parallel", "1"], cactus_url),
+        f"cactus serve --parallel {a.concurrent}": (serve + ["--parallel", str(a.concurrent)], cactus_url),
+    }
+    if not a.no_llama_server:
+        sides["llama-server -np 1 ngram-mod"] = llama_server_cmd("ngram-mod", 1)
+        for spec in ("none", "ngram-simple", "ngram-mod"):
+            sides[f"llama-server -np {a.concurrent} {'plain' if spec == 'none' else spec}"] = llama_server_cmd(
+                spec, a.concurrent
+            )
+    results = {}
+    for name, (cmd, url_of) in sides.items():
+        print(f"[serve_bench] {name}", file=sys.stderr, flush=True)
+        results[name] = concurrent(cmd, url_of, prompts, a.n, a.temperature, a.rounds)
+
+    def q(values, f):
+        values = sorted(values)
+        at = f * (len(values) - 1)
+        lo = int(at)
+        return values[lo] + (values[min(lo + 1, len(values) - 1)] - values[lo]) * (at - lo)
+
+    first = next(iter(results))
+    print(f"{'':<46} {'all tok/s':>9} {'x one at a time':>15} {'TTFT p50 s':>10} {'TTFT p90 s':>10} {'tokens':>7}")
+    base = None
+    for name, doc in results.items():
+        rates = [r["tokens"] / r["wall"] for r in doc["rounds"]]
+        rate = statistics.median(rates)
+        base = rate if name == first else base
+        ttfts = [x["ttft"] for r in doc["rounds"] for x in r["requests"] if x["ttft"] is not None]
+        tokens = sum(r["tokens"] for r in doc["rounds"])
+        print(
+            f"{name:<46} {rate:>9.2f} {rate / base:>14.2f}x {q(ttfts, 0.5):>10.2f} {q(ttfts, 0.9):>10.2f} {tokens:>7}"
+        )
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=4)
@@ -163,7 +266,11 @@ def main() -> None:
     ap.add_argument("--category", default=None, help="built-in prompt categories (edit: standard-library edits)")
     ap.add_argument("--no-llama-server", action="store_true", help="only cactus, in-process and served")
     ap.add_argument("--out")
+    ap.add_argument("--concurrent", type=int, default=0, help="send this many requests at once (see above)")
+    ap.add_argument("--rounds", type=int, default=2, help="--concurrent: rounds per side (the median is shown)")
     a = ap.parse_args()
+    if a.concurrent:
+        return concurrent_main(a)
     from cactus_cli.app.prompts import load_prompts
 
     prompts = [p.prompt for p in load_prompts(None, a.limit, a.category.split(",") if a.category else None)]
