@@ -147,8 +147,9 @@ def test_a_shared_prefix_is_not_prefilled_again_and_gives_the_cold_answer(served
     "body, status, param, words",
     [
         ({"n": 2}, 400, "n", "one choice per request"),
-        ({"logprobs": True}, 400, "logprobs", "not supported"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tool calls"),
+        ({"response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "renders no tools"),
+        ({"functions": [{"name": "f"}]}, 400, "functions", "use tools"),
         ({"rule": "nope"}, 400, "rule", "rule must be one of sps, cactus"),
         ({"delta": -1}, 400, "delta", "delta"),
         ({"temperature": "hot"}, 400, "temperature", "temperature"),
@@ -302,7 +303,10 @@ def test_metrics_count_what_the_answers_said(session):
         assert values["vllm:spec_decode_num_accepted_tokens_total"] == total(lambda b: b["speculative"]["accepted"])
         passes = total(lambda b: b["speculative"]["verifier_forward_passes"])
         assert values["cactus_verify_passes_total"] == passes
-        assert values["cactus_mean_acceptance_length"] == pytest.approx(14 / passes, abs=1e-4)
+        assert values["cactus_tokens_per_verifier_pass"] == pytest.approx(14 / passes, abs=1e-4)
+        drafts = values["vllm:spec_decode_num_drafts_total"]
+        accepted = values["vllm:spec_decode_num_accepted_tokens_total"]
+        assert values["cactus_mean_acceptance_length"] == pytest.approx(1 + accepted / drafts, abs=1e-4)
         assert values['vllm:request_success_total{finished_reason="length"}'] == 2
         assert values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
 

@@ -20,15 +20,15 @@ from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cactus_cli.app.serving import Busy, Finished, Job, Server
+from cactus_cli.app.serving import Busy, FieldError, Finished, Job, Server
+from cactus_cli.app.tools import Calls, Tools, parse_tools, supports_tools, template_messages
 from cactus_cli.core.errors import CactusError, ConfigError
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # a request larger than this is refused (413) before it is parsed
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap
 UNSUPPORTED = {  # OpenAI fields cactus cannot honour, and what it does instead (a 400, never a silent ignore)
-    "tools": "tool calls are not supported",
-    "tool_choice": "tool calls are not supported",
-    "functions": "function calls are not supported",
-    "function_call": "function calls are not supported",
+    "functions": "the deprecated function calls are not supported; use tools",
+    "function_call": "the deprecated function calls are not supported; use tools and tool_choice",
     "response_format": "structured output is not supported",
     "logit_bias": "logit_bias is not supported",
     "best_of": "best_of is not supported (one sample per request)",
@@ -54,12 +54,33 @@ class StreamOptions(BaseModel):
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")  # (keys a client adds to a message, as OpenAI's API ignores them)
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None  # (None: an assistant message that only calls tools)
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _content(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message makes tool calls")
+        return self
+
+    def template(self) -> dict[str, Any]:
+        """The message as the chat template takes it (a developer message is a system one)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.role == "tool":
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         """The content as text (a list of parts: their text parts; any other part is refused)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -119,12 +140,23 @@ class _Common(BaseModel):
             raise ValueError("cactus generates one choice per request; use n = 1")
         return v
 
-    @field_validator("logprobs", "top_logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        if v:
-            raise ValueError("log probabilities are not supported")
+    def _top(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be 0 to {MAX_TOP_LOGPROBS}")
         return v
+
+    def wants_logprobs(self) -> int | None:
+        """How many alternatives each token's log-probability comes with (None: no logprobs).
+        Chat: ``logprobs: true`` and ``top_logprobs``; completions: ``logprobs: N``."""
+        if isinstance(self.logprobs, bool) or self.logprobs is None:
+            if self.top_logprobs and not self.logprobs:
+                raise ApiError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
+            return (self.top_logprobs or 0) if self.logprobs else None
+        if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"logprobs: must be 0 to {MAX_TOP_LOGPROBS}", "logprobs")
+        return self.logprobs
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -174,6 +206,13 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | list[int]
 
+    @model_validator(mode="after")
+    def _no_tools(self) -> CompletionRequest:
+        for key in ("tools", "tool_choice", "parallel_tool_calls"):
+            if getattr(self, key) not in (None, [], "none"):
+                raise ApiError(400, f"{key}: /v1/completions takes no tools; use /v1/chat/completions", key)
+        return self
+
     @field_validator("prompt")
     @classmethod
     def _not_empty(cls, v: str | list[int]) -> str | list[int]:
@@ -184,7 +223,7 @@ class CompletionRequest(_Common):
 
 def _default(key: str, value: Any) -> bool:
     """A value that asks for nothing beyond plain text (what clients send when they set nothing)."""
-    return {"response_format": {"type": "text"}, "tool_choice": "none", "best_of": 1, "echo": False}.get(
+    return {"response_format": {"type": "text"}, "best_of": 1, "echo": False}.get(
         key, ...
     ) == value
 
@@ -285,14 +324,25 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        return await _serve(body, request, messages, chat=True)
+        try:
+            tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+            messages = template_messages([m.template() for m in body.messages])
+        except FieldError as err:
+            raise ApiError(400, str(err), err.param) from None
+        if tools is not None and not supports_tools(server.session.tokenizer):
+            raise ApiError(
+                400,
+                "tools: this model's chat template renders no tools in the <tool_call> format cactus reads; "
+                "serve a model whose template has a tools section (Qwen2.5, Qwen3, Hermes)",
+                "tools",
+            )
+        return await _serve(body, request, messages, chat=True, tools=tools)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await _serve(body, request, body.prompt, chat=False)
 
-    async def _serve(body: _Common, request: Request, prompt: Any, chat: bool):
+    async def _serve(body: _Common, request: Request, prompt: Any, chat: bool, tools: Tools | None = None):
         check_text([m["content"] for m in prompt] if chat else prompt, "messages" if chat else "prompt")
         check_text(body.stop, "stop")
         if body.model not in (None, server.model_id):
@@ -302,16 +352,21 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
                 "model",
                 "not_found_error",
             )
+        logprobs = body.wants_logprobs()
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         try:
-            ids = await loop.run_in_executor(None, _encode, server, prompt, chat)
+            ids = await loop.run_in_executor(None, _encode, server, prompt, chat, tools)
         except CactusError as err:
             raise ApiError(400, str(err), "messages" if chat else "prompt") from None
         label = json.dumps(prompt)[:2000] if server.log is not None else ""
         try:
             job = server.job(
-                ids, body.overrides(), lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item), label
+                ids,
+                body.overrides(),
+                lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
+                label,
+                logprobs,
             )
             server.submit(job)
         except Busy as err:
@@ -320,20 +375,24 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
             raise ApiError(400, str(err), getattr(err, "param", None)) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         head = {"id": rid, "created": int(time.time()), "model": server.model_id}
+        answer = Answer(server.session.tokenizer, chat, Calls(tools) if tools is not None else None, logprobs)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = _stream(server, job, inbox, head, chat, len(ids), include_usage)
+            stream = _stream(server, job, inbox, head, answer, len(ids), include_usage)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _whole(server, job, inbox, head, chat, len(ids), request)
+        return await _whole(server, job, inbox, head, answer, len(ids), request)
 
     return app
 
 
-def _encode(server: Server, prompt: Any, chat: bool) -> list[int]:
-    """Chat messages through the session (the chat template, the system prompt); a completion's
-    text as it is (it continues the text), or its token ids."""
+def _encode(server: Server, prompt: Any, chat: bool, tools: Tools | None = None) -> list[int]:
+    """Chat messages through the session (the chat template, the system prompt, the tools, and
+    the answer's forced opening when ``tool_choice`` asks for a call); a completion's text as it
+    is (it continues the text), or its token ids."""
     if chat:
-        return server.session.encode(prompt)
+        ids = server.session.encode(prompt, list(tools.tools) if tools is not None else None)
+        opening = tools.opening() if tools is not None else ""
+        return ids + (list(server.session.tokenizer(opening, add_special_tokens=False)["input_ids"]) if opening else [])
     if isinstance(prompt, list):
         vocab = server.session.engine.pair.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
@@ -352,11 +411,103 @@ def _usage(prompt_tokens: int, finished: Finished) -> dict[str, Any]:
     }
 
 
-def _choice(chat: bool, text: str, finish: str | None, stream: bool) -> dict[str, Any]:
-    if not chat:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    key = "delta" if stream else "message"
-    return {"index": 0, key: {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+class Answer:
+    """One answer as it is sent: its text (the tool calls it makes taken out of it, where the
+    request declared tools) and each token's log-probabilities, chunk by chunk."""
+
+    def __init__(self, tokenizer: Any, chat: bool, calls: Calls | None, logprobs: int | None):
+        self.tok, self.chat, self.calls, self.logprobs = tokenizer, chat, calls, logprobs
+        self.text: list[str] = []
+        self.tool_calls: list[dict[str, Any]] = []
+        self.entries: list[tuple[int, float, tuple]] = []
+        self.offset = 0  # (completions' text_offset)
+
+    def add(self, ev: Any) -> tuple[str, list[dict[str, Any]], list]:
+        """An event's text to show, the calls it completed and its tokens' log-probabilities."""
+        text, calls = self.calls.feed(ev.text) if self.calls is not None else (ev.text, [])
+        return self._keep(text, calls, self._logprobs(ev))
+
+    def close(self) -> tuple[str, list[dict[str, Any]]]:
+        text, calls = self.calls.close() if self.calls is not None else ("", [])
+        self._keep(text, calls, [])
+        return text, calls
+
+    @property
+    def done(self) -> bool:
+        """parallel_tool_calls false and its one call made: the answer can end."""
+        return self.calls is not None and self.calls.done
+
+    def finish_reason(self, reason: str) -> str:
+        return "tool_calls" if self.tool_calls else reason
+
+    def _keep(self, text: str, calls: list, entries: list) -> tuple[str, list, list]:
+        self.text.append(text)
+        self.tool_calls += calls
+        self.entries += entries
+        return text, calls, entries
+
+    def _logprobs(self, ev: Any) -> list[tuple[int, float, tuple]]:
+        if self.logprobs is None:
+            return []
+        pairs = list(zip(ev.emitted, ev.logprobs))
+        if ev.finish_reason == "eos":
+            pairs = pairs[:-1]  # (the EOS token adds no text)
+        return [(token, lp, top) for token, (lp, top) in pairs]
+
+    def logprob_block(self, entries: list) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for ``entries``: chat's ``content`` list, or completions'
+        tokens, token_logprobs, top_logprobs and text_offset."""
+        if self.logprobs is None:
+            return None
+        if self.chat:
+            return {"content": [self._entry(t, lp, top) for t, lp, top in entries]}
+        tokens = [self.tok.decode([t]) for t, _, _ in entries]
+        offsets = []
+        for piece in tokens:
+            offsets.append(self.offset)
+            self.offset += len(piece)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{self.tok.decode([i]): v for i, v in top} for _, _, top in entries],
+            "text_offset": offsets,
+        }
+
+    def _entry(self, token: int, lp: float, top: tuple) -> dict[str, Any]:
+        text = self.tok.decode([token])
+        return {
+            "token": text,
+            "logprob": lp,
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [
+                {"token": (alt := self.tok.decode([i])), "logprob": v, "bytes": list(alt.encode("utf-8"))}
+                for i, v in top
+            ],
+        }
+
+    def message(self, finish: str) -> dict[str, Any]:
+        """The whole answer's choice."""
+        text = "".join(self.text)
+        logprobs = self.logprob_block(self.entries)
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tool_calls:
+            message["content"] = text.strip() or None
+            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in self.tool_calls]
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": self.finish_reason(finish)}
+
+    def chunk(self, text: str, calls: list, entries: list, finish: str | None, first: bool) -> dict[str, Any]:
+        """A streamed chunk's choice."""
+        logprobs = self.logprob_block(entries) if entries else None
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text or not calls:
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = calls
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
 async def _next(inbox: asyncio.Queue) -> Any:
@@ -371,10 +522,9 @@ async def _next(inbox: asyncio.Queue) -> Any:
 
 
 async def _whole(
-    server: Server, job: Job, inbox: asyncio.Queue, head: dict, chat: bool, n_prompt: int, request: Request
+    server: Server, job: Job, inbox: asyncio.Queue, head: dict, answer: Answer, n_prompt: int, request: Request
 ):
     """Wait for the whole answer; a client that leaves meanwhile cancels the job."""
-    text = []
     try:
         while True:
             try:
@@ -385,23 +535,36 @@ async def _whole(
                 continue
             if isinstance(item, Finished):
                 break
-            text.append(item.text)
+            answer.add(item)
+            if answer.done:
+                job.cancel.set()  # (its one call is made: the rest is not needed)
     finally:
         job.cancel.set()  # (a no-op once the job is done)
+    answer.close()
     return {
         **head,
-        "object": "chat.completion" if chat else "text_completion",
-        "choices": [_choice(chat, "".join(text), item.finish_reason, stream=False)],
+        "object": "chat.completion" if answer.chat else "text_completion",
+        "choices": [answer.message(_reason(item, answer))],
         "usage": _usage(n_prompt, item),
         "speculative": server.speculative(job.settings, item.stats),
     }
 
 
-async def _stream(server: Server, job: Job, inbox: asyncio.Queue, head: dict, chat: bool, n_prompt: int, usage: bool):
-    """One chunk per verification step's text; the last carries the finish reason and what the
-    speculation bought; ``data: [DONE]`` ends it. A client that leaves cancels the job (Starlette
-    cancels this generator, and ``finally`` says so to the worker)."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
+def _reason(finished: Finished, answer: Answer) -> str:
+    """finish_reason: ``tool_calls`` where the answer made calls (its end may be the cancel that
+    followed its one call), else the job's."""
+    return answer.finish_reason("stop" if answer.done else finished.finish_reason)
+
+
+async def _stream(
+    server: Server, job: Job, inbox: asyncio.Queue, head: dict, answer: Answer, n_prompt: int, usage: bool
+):
+    """One chunk per verification step's text (a tool call: one chunk when it is complete); the
+    last carries the finish reason and what the speculation bought; ``data: [DONE]`` ends it. A
+    client that leaves cancels the job (Starlette cancels this generator, and ``finally`` says so
+    to the worker)."""
+    kind = "chat.completion.chunk" if answer.chat else "text_completion"
+    first = True
     try:
         while True:
             try:
@@ -410,16 +573,26 @@ async def _stream(server: Server, job: Job, inbox: asyncio.Queue, head: dict, ch
                 yield format_sse_event(data_str=json.dumps(error_body(err.message, err.param, err.kind)))
                 break
             if isinstance(item, Finished):
-                last = {**head, "object": kind, "choices": [_choice(chat, "", item.finish_reason, stream=True)]}
+                text, calls = answer.close()
+                if text or calls:
+                    chunk = {**head, "object": kind, "choices": [answer.chunk(text, calls, [], None, first)]}
+                    yield format_sse_event(data_str=json.dumps(chunk))
+                    first = False
+                end = answer.chunk("", [], [], _reason(item, answer), first)
+                last = {**head, "object": kind, "choices": [end]}
                 last["speculative"] = server.speculative(job.settings, item.stats)
                 yield format_sse_event(data_str=json.dumps(last))
                 if usage:
                     tail = {**head, "object": kind, "choices": [], "usage": _usage(n_prompt, item)}
                     yield format_sse_event(data_str=json.dumps(tail))
                 break
-            if item.text:
-                chunk = {**head, "object": kind, "choices": [_choice(chat, item.text, None, stream=True)]}
+            text, calls, entries = answer.add(item)
+            if answer.done:
+                job.cancel.set()
+            if text or calls or entries:
+                chunk = {**head, "object": kind, "choices": [answer.chunk(text, calls, entries, None, first)]}
                 yield format_sse_event(data_str=json.dumps(chunk))
+                first = False
         yield format_sse_event(data_str="[DONE]")
     finally:
         job.cancel.set()  # (a no-op once the job is done)

@@ -145,16 +145,20 @@ def generation_params(settings: Settings, ignore_eos: bool = False) -> Generatio
     )
 
 
-def encode(tokenizer: Any, messages: list[dict[str, str]] | str, use_template: bool | None) -> list[int]:
+def encode(
+    tokenizer: Any, messages: list[dict[str, Any]] | str, use_template: bool | None, tools: list | None = None
+) -> list[int]:
     """Token ids for a plain prompt or a chat. ``use_template`` None: use the chat template
-    when the tokenizer has one; True without one is an error."""
+    when the tokenizer has one; True without one is an error. ``tools``: rendered by the
+    template's tools section (serve's tool calls)."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if use_template and not has_template:
         raise ConfigError("--chat-template: this tokenizer has no chat template; use --no-chat-template")
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     if (use_template is None and has_template) or use_template:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        extra = {"tools": tools} if tools else {}
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)

@@ -206,10 +206,18 @@ class Server:
             raise FieldError("num_draft_tokens", "num_draft_tokens has no effect without a draft (draft 'none')")
         return settings
 
-    def job(self, ids: list[int], overrides: dict[str, Any], deliver: Callable[[Any], None], label: str = "") -> Job:
+    def job(
+        self,
+        ids: list[int],
+        overrides: dict[str, Any],
+        deliver: Callable[[Any], None],
+        label: str = "",
+        logprobs: int | None = None,
+    ) -> Job:
         """A job for ``ids``, its settings checked and its length too (a 400, before any queueing).
         A request that names no max_tokens generates until the end of sequence or the context
-        window (as OpenAI's API and llama-server do), within the server's cap if it has one."""
+        window (as OpenAI's API and llama-server do), within the server's cap if it has one.
+        ``logprobs``: each token's log-probability and that many alternatives (None: none)."""
         room = self.context_length - len(ids)
         if room <= 0:
             raise FieldError(
@@ -232,7 +240,8 @@ class Server:
                 f"max_tokens {settings.max_tokens} does not fit: the prompt is {len(ids)} tokens of a "
                 f"{self.context_length}-token context window, so at most {room} remain",
             )
-        return Job(list(ids), settings, self.session.params(settings), deliver, label=label)
+        params = dataclasses.replace(self.session.params(settings), logprobs=logprobs)
+        return Job(list(ids), settings, params, deliver, label=label)
 
     def submit(self, job: Job) -> None:
         if self.stopping.is_set():
@@ -352,7 +361,10 @@ class Server:
             "drafted": stats.num_draft_tokens,
             "accepted": stats.num_accepted_tokens,
             "verifier_forward_passes": stats.verifier_forward_passes,
-            "mean_acceptance_length": stats.mean_acceptance_length,
+            "mean_acceptance_length": stats.mean_acceptance_length,  # 1 + accepted per drafting step
+            "tokens_per_verifier_pass": (
+                round(stats.num_output_tokens / stats.verifier_forward_passes, 4) if stats.verifier_forward_passes else None
+            ),
             "reused_prefix_tokens": stats.reused_prefix_tokens,
             "by_source": {
                 src: {"drafted": n, "accepted": stats.accepted_by_source.get(src, 0)}
@@ -363,7 +375,8 @@ class Server:
     def prometheus(self) -> str:
         """/metrics in Prometheus' text format."""
         m = self.metrics
-        mal = (m.generation_tokens / m.verify_passes) if m.verify_passes else 0.0
+        mal = 1 + m.accepted_tokens / m.drafts if m.drafts else 0.0  # (the speculative object's definition)
+        per_pass = m.generation_tokens / m.verify_passes if m.verify_passes else 0.0
         lines = [
             ("vllm:num_requests_running", "gauge", "Requests being generated.", [("", len(self.running))]),
             ("vllm:num_requests_waiting", "gauge", "Requests waiting in the queue.", [("", self.queue.qsize())]),
@@ -396,7 +409,18 @@ class Server:
                 "Prompt tokens served from the KV cache.",
                 [("", m.reused_prefix_tokens)],
             ),
-            ("cactus_mean_acceptance_length", "gauge", "Generated tokens per verifier pass.", [("", round(mal, 4))]),
+            (
+                "cactus_mean_acceptance_length",
+                "gauge",
+                "1 + accepted drafts per drafting step (vLLM's and the speculative object's definition).",
+                [("", round(mal, 4))],
+            ),
+            (
+                "cactus_tokens_per_verifier_pass",
+                "gauge",
+                "Generated tokens per verifier forward pass (prefills and plain steps counted).",
+                [("", round(per_pass, 4))],
+            ),
         ]
         out = []
         for name, kind, doc, samples in lines:

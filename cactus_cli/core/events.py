@@ -49,6 +49,8 @@ class StepEvent:
     # per drafted position the rule decided: KL(h^(n) || q) of the target that draft n was verified
     # against (the per-token budget as used: <= delta for exact-KL Cactus; rules without a target: none)
     draft_budget: tuple[float, ...] = ()
+    # GenerationParams.logprobs: per emitted token, (log q(token), ((id, log q(id)), ...) the most likely)
+    logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
 
     @property
     def text(self) -> str:

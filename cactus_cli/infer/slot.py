@@ -46,6 +46,7 @@ class GenerationParams:
         True  # teach the cost store this run's step costs and a drafter's history this sequence (a warm-up does not)
     )
     memory: str = ""  # which history a drafter with memory reads and extends (bench: one per configuration)
+    logprobs: int | None = None  # each emitted token's log-probability under the verifier, and this many alternatives
 
 
 class Slot:
@@ -307,6 +308,7 @@ class Run:
         )
         self.rewind(m, new)
         emitted, finish = self.emit(new)
+        logprobs = token_logprobs(v.logits, emitted, self.params.logprobs) if self.params.logprobs is not None else ()
         if finish is None and len(self.tokens) >= e.context_length:
             finish = "context"
         n = len(emitted)
@@ -335,6 +337,7 @@ class Run:
             realized_tv=measured[1][:n],
             verifier_loglik=measured[2][:n],
             draft_budget=measured[3],
+            logprobs=logprobs,
         )
         self.v_passes = self.slot.verifier.forward_passes
         self.d_passes = self._draft_passes()
@@ -364,3 +367,19 @@ class Run:
             if self.produced >= self.params.max_tokens:
                 return emitted, "length"
         return emitted, None
+
+
+def token_logprobs(logits: torch.Tensor, emitted: list[int], top: int) -> tuple:
+    """Each emitted token's log-probability under the verifier's raw distribution (its logits at
+    temperature 1, nothing truncated, as vLLM reports them), and the ``top`` most likely tokens
+    there: emitted token i was decided at row i of the verify block, drafted or not. One host
+    read, only when asked."""
+    n = len(emitted)
+    lp = torch.log_softmax(logits[:n].float(), -1)  # [n, V]
+    chosen = lp.gather(1, torch.tensor(emitted, device=lp.device).view(n, 1)).view(n).tolist()
+    if top:
+        values, ids = lp.topk(top, -1)
+        alts = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        alts = [()] * n
+    return tuple(zip(chosen, alts))

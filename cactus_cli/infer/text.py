@@ -92,6 +92,7 @@ class TextStream:
             realized_kl=ev.realized_kl[:n],
             realized_tv=ev.realized_tv[:n],
             verifier_loglik=ev.verifier_loglik[:n],
+            logprobs=ev.logprobs[:n],
         )
 
     def _show(self, piece: str) -> tuple[str, bool]:
