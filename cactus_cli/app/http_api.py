@@ -223,9 +223,7 @@ class CompletionRequest(_Common):
 
 def _default(key: str, value: Any) -> bool:
     """A value that asks for nothing beyond plain text (what clients send when they set nothing)."""
-    return {"response_format": {"type": "text"}, "best_of": 1, "echo": False}.get(
-        key, ...
-    ) == value
+    return {"response_format": {"type": "text"}, "best_of": 1, "echo": False}.get(key, ...) == value
 
 
 def check_text(value: Any, field: str) -> None:

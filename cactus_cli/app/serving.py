@@ -363,7 +363,9 @@ class Server:
             "verifier_forward_passes": stats.verifier_forward_passes,
             "mean_acceptance_length": stats.mean_acceptance_length,  # 1 + accepted per drafting step
             "tokens_per_verifier_pass": (
-                round(stats.num_output_tokens / stats.verifier_forward_passes, 4) if stats.verifier_forward_passes else None
+                round(stats.num_output_tokens / stats.verifier_forward_passes, 4)
+                if stats.verifier_forward_passes
+                else None
             ),
             "reused_prefix_tokens": stats.reused_prefix_tokens,
             "by_source": {

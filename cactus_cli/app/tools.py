@@ -92,13 +92,18 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> Tools | 
     elif tool_choice == "required":
         choice = "required"
     elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice.get("function"), dict) else None
+        name = (
+            (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice.get("function"), dict) else None
+        )
         if name not in {t["function"]["name"] for t in checked}:
-            raise FieldError("tool_choice", f"tool_choice: names the function {name!r}, which the request's tools do not declare")
+            raise FieldError(
+                "tool_choice", f"tool_choice: names the function {name!r}, which the request's tools do not declare"
+            )
         choice = name
     else:
         raise FieldError(
-            "tool_choice", "tool_choice: must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}"
+            "tool_choice",
+            "tool_choice: must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
         )
     return Tools(tuple(checked), choice, True if parallel is None else bool(parallel))
 
