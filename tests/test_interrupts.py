@@ -76,3 +76,27 @@ def test_ctrl_c_at_random_points_leaves_nothing_but_finished_caches(tiny, tmp_pa
             raise
         assert "Traceback" not in err, err
         assert _leftovers(home, tmp) == [], (attempt, err)
+
+
+def test_a_ctrl_c_inside_a_finalizer_is_raised_just_after_without_a_traceback():
+    """Python cannot raise a KeyboardInterrupt from a ``__del__`` (it prints "Exception ignored ...
+    Traceback" and goes on); the CLI's hook raises it again just after, quietly."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time\n"
+        "from cactus_cli.core.signals import treat_sigterm_as_sigint\n"
+        "treat_sigterm_as_sigint()\n"
+        "class Finalized:\n"
+        "    def __del__(self):\n"
+        "        raise KeyboardInterrupt\n"
+        "try:\n"
+        "    Finalized()\n"
+        "    time.sleep(5)\n"
+        "    print('went on')\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "interrupted" and "Traceback" not in out.stderr, out.stderr
