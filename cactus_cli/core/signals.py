@@ -22,8 +22,9 @@ def treat_sigterm_as_sigint() -> None:
 
     def unraisable(info) -> None:
         if isinstance(info.exc_value, KeyboardInterrupt):
-            # (from another thread: the main one sees it at its next instruction, outside the hook)
-            threading.Timer(0.05, _thread.interrupt_main).start()
+            # (from another thread, as SIGTERM, whose handler is ours even where SIGINT is ignored, as
+            # in a background job: the main thread sees it at its next instruction, outside the hook)
+            threading.Timer(0.05, _thread.interrupt_main, (signal.SIGTERM,)).start()
         else:
             default(info)
 
