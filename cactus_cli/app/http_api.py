@@ -25,13 +25,13 @@ from cactus_cli.app.http_answer import stream as answer_stream
 from cactus_cli.app.serving import Busy, FieldError, Server
 from cactus_cli.app.tools import Calls, Tools, parse_tools, supports_tools, template_messages
 from cactus_cli.core.errors import CactusError, ConfigError
+from cactus_cli.infer.grammar import Grammar
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # a request larger than this is refused (413) before it is parsed
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap
 UNSUPPORTED = {  # OpenAI fields cactus cannot honour, and what it does instead (a 400, never a silent ignore)
     "functions": "the deprecated function calls are not supported; use tools",
     "function_call": "the deprecated function calls are not supported; use tools and tool_choice",
-    "response_format": "structured output is not supported",
     "logit_bias": "logit_bias is not supported",
     "best_of": "best_of is not supported (one sample per request)",
     "echo": "echo is not supported",
@@ -173,6 +173,31 @@ class _Common(BaseModel):
                 if data.get(key) not in (None, [], {}) and not _default(key, data.get(key)):
                     raise ApiError(400, f"{key}: {why}", key)
         return data
+
+    def grammar(self) -> Grammar | None:
+        """What ``response_format`` asks the answer to be: text (None), any JSON object, or JSON
+        valid against a schema (``strict`` or not: the answer always keeps the schema)."""
+        fmt = self.response_format
+        if fmt is None or fmt == {"type": "text"}:
+            return None
+        kind = fmt.get("type")
+        if kind == "json_object":
+            return Grammar.json_schema()
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise ApiError(
+                    400, "response_format: json_schema needs an object with a name and a schema", "response_format"
+                )
+            schema = spec.get("schema", {"type": "object"})
+            if not isinstance(schema, dict) or not isinstance(spec.get("strict", False), (bool, type(None))):
+                raise ApiError(
+                    400,
+                    "response_format: json_schema.schema must be a JSON object, strict a boolean",
+                    "response_format",
+                )
+            return Grammar.json_schema(schema)
+        raise ApiError(400, "response_format: type must be text, json_object or json_schema", "response_format")
 
     def overrides(self) -> dict[str, Any]:
         """The request's settings as Settings keys (what it did not give stays the server's)."""
@@ -335,20 +360,15 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
     async def _serve(body: _Common, request: Request, prompt: Any, chat: bool, tools: Tools | None = None):
         check_text([m["content"] for m in prompt] if chat else prompt, "messages" if chat else "prompt")
         check_text(body.stop, "stop")
-        if body.model not in (None, server.model_id):
-            raise ApiError(
-                404,
-                f"model {body.model!r} is not served here; this server serves {server.model_id!r}",
-                "model",
-                "not_found_error",
-            )
+        check_model(body, server)
         logprobs = body.wants_logprobs()
+        grammar = answer_grammar(body, tools, server.session.tokenizer)
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         try:
-            ids = await loop.run_in_executor(None, _encode, server, prompt, chat, tools)
+            ids = await loop.run_in_executor(None, _encode, server, prompt, chat, tools, grammar)
         except CactusError as err:
-            raise ApiError(400, str(err), "messages" if chat else "prompt") from None
+            raise ApiError(400, str(err), getattr(err, "param", None) or ("messages" if chat else "prompt")) from None
         label = json.dumps(prompt)[:2000] if server.log is not None else ""
         try:
             job = server.job(
@@ -357,6 +377,7 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
                 lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
                 label,
                 logprobs,
+                grammar,
             )
             server.submit(job)
         except Busy as err:
@@ -375,10 +396,42 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
     return app
 
 
-def _encode(server: Server, prompt: Any, chat: bool, tools: Tools | None = None) -> list[int]:
+def answer_grammar(body: _Common, tools: Tools | None, tokenizer: Any) -> Grammar | None:
+    """What the answer must match: ``response_format``'s JSON, or a forced tool call's arguments
+    (tool_choice required or named: they keep the tool's schema), or anything (None)."""
+    grammar = body.grammar()
+    if grammar is not None and tools is not None:
+        raise ApiError(
+            400,
+            "response_format: an answer held to JSON cannot also call tools; send one or the other",
+            "response_format",
+        )
+    return tools.grammar(tokenizer) if tools is not None else grammar
+
+
+def check_model(body: _Common, server: Server) -> None:
+    if body.model not in (None, server.model_id):
+        raise ApiError(
+            404,
+            f"model {body.model!r} is not served here; this server serves {server.model_id!r}",
+            "model",
+            "not_found_error",
+        )
+
+
+def _encode(
+    server: Server, prompt: Any, chat: bool, tools: Tools | None = None, grammar: Grammar | None = None
+) -> list[int]:
     """Chat messages through the session (the chat template, the system prompt, the tools, and
     the answer's forced opening when ``tool_choice`` asks for a call); a completion's text as it
-    is (it continues the text), or its token ids."""
+    is (it continues the text), or its token ids. ``grammar`` is checked here too (the first one
+    builds the tokenizer's grammar view: ~1.5 s, off the event loop)."""
+    if grammar is not None:
+        param = "tools" if tools is not None else "response_format"
+        try:
+            server.session.engine.grammars.check(grammar)
+        except ConfigError as err:
+            raise FieldError(param, f"{param}: {err}") from None
     if chat:
         ids = server.session.encode(prompt, list(tools.tools) if tools is not None else None)
         opening = tools.opening() if tools is not None else ""

@@ -32,6 +32,7 @@ from cactus_cli.core.stats import SpecStats
 from cactus_cli.infer.batch import Batch, Entry
 from cactus_cli.infer.costs import CostModel
 from cactus_cli.infer.engine import GenerationParams
+from cactus_cli.infer.grammar import Grammar
 from cactus_cli.infer.runners.base import common_prefix
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # ours -> OpenAI's
@@ -213,11 +214,13 @@ class Server:
         deliver: Callable[[Any], None],
         label: str = "",
         logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> Job:
         """A job for ``ids``, its settings checked and its length too (a 400, before any queueing).
         A request that names no max_tokens generates until the end of sequence or the context
         window (as OpenAI's API and llama-server do), within the server's cap if it has one.
-        ``logprobs``: each token's log-probability and that many alternatives (None: none)."""
+        ``logprobs``: each token's log-probability and that many alternatives (None: none);
+        ``grammar``: what the answer must match (JSON output), or anything."""
         room = self.context_length - len(ids)
         if room <= 0:
             raise FieldError(
@@ -240,7 +243,7 @@ class Server:
                 f"max_tokens {settings.max_tokens} does not fit: the prompt is {len(ids)} tokens of a "
                 f"{self.context_length}-token context window, so at most {room} remain",
             )
-        params = dataclasses.replace(self.session.params(settings), logprobs=logprobs)
+        params = dataclasses.replace(self.session.params(settings), logprobs=logprobs, grammar=grammar)
         return Job(list(ids), settings, params, deliver, label=label)
 
     def submit(self, job: Job) -> None:

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cactus_cli.app.serving import FieldError
+from cactus_cli.infer.grammar import JSON_OPTIONS, Grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CALL_HEAD, CALL_REST = '\n{"name": "', '", "arguments": '  # a call: OPEN CALL_HEAD name CALL_REST arguments }\n CLOSE
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -45,8 +47,45 @@ class Tools:
         if self.choice == "auto":
             return ""
         if self.choice == "required":
-            return OPEN + '\n{"name": "'
-        return OPEN + '\n{"name": ' + json.dumps(self.choice) + ', "arguments": '
+            return OPEN + CALL_HEAD
+        return OPEN + CALL_HEAD + self.choice + CALL_REST
+
+    def grammar(self, tokenizer: Any) -> Grammar | None:
+        """With ``required`` or a named function, what may follow the forced opening: a declared
+        name, its arguments as JSON valid against its parameters schema, the closing tag (then more
+        calls if parallel calls are on): the call cannot come out broken. None for ``auto``."""
+        if self.choice == "auto":
+            return None
+        end = _lark("}\n") + " " + _tag(tokenizer, CLOSE)
+        rules = []
+        for i, (name, fn) in enumerate(self.names.items()):
+            schema = {**fn["parameters"], "x-guidance": JSON_OPTIONS}
+            rules.append(f"args{i}: %json {json.dumps(schema)}")
+            rules.append(f"call{i}: {_lark(name + CALL_REST)} args{i} {end}")
+        rules.append("call: " + " | ".join(f"call{i}" for i in range(len(self.tools))))
+        if self.choice == "required":  # (any declared function, each call; a named one: that one only)
+            first, target = "call", "call"
+        else:
+            at = list(self.names).index(self.choice)
+            first, target = f"args{at} {end}", f"call{at}"
+        another = f"{_lark(chr(10))} {_tag(tokenizer, OPEN)} {_lark(CALL_HEAD)} {target}"
+        more = f" ({another})*" if self.parallel else ""
+        # (the model may end its line before it ends its turn: a newline with no call after it)
+        return Grammar("lark", "\n".join([f"start: {first}{more} {_lark(chr(10))}?"] + rules))
+
+
+def _tag(tokenizer: Any, tag: str) -> str:
+    """A tag as the grammar names it: the tokenizer's own token for it where it has one (Qwen's
+    ``<tool_call>`` is a single added token, not its letters), else its text."""
+    tid = tokenizer.convert_tokens_to_ids(tag) if hasattr(tokenizer, "convert_tokens_to_ids") else None
+    if isinstance(tid, int) and tid != getattr(tokenizer, "unk_token_id", None) and tokenizer.decode([tid]) == tag:
+        return f"<[{tid}]>"
+    return _lark(tag)
+
+
+def _lark(text: str) -> str:
+    """``text`` as a Lark string literal."""
+    return json.dumps(text)
 
 
 def supports_tools(tokenizer: Any) -> bool:

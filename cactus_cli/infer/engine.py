@@ -27,6 +27,7 @@ from cactus_cli.infer.backends import backend_of
 from cactus_cli.infer.batch import Batch
 from cactus_cli.infer.costs import CostStore, cost_key, probe, probe_widths
 from cactus_cli.infer.draft import Free, free_drafting, make_drafter, propose_all
+from cactus_cli.infer.grammar import Grammars
 from cactus_cli.infer.policy import AdaptiveK, FixedK, KPolicy, acceptance_key, allocate
 from cactus_cli.infer.runners.base import MAX_STEP_WIDTH, Runner, sync
 from cactus_cli.infer.runners.compiled import CompileUnavailable
@@ -53,6 +54,7 @@ class SpeculativeEngine:
         limits = [pair.verifier.context_length] + ([pair.draft.context_length] if pair.draft else [])
         self.context_length = min(limits)
         self.sequences = sequences
+        self.grammars = Grammars(pair.tokenizer, pair.vocab_size, sorted(self.eos))  # (JSON output; built when asked)
         self.compile_note: str | None = None  # why a compiled engine runs eagerly, if it does
         self.report: Callable[[str], None] | None = None  # progress lines (a compile during generate)
         self._build(compiled)
@@ -308,11 +310,13 @@ class SpeculativeEngine:
         items = [(r.drafter, r.tokens, r.k, r.sp, r.dgen) for r in runs if r.k]
         made = iter(propose_all(items)) if items else iter(())
         proposals = [next(made) if r.k else None for r in runs]
-        for run, proposal in zip(runs, proposals):
+        for i, (run, proposal) in enumerate(zip(runs, proposals)):
             if proposal is not None:
                 sync(proposal.tokens.device)
                 run.k = len(proposal.tokens)  # a lookup may offer fewer than k
                 run.source = proposal.source if run.k else None
+            if run.constraint is not None:
+                proposals[i] = run.constrain(proposal)
         t1 = time.perf_counter()
         verdicts, forward = self._verify(runs, proposals)
         timing = Timing(t1 - t0, time.perf_counter() - t1, forward)

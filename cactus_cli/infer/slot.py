@@ -10,6 +10,7 @@ drafts) and ``commit``. Batch 1 is the same code with one run."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from cactus_cli.core.exact import meter
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample_among, top_probs
 from cactus_cli.infer.costs import Step
 from cactus_cli.infer.draft import Drafter, Proposal
+from cactus_cli.infer.grammar import Grammar, mask_logits, mask_probs
 from cactus_cli.infer.policy import AdaptiveK, KPolicy, Want, acceptance_key
 from cactus_cli.infer.runners.base import Runner, common_prefix, sync, to_device
 
@@ -47,6 +49,7 @@ class GenerationParams:
     )
     memory: str = ""  # which history a drafter with memory reads and extends (bench: one per configuration)
     logprobs: int | None = None  # each emitted token's log-probability under the verifier, and this many alternatives
+    grammar: Grammar | None = None  # what the output must match (grammar.py: JSON output), or anything
 
 
 class Slot:
@@ -179,6 +182,8 @@ class Run:
         self.k = 0  # this step's choice, and where its drafts come from
         self.source: str | None = None
         self.confidence: list[float] | None = None
+        self.constraint = engine.grammars.constraint(params.grammar) if params.grammar is not None else None
+        self.allowed: torch.Tensor | None = None  # [k+1, V] this step's grammar masks
         self.begin()
 
     @property
@@ -249,11 +254,26 @@ class Run:
         # from past steps and the tree's counts only, never this step's draws: SpS stays lossless
         return self.policy.want(self.akey, k, peek.source, peek.confidence)
 
+    def constrain(self, proposal: Proposal | None) -> Proposal | None:
+        """With a grammar: the drafts cut before the first one it refuses, and the masks at each
+        position of the verify block (grammar.py says why the rules stay exact)."""
+        drafts = proposal.tokens.tolist() if proposal is not None and self.k else []
+        n = self.constraint.valid_prefix(drafts)
+        self.allowed = self.constraint.masks(drafts[:n])
+        if n < len(drafts):
+            probs = proposal.probs[:n] if proposal.probs is not None else None
+            proposal = dataclasses.replace(proposal, tokens=proposal.tokens[:n], probs=probs)
+            self.k = n
+            self.source = proposal.source if n else None
+        return proposal
+
     def decide(self, logits: torch.Tensor, proposal: Proposal | None, drafts: torch.Tensor) -> Decision:
         """This run's part of the step's verdicts, from its row [k+1, V] of the verifier call:
         greedy and plain steps decided here, a rule's verdict left as a ``Row`` for the step's one
         ``verify_rows`` call. Commits nothing."""
         k, sp, vdev = self.k, self.sp, self.vdev
+        if self.allowed is not None:
+            logits = mask_logits(logits, self.allowed)
         # never a valid output (an overflow in a low-precision dtype); a NaN anywhere makes the sum NaN,
         # one pass without a [k+1, V] mask (at k = 64 the masks cost more than the rule)
         flags = [torch.isnan(logits.sum())]
@@ -271,6 +291,8 @@ class Run:
         q = probs_from_logits(logits, sp)  # [k+1, V]
         flags.append(~torch.isfinite(q.sum(-1)).all())
         p = proposal.probs.to(vdev) if k else q[:0]  # [k, V]
+        if k and self.allowed is not None:
+            p = mask_probs(p, self.allowed[:k])
         row = Row(self.params.rule, self.params.rule_kwargs, p, q, drafts, self.vgen)
         return Decision(flags, drafts, logits, None, row, p.unsqueeze(0), q.unsqueeze(0))
 
@@ -308,6 +330,8 @@ class Run:
         )
         self.rewind(m, new)
         emitted, finish = self.emit(new)
+        if self.constraint is not None:
+            self.constraint.advance(emitted)
         logprobs = token_logprobs(v.logits, emitted, self.params.logprobs) if self.params.logprobs is not None else ()
         if finish is None and len(self.tokens) >= e.context_length:
             finish = "context"
@@ -378,8 +402,10 @@ def token_logprobs(logits: torch.Tensor, emitted: list[int], top: int) -> tuple:
     lp = torch.log_softmax(logits[:n].float(), -1)  # [n, V]
     chosen = lp.gather(1, torch.tensor(emitted, device=lp.device).view(n, 1)).view(n).tolist()
     if top:
-        values, ids = lp.topk(top, -1)
-        alts = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        values, ids = lp.topk(top, -1)  # (a grammar's mask may leave fewer than ``top``: the -inf ones are left out)
+        alts = [
+            tuple((t, x) for t, x in zip(i, v) if x != float("-inf")) for i, v in zip(ids.tolist(), values.tolist())
+        ]
     else:
         alts = [()] * n
     return tuple(zip(chosen, alts))
