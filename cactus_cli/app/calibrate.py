@@ -350,6 +350,13 @@ def save_target(name_or_path: str) -> Path:
         )
     if not looks_like_path and not name_or_path.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise ConfigError(f"--save: {name_or_path!r} is not a usable profile name (letters, digits, - _ .)")
+    builtin = builtin_profile_dir() / f"{name_or_path}.yaml"
+    if not looks_like_path and builtin.is_file() and not path.exists():
+        bare = " and every command that names no profile" if name_or_path == "default" else ""
+        raise ConfigError(
+            f"--save: {name_or_path!r} is a built-in profile's name; a user profile of that name would replace it "
+            f"for `--profile {name_or_path}`{bare}; save under another name"
+        )
     return path
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from cactus_cli.app.grid import Generated
 from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.fileio import read_utf8_file
 from cactus_cli.core.stats import SpecStats
 
 FILE = "progress.jsonl"
@@ -52,7 +53,7 @@ def records(path: Path) -> tuple[dict[str, Any], dict[str, list[Generated]], boo
     """A progress file read back: its first line (the run's key, and each row's rule and parameters),
     each finished problem's generations (every sample, in order), and whether its last line was cut
     short by a kill (that problem is left out). Anything else that does not parse is refused."""
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = read_utf8_file(path, "the progress file").splitlines()
     try:
         head = json.loads(lines[0])
     except (json.JSONDecodeError, IndexError):
@@ -87,6 +88,11 @@ class Checkpoint:
         self.path = folder / FILE
         self.run, self.key = run, run_key(run)
         self.done: dict[str, list[Generated]] = {}
+        if self.path.is_symlink() or (self.path.exists() and not self.path.is_file()):  # (a pipe would block)
+            raise ConfigError(
+                f"--out {folder}: its {FILE} is not a plain file (a folder, a link or a pipe); "
+                "remove it or give another folder"
+            )
         if self.path.is_file() and self.path.stat().st_size:
             if not resume:
                 raise ConfigError(

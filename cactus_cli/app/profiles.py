@@ -38,7 +38,8 @@ def list_profiles() -> list[tuple[str, Path, str]]:
     for origin, folder in (("built-in", builtin_profile_dir()), ("user", user_profile_dir())):
         if folder.is_dir():
             for path in sorted(folder.glob("*.yaml")):
-                found[path.stem] = (path.stem, path, origin)
+                if path.is_file():  # (a FIFO or a device there is no profile: reading it would block)
+                    found[path.stem] = (path.stem, path, origin)
     return sorted(found.values())
 
 
@@ -55,6 +56,9 @@ def find_profile(name_or_path: str) -> Path:
     for name, p, _ in list_profiles():
         if name == name_or_path:
             return p
+    odd = user_profile_dir() / f"{name_or_path}.yaml"
+    if odd.exists() and not odd.is_file():
+        raise ConfigError(f"profile {name_or_path}: {odd} is not a regular file (a device or FIFO); remove it")
     names = ", ".join(n for n, _, _ in list_profiles()) or "none"
     raise ConfigError(
         f"unknown profile {name_or_path!r} (available: {names}; user profiles live in {user_profile_dir()})"
@@ -76,10 +80,31 @@ def load_profile(name_or_path: str) -> tuple[dict[str, Any], Path]:
         return {}, path
     if not isinstance(data, dict) or node is None:
         raise ConfigError(f"{path}: a profile must be a YAML mapping of settings")
+    check_unique_keys(node, path)
     lines = {k.value: k.start_mark.line + 1 for k, _ in node.value if hasattr(k, "value")}
     check_layer(data, str(path), lines)
     check_profile_keys(data, str(path), lines)
     return data, path
+
+
+def check_unique_keys(node: Any, path: Path) -> None:
+    """A key given twice in any mapping of the file is an error (YAML silently keeps the last: a
+    profile edited twice over would run with a value its reader did not see)."""
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        first: dict[Any, int] = {}
+        for key, value in node.value:
+            name = getattr(key, "value", None)
+            if isinstance(name, str) and name in first:
+                raise ConfigError(
+                    f"{path}:{key.start_mark.line + 1}: {name!r} is given twice (first at line {first[name]}); keep one"
+                )
+            first[name] = key.start_mark.line + 1
+            check_unique_keys(value, path)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            check_unique_keys(item, path)
 
 
 def check_profile_keys(data: dict[str, Any], origin: str, lines: dict[str, int]) -> None:

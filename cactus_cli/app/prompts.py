@@ -222,6 +222,12 @@ def read_jsonl(path: str, flag: str, what: str) -> list[tuple[int, dict, str]]:
             raise ConfigError(f"{path}:{n}: nested too deeply to read; each line must be a flat object") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise ConfigError(f"{path}:{n}: each line must be an object with a non-empty string 'prompt'")
+        try:  # (JSON can carry a lone surrogate, "\ud800", that no tokenizer takes)
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(
+                f"{path}:{n}: the text holds an unpaired surrogate escape (\\ud800 to \\udfff); write valid Unicode"
+            ) from None
         rows.append((n, row, f"{path}:{n}"))
     if not rows:
         raise ConfigError(f"{flag} {path}: the file has no {what}")

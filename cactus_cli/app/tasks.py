@@ -263,6 +263,13 @@ def load_tasks(path: str | None, limit: int | None, categories: list[str] | None
     if path == HUMANEVAL and not Path(path).exists():
         return select(humaneval_tasks(), categories, limit)
     tasks = [_task(n, row, where) for n, row, where in read_jsonl(path, "--tasks", "tasks")]
+    seen: dict[str, str] = {}
+    for t in tasks:  # (results, checkpoints and paired comparisons are keyed by id; 7 and "7" print alike)
+        if str(t.id) in seen:
+            raise ConfigError(
+                f"{t.where}: the task id {t.id!r} is used twice (first at {seen[str(t.id)]}); give each task its own id"
+            )
+        seen[str(t.id)] = t.where
     kinds = {t.kind for t in tasks}
     if len(kinds) > 1:
         first = next(t for t in tasks if t.kind != tasks[0].kind)

@@ -230,6 +230,15 @@ class Run:
         self.prefill_tokens = len(prompt) - 1 - keep
         slot.tokens = list(prompt)
         self.last = to_device(prompt[-1:], self.vdev)  # [1]: the next step's first input
+        draft = slot.draft_runner
+        if self.drafter is None and draft is not None and draft.cache_len:
+            # a run that does not draft leaves the draft model's cache behind: keep only what the new
+            # sequence shares with it, so it holds a prefix of the slot's tokens for the next run
+            shared = common_prefix(previous[: draft.cache_len], prompt) if reuse else 0
+            if shared:
+                draft.crop(shared)
+            else:
+                draft.reset()
         if self.drafter is not None:
             self.drafter.start(prompt, previous, reuse, self.params.memory if self.params.learn else None)
             draft = self.draft_runner  # (a model behind a lookup reads the prompt when first asked to draft)

@@ -1,0 +1,162 @@
+"""The fifth hardening round's findings (issue 59), each reproduced as a user met it: every test
+here failed before its fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.sampling import SamplingParams
+from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.models import load_pair
+
+GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
+
+
+@pytest.fixture(scope="module")
+def close(tiny):
+    return load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32")
+
+
+def test_a_run_without_drafts_leaves_no_stale_draft_cache_behind(close):
+    """Finding 3: a request with draft none between two that draft; the third, sharing a prefix with
+    the second, must draft from a draft cache that holds its own tokens (as a fresh engine does)."""
+    tok = close.tokenizer
+    a = tok("the cat sat on the mat and then the dog ran fast and it was very happy")["input_ids"]
+    b = a[:6] + tok("a red bird sang and flew up")["input_ids"]
+    c = b + tok("then the sun was big")["input_ids"]
+    params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, max_tokens=24, ignore_eos=True)
+    plain = dataclasses.replace(params, num_draft_tokens=0)
+    engine = SpeculativeEngine(close)
+    for prompt, p in ((a, params), (b, plain)):
+        list(engine.generate(prompt, p, reuse_cache=True))
+    after = [len(ev.accepted) for ev in engine.generate(c, params, reuse_cache=True)]
+    fresh = SpeculativeEngine(close)
+    list(fresh.generate(b, plain))
+    cold = [len(ev.accepted) for ev in fresh.generate(c, params, reuse_cache=True)]
+    assert after == cold
+    lengths = engine.cache_lengths()
+    assert lengths["draft"] <= lengths["sequence"]
+
+
+def test_two_tasks_with_one_id_are_refused(tmp_path):
+    """Finding 2: eval --out graded the second task of a shared id with the first's answer."""
+    from cactus_cli.app.tasks import load_tasks
+
+    path = tmp_path / "tasks.jsonl"
+    rows = [{"id": "q", "prompt": "one", "answer": "1"}, {"id": "q", "prompt": "two", "answer": "2"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=r"tasks.jsonl:2: the task id 'q' is used twice \(first at .*:1\)"):
+        load_tasks(str(path), None)
+    rows = [{"id": 7, "prompt": "one", "answer": "1"}, {"id": "7", "prompt": "two", "answer": "2"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match="used twice"):
+        load_tasks(str(path), None)
+
+
+LONG = "x" * 300  # a file name over the 255 bytes a directory entry holds (ENAMETOOLONG)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "--profile", LONG, "hi"],
+        ["profiles", "show", LONG],
+        ["bench", "--csv", "{dir}/" + LONG],
+        ["bench", "--prompts", "{dir}/" + LONG],
+        ["eval", "--out", "{dir}/" + LONG],
+        ["eval", "--tasks", "{dir}/" + LONG],
+        ["generate", "--verifier", "{dir}/" + LONG, "hi"],
+        ["generate", "--remember", "{dir}/" + LONG, "--draft", "suffix", "hi"],
+        ["chat", "--history", "{dir}/" + LONG],
+        ["calibrate", "--save", LONG],
+    ],
+)
+def test_a_file_name_too_long_is_one_line(tiny, tmp_path, args):
+    """Finding 5: each of these was OSError [Errno 36] with a traceback."""
+    from tests.helpers import invoke, pair_args
+
+    args = [a.replace("{dir}", str(tmp_path)) for a in args]
+    pair = [] if args[0] == "profiles" or "--verifier" in args else pair_args(tiny, "draft_close")
+    if "--draft" in args:
+        pair = [a for a in pair_args(tiny) if a not in ("--draft", tiny["draft"])]
+    limit = ["--limit", "1", "-n", "4"] if args[0] in ("bench", "eval", "calibrate") else []
+    r = invoke(*args[:1], *pair, *limit, *args[1:], input="")
+    assert "Traceback" not in r.output
+    assert r.exit_code == 2, r.output
+    last = [ln for ln in r.output.strip().splitlines() if ln.strip()][-1]
+    assert last.startswith("error: ") and "too long" in last, r.output
+
+
+def test_a_non_utf8_a_folder_a_dangling_link_or_a_pipe_as_progress_file_is_one_line(tiny, tmp_path):
+    """Finding 5 and 6: eval --out D --resume with D/progress.jsonl invalid UTF-8, a folder or a
+    dangling link was a traceback; a FIFO blocked forever."""
+    import os
+
+    from tests.helpers import invoke, pair_args
+
+    cases = {
+        "bytes": lambda p: p.write_bytes(b'{"run": "\xff"}\n'),
+        "folder": lambda p: p.mkdir(),
+        "dangling": lambda p: p.symlink_to(tmp_path / "nowhere" / "x"),
+        "fifo": lambda p: os.mkfifo(p),
+    }
+    for name, make in cases.items():
+        out = tmp_path / name
+        out.mkdir()
+        make(out / "progress.jsonl")
+        r = invoke("eval", *pair_args(tiny, "draft_close"), "--limit", "1", "-n", "4", "--out", out, "--resume")
+        assert r.exit_code == 2 and "Traceback" not in r.output, (name, r.output)
+        assert r.output.strip().splitlines()[-1].startswith("error: "), (name, r.output)
+
+
+def test_a_prompts_file_with_a_lone_surrogate_is_one_line(tiny, tmp_path):
+    from tests.helpers import bench_args, invoke
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "the cat \\ud800"}\n')
+    r = invoke(*bench_args(tiny), "--prompts", prompts)
+    assert r.exit_code == 2 and "p.jsonl:1: the text holds an unpaired surrogate" in r.output, r.output
+
+
+def test_a_fifo_among_the_profiles_is_an_error_not_a_hang(tmp_path):
+    """Finding 6: `generate -p pipe` and `profiles show pipe` blocked forever on a FIFO there."""
+    import os
+
+    from cactus_cli.app.profiles import user_profile_dir
+    from tests.helpers import invoke
+
+    folder = user_profile_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(folder / "pipe.yaml")
+    for args in (["profiles", "show", "pipe"], ["generate", "-p", "pipe", "hi"], ["profiles", "list"]):
+        r = invoke(*args)
+        assert "Traceback" not in r.output, r.output
+        if args[1] != "list":
+            assert r.exit_code == 2 and "not a regular file" in r.output, r.output
+
+
+def test_a_key_given_twice_in_a_profile_is_refused(tmp_path):
+    """Finding 10: YAML keeps the last of two equal keys silently."""
+    from cactus_cli.app.profiles import load_profile
+
+    path = tmp_path / "twice.yaml"
+    path.write_text("temperature: 0.2\nmax_tokens: 64\ntemperature: 0.9\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml:3: 'temperature' is given twice \(first at line 1\)"):
+        load_profile(str(path))
+    path.write_text("rule: cactus\nrule_params:\n  delta: 0.5\n  delta: 2\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml:4: 'delta' is given twice"):
+        load_profile(str(path))
+
+
+def test_calibrate_save_under_a_builtin_name_is_refused(tmp_path):
+    """Finding 10: `calibrate --save default` wrote a user default.yaml that replaced the built-in
+    default for every bare command, silently."""
+    from cactus_cli.app.calibrate import save_target
+
+    with pytest.raises(ConfigError, match="built-in profile's name.*every command that names no profile"):
+        save_target("default")
+    assert save_target("mine").name == "mine.yaml"
