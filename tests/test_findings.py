@@ -160,3 +160,82 @@ def test_calibrate_save_under_a_builtin_name_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="built-in profile's name.*every command that names no profile"):
         save_target("default")
     assert save_target("mine").name == "mine.yaml"
+
+
+@pytest.mark.parametrize("phase", ["k", "delta"])
+def test_an_interrupted_calibrate_prints_what_finished_and_saves_nothing(tiny, tmp_path, monkeypatch, phase):
+    """Finding 7: Ctrl-C or SIGTERM after the delta sweep printed only `interrupted`."""
+    from cactus_cli.app import calibrate as cal_mod
+    from tests.helpers import calibrate_args, invoke
+
+    if phase == "k":
+
+        def stop(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(cal_mod, "_choose_k", stop)
+    else:
+        real, calls = cal_mod.run_speculative, []
+
+        def second_stops(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(cal_mod, "run_speculative", second_stops)
+    target = tmp_path / "p.yaml"
+    r = invoke(*calibrate_args(tiny), "--save", target)
+    assert r.exit_code == 130, r.output
+    assert "delta=0 k=" in r.output and "nothing saved" in r.output, r.output
+    assert ("while timing k" in r.output) == (phase == "k") and "Traceback" not in r.output
+    assert not target.exists()
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed(monkeypatch):
+    """Finding 9: connections that sent partial headers, or nothing, were held for good (150 s+):
+    each holds a file descriptor. A request whose headers arrive is answered as before."""
+    pytest.importorskip("uvicorn")
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from cactus_cli.app import http_guard
+
+    monkeypatch.setattr(http_guard, "HEADER_TIMEOUT", 1.0)
+    app = FastAPI()
+
+    @app.get("/ok")
+    async def ok():
+        return {"ok": True}
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", http=http_guard.guarded_http())
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        silent = socket.create_connection(("127.0.0.1", port))
+        partial = socket.create_connection(("127.0.0.1", port))
+        partial.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n")  # (no blank line: the headers never end)
+        kept = socket.create_connection(("127.0.0.1", port))
+        kept.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+        got = b""
+        while b'{"ok":true}' not in got:
+            chunk = kept.recv(4096)
+            assert chunk, got
+            got += chunk
+        kept.sendall(b"GET /ok HTTP/1.1\r\n")  # (a second request on the kept-alive connection, cut short)
+        for sock in (silent, partial, kept):
+            sock.settimeout(5)
+            started = time.monotonic()
+            assert sock.recv(4096) == b""  # closed by the server
+            assert time.monotonic() - started < 4
+    finally:
+        server.should_exit = True
+        thread.join(10)

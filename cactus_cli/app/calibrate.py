@@ -101,6 +101,7 @@ class Calibration:
     meter_overhead: float | None = None
     reason: str = ""
     advice: str = ""  # said plainly when speculation with this draft does not pay here
+    interrupted: str = ""  # Ctrl-C or SIGTERM came: where (the rows that finished are kept)
 
 
 @dataclass(frozen=True)
@@ -186,18 +187,27 @@ def run(
     extra = {k: v for k, v in settings.rule_kwargs().items() if k != "delta"}
 
     # 1. delta sweep at k0, meter on; 2. delta from the constraints
-    points = _sweep_deltas(
-        engine,
-        settings.rule,
-        k0,
-        extra,
-        prompts,
-        replace(base, measure=True),
-        sorted(set([0.0] + list(deltas))),
-        on_prompt,
-        grade,
-    )
+    points: list[DeltaPoint] = []
+    try:
+        _sweep_deltas(
+            engine,
+            settings.rule,
+            k0,
+            extra,
+            prompts,
+            replace(base, measure=True),
+            sorted(set([0.0] + list(deltas))),
+            on_prompt,
+            grade,
+            points,
+        )
+    except KeyboardInterrupt:
+        if not points:
+            raise
+        cal.interrupted = "during the delta sweep"
     cal.deltas = [pt.row(points[0].result.stats.mean_verifier_loglik, points[0].result) for pt in points]
+    if cal.interrupted:
+        return cal
     cal.chosen_delta, cal.reason = choose_delta(cal.deltas, constraints)
     chosen = next(pt for pt in points if pt.delta == cal.chosen_delta)
 
@@ -209,15 +219,18 @@ def run(
         run_speculative(engine, cfg, prompts, timed, lambda: on_prompt(label), sink)
         return sink[0]
 
-    _choose_k(
-        cal,
-        engine.costs.costs,
-        chosen,
-        ks,
-        {**extra, "delta": cal.chosen_delta},
-        settings.max_draft_tokens,
-        time_config,
-    )
+    try:
+        _choose_k(
+            cal,
+            engine.costs.costs,
+            chosen,
+            ks,
+            {**extra, "delta": cal.chosen_delta},
+            settings.max_draft_tokens,
+            time_config,
+        )
+    except KeyboardInterrupt:
+        cal.interrupted, cal.ks = "while timing k", []
     return cal
 
 
@@ -231,8 +244,11 @@ def _sweep_deltas(
     deltas: list[float],
     on_prompt: Callable[[str], None],
     grade: Grade | None = None,
+    points: list[DeltaPoint] | None = None,
 ) -> list[DeltaPoint]:
-    points: list[DeltaPoint] = []
+    """Each delta's metered run at k0, appended to ``points`` as it finishes (an interrupted sweep
+    keeps the finished ones)."""
+    points = [] if points is None else points
     for d in deltas:
         cfg = BenchConfig("speculative", rule, k0, {**extra, "delta": d})
         sink: list[ConfigResult] = []

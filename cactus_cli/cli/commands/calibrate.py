@@ -144,6 +144,8 @@ def calibrate(
                 lambda label: advance(1, label),
                 grade,
             )
+        if cal.interrupted:
+            _report_interrupted(cal, err)
         doc = cal_mod.document(
             cal,
             settings,
@@ -251,6 +253,24 @@ def _report(
         cal_mod.save_profile(target, shared.profile, settings, doc)
         if not as_json:
             err.print(f"saved delta={cal.chosen_delta:g} k={cal.chosen_k} to {target}", style="dim")
+
+
+def _report_interrupted(cal, err) -> None:
+    """Ctrl-C or SIGTERM: the measurements that finished, then exit 130 with nothing saved (a
+    choice from an unfinished sweep would not be the one the options asked for)."""
+    for row in cal.deltas:
+        kl, acc, tps = row["realized_kl_mean"], row["mean_accepted_tokens_per_step"], row["tokens_per_second_metered"]
+        err.print(
+            f"delta={row['delta']:g} k={cal.k0}: accepted/step "
+            + (f"{acc:.2f}" if acc is not None else "-")
+            + ", KL/token "
+            + (f"{kl:.4f}" if kl is not None else "-")
+            + ", tok/s (metered) "
+            + (f"{tps:.2f}" if tps is not None else "-")
+        )
+    chosen = f" (the finished sweep chose delta={cal.chosen_delta:g})" if cal.chosen_delta is not None else ""
+    err.print(f"interrupted {cal.interrupted}: the rows above finished{chosen}; nothing saved", style="yellow")
+    raise typer.Exit(130)
 
 
 def register(app: typer.Typer) -> None:

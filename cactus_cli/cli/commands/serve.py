@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from cactus_cli.app.http_guard import guarded_http
 from cactus_cli.cli import options as o
 from cactus_cli.cli import ui
 from cactus_cli.cli.edge import user_errors
@@ -110,7 +111,9 @@ def serve(
         err.print(f"serving {server.parallel} request(s) at once: {why}", markup=False, soft_wrap=True)
         err.print(_length_note(cap, server.context_length), markup=False, soft_wrap=True)
         app = build_app(server, api_key)
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5, http=guarded_http()
+        )
         http = _http(config, server, err)
         for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn takes them while it runs, then raises them again
             signal.signal(sig, lambda *_: None)  # for the handlers it found: a stop asked for is a clean exit
