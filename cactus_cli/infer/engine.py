@@ -307,9 +307,13 @@ class SpeculativeEngine:
         for (i, w), k in zip(asked, allocate(costs, [w for _, w in asked], width) if asked else []):
             runs[i].k = runs[i].policy.settle(w, k)
         t0 = time.perf_counter()
+        forced = {}  # (a grammar that forces the next tokens drafts them itself; the drafter rests)
+        for i, run in enumerate(runs):
+            if run.constraint is not None and (proposal := run.forced()) is not None:
+                forced[i], run.k = proposal, 0
         items = [(r.drafter, r.tokens, r.k, r.sp, r.dgen) for r in runs if r.k]
         made = iter(propose_all(items)) if items else iter(())
-        proposals = [next(made) if r.k else None for r in runs]
+        proposals = [forced[i] if i in forced else next(made) if r.k else None for i, r in enumerate(runs)]
         for i, (run, proposal) in enumerate(zip(runs, proposals)):
             if proposal is not None:
                 sync(proposal.tokens.device)

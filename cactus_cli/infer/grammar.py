@@ -27,6 +27,8 @@ import torch
 from cactus_cli.core.errors import ConfigError
 
 KINDS = ("json_schema", "lark", "regex")
+GRAMMAR = "grammar"  # the draft source of the tokens a grammar forces (a schema's keys, its punctuation)
+MAX_FORCED = 16  # forced tokens offered as one step's drafts at most
 # the model's own JSON layout (compact or pretty-printed), but never a run of more than 32 blanks: a model
 # that falls into emitting whitespace cannot spend the answer on it
 JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,32}"}
@@ -122,10 +124,23 @@ class _TokenBytes:
             (hf.convert_ids_to_tokens(i) if i in special else hf.decode([i])).encode() if i < n else b""
             for i in range(vocab_size)
         ]
-        self.hf = hf
+        self.ids = {t: i for i, t in enumerate(self.tokens) if t and i not in special}
+        self.longest = max((len(t) for t in self.ids), default=1)
 
-    def __call__(self, text: str) -> list[int]:
-        return self.hf(text, add_special_tokens=False)["input_ids"]
+    def __call__(self, text: str | bytes) -> list[int]:
+        """Longest match over the tokens' bytes: the tokenization llguidance's masks assume (the
+        tokenizer's own encode may split words first, so forced bytes would come back unknown)."""
+        data = text.encode() if isinstance(text, str) else text
+        out, at = [], 0
+        while at < len(data):
+            for n in range(min(self.longest, len(data) - at), 0, -1):
+                if (tid := self.ids.get(data[at : at + n])) is not None:
+                    out.append(tid)
+                    at += n
+                    break
+            else:
+                at += 1  # (a byte no token holds: skipped)
+        return out
 
 
 class Constraint:
@@ -167,6 +182,11 @@ class Constraint:
         tokens = [t for t in tokens if t not in self.eos]
         if tokens and not self.matcher.consume_tokens(tokens):
             raise RuntimeError(f"internal error: an emitted token left the grammar ({self.matcher.get_error()})")
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (its canonical tokenization of the bytes it forces):
+        free drafts, which the masked verifier accepts unless the model would spell them otherwise."""
+        return self.matcher.compute_ff_tokens()
 
     @property
     def done(self) -> bool:

@@ -25,7 +25,7 @@ from cactus_cli.core.exact import meter
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample_among, top_probs
 from cactus_cli.infer.costs import Step
 from cactus_cli.infer.draft import Drafter, Proposal
-from cactus_cli.infer.grammar import Grammar, mask_logits, mask_probs
+from cactus_cli.infer.grammar import GRAMMAR, MAX_FORCED, Grammar, mask_logits, mask_probs
 from cactus_cli.infer.policy import AdaptiveK, KPolicy, Want, acceptance_key
 from cactus_cli.infer.runners.base import Runner, common_prefix, sync, to_device
 
@@ -262,6 +262,20 @@ class Run:
         self.source, self.confidence = peek.source, peek.confidence
         # from past steps and the tree's counts only, never this step's draws: SpS stays lossless
         return self.policy.want(self.akey, k, peek.source, peek.confidence)
+
+    def forced(self) -> Proposal | None:
+        """With a grammar that forces the next tokens: those tokens as this step's drafts (source
+        ``grammar``, drafted at no cost, each with probability 1), instead of asking the drafter."""
+        room = min(self.e.context_length - len(self.tokens), self.params.max_tokens - self.produced) - 1
+        ahead = self.constraint.forced()[: max(0, min(room, MAX_FORCED))]
+        if not ahead:
+            return None
+        tokens = torch.tensor(ahead, dtype=torch.int64, device=self.vdev)
+        probs = None
+        if not self.sp.greedy:
+            probs = torch.zeros(len(ahead), self.e.pair.vocab_size, device=self.vdev)
+            probs[torch.arange(len(ahead), device=self.vdev), tokens] = 1.0
+        return Proposal(tokens, probs, GRAMMAR, 0)
 
     def constrain(self, proposal: Proposal | None) -> Proposal | None:
         """With a grammar: the drafts cut before the first one it refuses, and the masks at each
