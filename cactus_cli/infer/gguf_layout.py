@@ -24,6 +24,7 @@ stretch verified at the width with the fewest seconds per expected token.
 from __future__ import annotations
 
 import ctypes
+import datetime
 import hashlib
 import json
 import os
@@ -273,18 +274,78 @@ def _threads(path: Path, name: str, threads: int | None, reporter=None) -> tuple
         scores = {int(t): float(s) for t, s in result["scores"].items()} if result else None
     except (KeyError, TypeError, ValueError, AttributeError):
         scores = None
-    if not scores or set(scores) != set(candidates):
+    again = result is not None and result.get("quiet") is False  # (provisional: taken while the machine was busy)
+    if not scores or set(scores) != set(candidates) or again:
         if reporter is not None:
-            reporter.task(f"timing {name} on {', '.join(map(str, candidates))} threads (once on this CPU)")
-        scores = {t: score(measure(str(path), t, THREAD_WIDTHS)["curve"]) for t in candidates}
-        _store(key, {"scores": {str(t): s for t, s in scores.items()}})
+            why = "again: the last timing ran beside another busy process" if again else "once on this CPU"
+            reporter.task(f"timing {name} on {', '.join(map(str, candidates))} threads ({why})")
+        watch = Conditions.start()
+        scores = {
+            t: score(watch.measure(t, lambda t=t: measure(str(path), t, THREAD_WIDTHS))["curve"]) for t in candidates
+        }
+        result = {"scores": {str(t): s for t, s in scores.items()}, **watch.finish()}
+        _store(key, result)
     best = min(scores, key=scores.get)
     others = ", ".join(
         f"{t} thread{'s' if t > 1 else ''} take{'' if t > 1 else 's'} {scores[t] / scores[best]:.2f}x"
         for t in sorted(scores)
         if t != best
     )
-    return best, f"{best} threads, measured fastest here ({others})"
+    return best, f"{best} threads, measured fastest here ({others}; {taken(result)})"
+
+
+QUIET_SHARE = 0.7  # of the CPU time its threads could use, a timing must get to count as quiet
+
+
+def cpu_share(wall: float, cpu: float, threads: int) -> float:
+    """Of the CPU time ``threads`` threads could use in ``wall`` seconds, the share this process got
+    (llama.cpp's threads spin: ~1.0 on a quiet machine, ~0.5 beside another busy process on 2 cores).
+    A timing too short to tell counts as quiet."""
+    return cpu / (wall * threads) if wall >= 0.2 else 1.0
+
+
+class Conditions:
+    """The load a measurement was taken under: the machine's load average before it, and the share
+    of the CPU time each timing's threads could have used that the process got (``cpu_share``).
+    A measurement that is not quiet is stored as provisional and taken again at the next start."""
+
+    def __init__(self, load: float | None):
+        self.load = load
+        self.shares: dict[str, float] = {}
+
+    @classmethod
+    def start(cls) -> Conditions:
+        try:
+            load = os.getloadavg()[0]
+        except (OSError, AttributeError):  # (no load average on this system)
+            load = None
+        return cls(load)
+
+    def measure(self, threads: int, fn: Callable[[], Any], label: str | None = None) -> Any:
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = fn()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        self.shares[label or str(threads)] = round(cpu_share(wall, cpu, threads), 3)
+        return out
+
+    def finish(self) -> dict[str, Any]:
+        """What the stored measurement says of its conditions (the load average is kept to read, not
+        judged: it counts this process's own loading just before)."""
+        quiet = min(self.shares.values(), default=1.0) >= QUIET_SHARE
+        return {
+            "taken": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "quiet": quiet,
+            "load": self.load,
+            "cpu_share": self.shares,
+        }
+
+
+def taken(result: dict[str, Any]) -> str:
+    """When a measurement was taken and under what load, in words."""
+    when = str(result.get("taken", ""))[:16].replace("T", " ") or "before loads were recorded"
+    if result.get("quiet") is False:
+        return f"provisional: measured {when} beside another busy process; measured again at the next start"
+    return f"measured {when}" + (", quiet" if result.get("quiet") else "")
 
 
 def _auto(path: Path, name: str, threads: int | None, texts: Callable[[], list[list[int]]], reporter=None) -> Layout:
@@ -294,11 +355,14 @@ def _auto(path: Path, name: str, threads: int | None, texts: Callable[[], list[l
     n, twhy = _threads(path, name, threads, reporter)
     key = {**_key(path, name, "type"), "threads": n}
     result = _cached(key)
-    if result is None or not {"quantize", "speedup", "nll_drift"} <= set(result):
+    if result is None or not {"quantize", "speedup", "nll_drift"} <= set(result) or result.get("quiet") is False:
         made = requantize(path, "q4_0", name, reporter)
         if reporter is not None:
-            reporter.task(f"timing {name} as shipped and as Q4_0 on {n} threads (once on this CPU)")
-        shipped, q40 = measure(str(path), n), measure(str(made), n)
+            why = "again: the last timing ran beside another busy process" if result else "once on this CPU"
+            reporter.task(f"timing {name} as shipped and as Q4_0 on {n} threads ({why})")
+        watch = Conditions.start()
+        shipped = watch.measure(n, lambda: measure(str(path), n), "shipped")
+        q40 = watch.measure(n, lambda: measure(str(made), n), "q4_0")
         faster = score(shipped["curve"]) / score(q40["curve"])
         drift = None
         if faster > 1:
@@ -308,7 +372,7 @@ def _auto(path: Path, name: str, threads: int | None, texts: Callable[[], list[l
             drift = measure(str(made), n, (1,), ids)["nll"] - measure(str(path), n, (1,), ids)["nll"]
         use = "q4_0" if drift is not None and drift <= QUALITY_TOLERANCE else "gguf"
         result = {"quantize": use, "speedup": faster, "nll_drift": drift, "shipped": shipped["curve"]}
-        result["q4_0"] = q40["curve"]
+        result |= {"q4_0": q40["curve"], **watch.finish()}
         _store(key, result)
         if reporter is not None:
             reporter.done(f"verifier {name}: {'Q4_0' if use == 'q4_0' else 'as shipped'}; {_measured(result)}")
@@ -326,5 +390,7 @@ def _measured(result: dict) -> str:
     speed = f"requantized to Q4_0 it decodes edits at {result['speedup']:.2f}x the shipped file's speed here"
     drift = result["nll_drift"]
     if drift is None:
-        return speed + " (measured once on this CPU)"
-    return f"{speed}, {drift:+.3f} nats/token on the built-in prompts (tolerance {QUALITY_TOLERANCE:g})"
+        return f"{speed} ({taken(result)})"
+    return (
+        f"{speed}, {drift:+.3f} nats/token on the built-in prompts (tolerance {QUALITY_TOLERANCE:g}; {taken(result)})"
+    )

@@ -11,6 +11,7 @@ from cactus_cli.cli.edge import user_errors
 from cactus_cli.cli.tables import print_quality
 from cactus_cli.cli.ui import LoadProgress, make_console
 from cactus_cli.core.errors import ConfigError, ModelError
+from cactus_cli.core.paths import cache_dir
 from cactus_cli.infer import embedded
 
 models_app = typer.Typer(
@@ -86,6 +87,19 @@ def prepare_cmd(
                 else:
                     path = embedded.prepare_embedded(name.removeprefix("embedded:"), progress)
             typer.echo(f"{name}: {path} ({_gb(embedded.folder_size(path))})")
+
+
+@models_app.command("remeasure")
+def remeasure_cmd() -> None:
+    """Forget every choice measured on this machine (threads, the weight type a GGUF is requantized
+    to, the cost of each verify width and draft): the next start measures them again. Run it after a
+    first start that ran beside another busy job, or after a hardware change."""
+    with user_errors():
+        folder = cache_dir() / "costs"
+        gone = sorted(folder.glob("*.json")) if folder.is_dir() else []
+        for path in gone:
+            path.unlink(missing_ok=True)
+        typer.echo(f"forgot {len(gone)} measurement(s) in {folder}; the next start measures again")
 
 
 @models_app.command("quality")
