@@ -104,7 +104,7 @@ def main() -> None:
             None,
             str(embedded.gguf_tokenizer(shipped, "qwen2.5-coder-1.5b")),
             "cpu",
-            "auto",
+            dtype="auto",
             backend="llama.cpp",
         )
         if texts is None:

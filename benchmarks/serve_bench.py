@@ -17,7 +17,7 @@ the other in one run:
 Both greedy (-t 0) by default, so every side decodes the same text. Prints one table, writes JSON
 with --out. One benchmark at a time: nothing else should run on the machine meanwhile.
 
-Many requests at once (issue 58): ``--concurrent N`` sends N requests together (half edits, half
+Many requests at once: ``--concurrent N`` sends N requests together (half edits, half
 ordinary prompts, -n tokens each), streamed, to cactus serve one at a time (--parallel 1) and
 batched (--parallel N), and to llama-server -np 1 with ngram-mod and -np N plain, ngram-simple and
 ngram-mod (same GGUF and threads); each side's aggregate rate (every answer's tokens over the wall

@@ -114,7 +114,7 @@ def test_second_turn_reuses_the_whole_first_turn(tiny, tmp_path):
 
 
 def test_prefill_on_turn_two_is_exactly_the_new_tokens(tiny):
-    pair = load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32")
+    pair = load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", dtype="float32")
     engine = SpeculativeEngine(pair)
     params = GenerationParams(sampling=SamplingParams(0.0, 0, 1.0), num_draft_tokens=3, max_tokens=12)
     ids1 = encode(pair.tokenizer, "the cat sat", None)
@@ -129,7 +129,7 @@ def test_prefill_on_turn_two_is_exactly_the_new_tokens(tiny):
 
 
 def test_cache_reuse_gives_the_same_reply_as_a_fresh_prefill(tiny):
-    pair = load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32")
+    pair = load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", dtype="float32")
     params = GenerationParams(sampling=SamplingParams(0.0, 0, 1.0), num_draft_tokens=3, max_tokens=15)
     engine = SpeculativeEngine(pair)
     msgs = [{"role": "user", "content": "the cat sat"}]
@@ -146,7 +146,7 @@ def test_cache_reuse_gives_the_same_reply_as_a_fresh_prefill(tiny):
 
 
 def test_interrupt_inside_a_step_drops_the_caches_and_recovers(tiny):
-    pair = load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32")
+    pair = load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", dtype="float32")
     params = GenerationParams(sampling=SamplingParams(0.0, 0, 1.0), num_draft_tokens=3, max_tokens=20)
     ids = pair.tokenizer("the cat sat")["input_ids"]
     engine = SpeculativeEngine(pair)

@@ -31,7 +31,7 @@ K_MAX = 8
 
 @pytest.fixture(scope="module")
 def close_pair(tiny):
-    return load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32")
+    return load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_w8a8_runs_compiled_and_gives_the_eager_greedy_tokens(tiny):
     (qlayers.w8a8_linear), q/k/v and gate/up still stacked. The compiled engine gives the eager
     engine's greedy tokens, with rejections and rewinds on the way (float32 activations: in
     bfloat16, compiled steps of different widths may round a near-tie differently)."""
-    pair = load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32", quantize="w8a8")
+    pair = load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", dtype="float32", quantize="w8a8")
     engine = SpeculativeEngine(pair, compiled=True)
     engine.prepare(64, {3})
     assert engine.compiled and engine.compile_note is None

@@ -52,7 +52,7 @@ def cross(tiny, tmp_path_factory):
     )  # (a qwen2 config makes transformers swap in its own tokenizer class)
     word_tokenizer(folder, words)
     return {
-        method: load_pair(tiny["verifier"], str(folder), None, "cpu", "float32", cross_vocab=method)
+        method: load_pair(tiny["verifier"], str(folder), None, "cpu", dtype="float32", cross_vocab=method)
         for method in ("string", "intersection")
     } | {"folder": str(folder)}
 
@@ -218,8 +218,8 @@ def test_intersection_refuses_a_pair_that_shares_too_little(tiny, tmp_path):
     make_model(folder, "llama", 9, len(SPECIALS) + len(words))
     word_tokenizer(folder, words)
     with pytest.raises(ModelError, match="share too little vocabulary"):
-        load_pair(tiny["verifier"], str(folder), None, "cpu", "float32", cross_vocab="intersection")
-    pair = load_pair(tiny["verifier"], str(folder), None, "cpu", "float32")  # string works with any overlap
+        load_pair(tiny["verifier"], str(folder), None, "cpu", dtype="float32", cross_vocab="intersection")
+    pair = load_pair(tiny["verifier"], str(folder), None, "cpu", dtype="float32")  # string works with any overlap
     assert pair.cross.method == "string"
 
 

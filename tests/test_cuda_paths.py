@@ -34,7 +34,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(scope="module")
 def pair(tiny):
-    return load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32")
+    return load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", dtype="float32")
 
 
 # --------------------------------------------------------------------------- 1. inference tensors
@@ -311,7 +311,7 @@ def test_tp_names_its_gpu_placement(tiny, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     with pytest.raises(ModelError, match="rank r runs on cuda:r and the draft beside rank 0"):
-        load_pair(tiny["verifier"], tiny["draft"], None, "cuda:1", "auto", tp=2)
+        load_pair(tiny["verifier"], tiny["draft"], None, "cuda:1", dtype="auto", tp=2)
 
 
 # --------------------------------------------------------------------------- on a GPU
@@ -321,7 +321,7 @@ def test_tp_names_its_gpu_placement(tiny, monkeypatch):
 @needs_cuda
 @needs_compiler
 def test_compiled_cuda_greedy_equals_eager_and_crops_outside_inference_mode(tiny):
-    pair = load_pair(tiny["verifier"], tiny["draft_close"], None, "cuda", "float32")
+    pair = load_pair(tiny["verifier"], tiny["draft_close"], None, "cuda", dtype="float32")
     ids = prompt_ids(pair)
     params = GenerationParams(
         sampling=SamplingParams(temperature=0.0), num_draft_tokens=4, max_tokens=24, ignore_eos=True

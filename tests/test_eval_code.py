@@ -300,7 +300,7 @@ def test_a_progress_line_cut_by_a_kill_is_done_again_and_any_other_bad_line_is_r
 
 
 def test_calibrate_on_code_tasks_grades_each_delta_and_keeps_sps_when_the_gain_is_too_small(tiny, tmp_path):
-    """The choice of issue 48's rule: within the accuracy allowance, yet accepting less than the
+    """The calibration that chose the default profile's rule: within the accuracy allowance, yet accepting less than the
     gain asked for, delta goes to 0 and the profile is written as SpS; the table shows each delta's
     accuracy and its paired difference, and the answers are not cut to the sweep's 64 tokens."""
     target = tmp_path / "he.yaml"

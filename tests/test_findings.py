@@ -1,4 +1,4 @@
-"""The fifth hardening round's findings (issue 59), each reproduced as a user met it: every test
+"""The fifth hardening round's findings, each reproduced as a user met it: every test
 here failed before its fix."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 
 @pytest.fixture(scope="module")
 def close(tiny):
-    return load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32")
+    return load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", dtype="float32")
 
 
 def test_a_run_without_drafts_leaves_no_stale_draft_cache_behind(close):

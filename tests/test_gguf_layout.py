@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cactus_cli.cli.main import app
+from cactus_cli.core import conditions
 from cactus_cli.core.errors import ModelError
 from cactus_cli.infer import gguf, gguf_layout
 from cactus_cli.infer.gguf_layout import QUALITY_TOLERANCE, Layout, choose, requantize, score
@@ -98,7 +99,10 @@ def test_threads_are_measured_once_and_the_fastest_kept(tiny_gguf, monkeypatch):
 
     monkeypatch.setattr(gguf_layout, "measure", fake_measure)
     layout = choose(tiny_gguf, "tiny", "none", None, False, no_texts)
-    assert layout.threads == 2 and "2 threads, measured fastest here (1 thread takes 1.67x; measured " in layout.reason
+    assert (
+        layout.threads == 2
+        and "2 threads, measured fastest here (1 thread takes 1.67x; measured " in layout.threads_reason
+    )
     assert timed == [1, 2]
     assert choose(tiny_gguf, "tiny", "none", None, False, no_texts).threads == 2 and timed == [1, 2]  # cached
     assert choose(tiny_gguf, "tiny", "none", 1, False, no_texts).threads == 1  # --threads wins
@@ -170,7 +174,7 @@ def test_generate_runs_a_q4_0_requantization_and_says_so(tiny_gguf):
 
 
 def test_a_choice_measured_beside_a_busy_process_is_provisional_and_taken_again(tiny_gguf, monkeypatch):
-    """Issue 59: a first start beside another CPU-heavy job stored 1 thread (1.81x slower for good).
+    """A first start beside another CPU-heavy job stored 1 thread (1.81x slower for good).
     Contention is simulated: the timings' threads get half the CPU they could use and 1 thread
     looks faster; the choice is stored as provisional and said so. Once the other job is gone the
     next start measures again by itself and keeps the quiet choice (2 threads), stored as quiet."""
@@ -184,13 +188,66 @@ def test_a_choice_measured_beside_a_busy_process_is_provisional_and_taken_again(
         return {"curve": {w: base * (1 + w / 16) for w in widths}, "nll": None}
 
     monkeypatch.setattr(gguf_layout, "measure", fake_measure)
-    monkeypatch.setattr(gguf_layout, "cpu_share", lambda wall, cpu, threads: 0.5 if busy["now"] else 0.98)
+    monkeypatch.setattr(conditions, "cpu_share", lambda wall, cpu, threads: 0.5 if busy["now"] else 0.98)
     first = choose(tiny_gguf, "tiny", "none", None, False, no_texts)
-    assert first.threads == 1 and "provisional" in first.reason and "measured again at the next start" in first.reason
+    assert (
+        first.threads == 1
+        and "provisional" in first.threads_reason
+        and "measured again at the next start" in first.threads_reason
+    )
     busy["now"] = False
     second = choose(tiny_gguf, "tiny", "none", None, False, no_texts)
-    assert second.threads == 2 and "quiet" in second.reason and timed == [1, 2, 1, 2]
+    assert second.threads == 2 and "quiet" in second.threads_reason and timed == [1, 2, 1, 2]
     assert choose(tiny_gguf, "tiny", "none", None, False, no_texts).threads == 2 and len(timed) == 4  # kept
     r = CliRunner().invoke(app, ["models", "remeasure"])
     assert r.exit_code == 0 and "the next start measures again" in r.output
     assert choose(tiny_gguf, "tiny", "none", None, False, no_texts).threads == 2 and len(timed) == 6
+
+
+def test_a_stored_curve_that_later_verifies_beat_is_taken_again(tiny_gguf, monkeypatch):
+    """Contention the CPU share did not show (the other job started just after the timing of 2
+    threads): the stored curve says a verify takes far longer than the run's verifies do. Once
+    WATCH_STEPS verifies have beaten it, the run says so once and marks the measurement provisional;
+    the next start measures again by itself and keeps the quiet choice."""
+    monkeypatch.setattr(gguf_layout, "thread_candidates", lambda: [1, 2])
+    busy = {"now": True}
+    timed = []
+
+    def fake_measure(path, threads, widths=gguf_layout.WIDTHS, texts=()):
+        timed.append(threads)
+        base = ({1: 4.0, 2: 5.0} if busy["now"] else {1: 5.0, 2: 2.76})[threads]  # (seconds: far slower than real)
+        return {"curve": {w: base * (1 + w / 16) for w in widths}, "nll": None}
+
+    monkeypatch.setattr(gguf_layout, "measure", fake_measure)
+    args = ["generate", "the cat", "--verifier", str(tiny_gguf), "--draft", "none", "-n", "40", "--seed", "1"]
+    args += ["--temperature", "1.0", "--json"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)["settings"]["plan"]
+    assert plan["threads"]["value"] == 1 and "quiet" in plan["threads"]["reason"]  # (the share looked quiet)
+    said = " ".join(r.stderr.split())
+    assert said.count("faster than the measurement its choice was made from") == 1, said
+    assert "taken again at the next start (or now: `cactus models remeasure`)" in said
+    busy["now"] = False
+    again = choose(tiny_gguf, "tiny", "none", None, False, no_texts)
+    assert again.threads == 2 and "quiet" in again.threads_reason and timed == [1, 2, 1, 2]
+
+
+def test_the_watch_says_a_slower_machine_once_and_keeps_the_measurement(capsys):
+    marked = []
+    watch = conditions.Watch(
+        "verifies", {1: 0.01, 4: 0.02}, {"taken": "2026-12-01T10:00", "quiet": True}, marked.append
+    )
+    for _ in range(conditions.WATCH_STEPS - 1):
+        watch.add(1, 0.05)
+        watch.add(7, 0.001)  # (a width the measurement did not price: not counted)
+    assert watch.said is None and capsys.readouterr().err == ""
+    for _ in range(10):
+        watch.add(4, 0.1)
+    said = " ".join(capsys.readouterr().err.split())
+    assert said.count("5.00x slower than measured (measured 2026-12-01 10:00, quiet)") == 1, said
+    assert "`cactus models remeasure`" in said and not marked  # (slower now: the stored choice is kept)
+    quick = conditions.Watch("verifies", {1: 0.01}, {}, marked.append)
+    for _ in range(conditions.WATCH_STEPS):
+        quick.add(1, 0.009)  # within the allowance either way: nothing said
+    assert quick.said is None and not marked and capsys.readouterr().err == ""

@@ -41,12 +41,12 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def far(tiny):
-    return load_pair(tiny["verifier"], tiny["draft"], None, "cpu", "float32")
+    return load_pair(tiny["verifier"], tiny["draft"], None, "cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def close(tiny):
-    return load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32")
+    return load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", dtype="float32")
 
 
 def ids(pair, text):
@@ -207,7 +207,7 @@ def json_folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def json_pair(json_folders):
-    return load_pair(json_folders["verifier"], json_folders["draft"], None, "cpu", "float32")
+    return load_pair(json_folders["verifier"], json_folders["draft"], None, "cpu", dtype="float32")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

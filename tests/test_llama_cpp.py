@@ -51,7 +51,9 @@ def files(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def pairs(files):
     def load(draft):
-        return load_pair(files["verifier"], files[draft] if draft else None, None, "cpu", "auto", backend="llama.cpp")
+        return load_pair(
+            files["verifier"], files[draft] if draft else None, None, "cpu", dtype="auto", backend="llama.cpp"
+        )
 
     return {"close": load("close"), "other": load("other"), "alone": load(None)}
 
@@ -178,7 +180,7 @@ def test_the_same_file_on_torch_gives_nearly_the_same_logits(files, pairs):
     KV cache in float16, hence the tolerance) and pick the same greedy tokens."""
     pair = pairs["alone"]
     ids = encode(pair)
-    on_torch = load_pair(files["verifier"], None, None, "cpu", "float32", backend="torch")
+    on_torch = load_pair(files["verifier"], None, None, "cpu", dtype="float32", backend="torch")
     assert on_torch.backend_reason == "backend torch (asked for)"
     with torch.no_grad():
         theirs = on_torch.verifier.model(torch.tensor([ids])).logits[0, :, : pair.vocab_size]
@@ -227,7 +229,7 @@ def test_auto_picks_llama_cpp_for_gguf_on_a_cpu_and_torch_otherwise(files, tiny,
 
 def test_a_tokenizer_that_gives_other_ids_is_refused_at_load(files, tiny, monkeypatch):
     with pytest.raises(ModelError, match="do not share a vocabulary"):  # another vocabulary: the --tokenizer check
-        load_pair(files["verifier"], None, tiny["verifier"], "cpu", "auto", backend="llama.cpp")
+        load_pair(files["verifier"], None, tiny["verifier"], "cpu", dtype="auto", backend="llama.cpp")
     # the same vocabulary, other ids for the probe text (llama.cpp's tokenizer would split it otherwise)
     real = gguf.GGUFModel.tokenize
     monkeypatch.setattr(gguf.GGUFModel, "tokenize", lambda self, text: real(self, text)[:-2] + real(self, text)[-1:])
@@ -236,7 +238,7 @@ def test_a_tokenizer_that_gives_other_ids_is_refused_at_load(files, tiny, monkey
         match=r"verifier .*: llama.cpp's vocabulary and the tokenizer give different token "
         r"ids for the same text \(first at token \d+",
     ):
-        load_pair(files["verifier"], None, None, "cpu", "auto", backend="llama.cpp")
+        load_pair(files["verifier"], None, None, "cpu", dtype="auto", backend="llama.cpp")
 
 
 def cactus(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -347,7 +349,7 @@ def test_without_the_bindings_auto_runs_a_gguf_on_torch_and_says_how_to_install_
         def warn(self, message):
             said.append(message)
 
-    pair = load_pair(files["verifier"], None, None, "cpu", "auto", Reporter(), backend="auto")
+    pair = load_pair(files["verifier"], None, None, "cpu", dtype="auto", reporter=Reporter(), backend="auto")
     assert pair.verifier.backend == "torch" and pair.backend_reason.startswith("backend auto: torch (not llama.cpp: ")
     assert said == [f"running the models on torch (slower on a CPU): llama.cpp is not available: {gguf.INSTALL_HINT}"]
 

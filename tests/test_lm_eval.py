@@ -117,7 +117,7 @@ def test_loglikelihood_is_the_verifiers_own(tiny, task_dir):
 
     out = evaluate(tiny, task_dir, ["tiny_mc"], rule="cactus", delta=5.0)
     assert "acc,none" in out["results"]["tiny_mc"]
-    pair = load_pair(tiny["verifier"], None, None, "cpu", "float32")
+    pair = load_pair(tiny["verifier"], None, None, "cpu", dtype="float32")
     tok, model = pair.tokenizer, pair.verifier.model
     sample = out["samples"]["tiny_mc"][0]
     assert len(sample["arguments"]) == 3  # one (context, continuation) request per choice

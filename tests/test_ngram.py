@@ -61,8 +61,8 @@ def test_parse_draft():
 @pytest.fixture(scope="module")
 def pairs(tiny):
     return {
-        "alone": load_pair(tiny["verifier"], None, None, "cpu", "float32"),
-        "close": load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32"),
+        "alone": load_pair(tiny["verifier"], None, None, "cpu", dtype="float32"),
+        "close": load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", dtype="float32"),
     }
 
 

@@ -298,7 +298,7 @@ def test_cache_round_trip(tmp_path):
 
 @pytest.fixture(scope="module")
 def close_pair(tiny):
-    return load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32")
+    return load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", dtype="float32")
 
 
 def test_catch_up_after_plain_steps_keeps_caches_exact(close_pair, monkeypatch):
@@ -380,11 +380,31 @@ def test_adaptive_k_learns_and_reports(close_pair):
 def test_dtype_auto_is_measured_and_cached(isolated_home):
     dtype, why = fastest_cpu_dtype(64, 256)
     assert dtype in (torch.float32, torch.bfloat16) and "measured" in why and "cached" not in why
+    assert "quiet" in why or "provisional" in why  # (when it was taken and under what load, said)
     files = list((isolated_home / "costs").glob("dtype-*.json"))
     assert len(files) == 1 and set(json.loads(files[0].read_text())["seconds"]) == {"float32", "bfloat16"}
     again, why2 = resolve_dtype("auto", torch.device("cpu"), (64, 256))
-    assert again == dtype and "(cached)" in why2
+    assert again == dtype and "(cached: measured " in why2
     assert resolve_dtype("float32", torch.device("cpu"), (64, 256)) == (torch.float32, "as asked")
+
+
+def test_a_dtype_timed_beside_a_busy_process_is_provisional_and_taken_again(isolated_home, monkeypatch):
+    """The torch choices (dtype, int8 or w8a8) record their conditions as llama.cpp's do: timed
+    while the threads got half the CPU, the answer is provisional and the next start times again;
+    quiet, it is kept and said as cached."""
+    from cactus_cli.core import conditions
+
+    share = {"now": 0.5}
+    timed = []
+    monkeypatch.setattr(conditions, "cpu_share", lambda wall, cpu, threads: timed.append(wall) or share["now"])
+    first = fastest_cpu_dtype(64, 256)[1]
+    assert "provisional: measured" in first and "beside another busy process" in first and timed
+    share["now"], before = 0.97, len(timed)
+    second = fastest_cpu_dtype(64, 256)[1]
+    assert "cached" not in second and "quiet" in second and len(timed) > before  # (taken again by itself)
+    before = len(timed)
+    third = fastest_cpu_dtype(64, 256)[1]
+    assert "(cached: measured " in third and ", quiet)" in third and len(timed) == before
 
 
 def test_a_full_disk_does_not_stop_the_run(tiny, monkeypatch):

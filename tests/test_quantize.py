@@ -131,7 +131,7 @@ def test_stacked_layers_give_each_layer_its_own_output_bit_for_bit():
 @pytest.fixture(scope="module")
 def quantized_pairs(tiny):
     return {
-        m: load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "auto", quantize=m)
+        m: load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", dtype="auto", quantize=m)
         for m in ("int8", "int4", "w8a8")
     }
 
@@ -194,8 +194,8 @@ def test_smoothing_leaves_the_function_unchanged_and_is_cached(tiny, isolated_ho
         )
         smooth.apply(model, found, factors)
         torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=1e-4, atol=1e-4)
-    first = load_pair(tiny["verifier"], None, None, "cpu", "auto", quantize="w8a8")
-    again = load_pair(tiny["verifier"], None, None, "cpu", "auto", quantize="w8a8")  # from the cache
+    first = load_pair(tiny["verifier"], None, None, "cpu", dtype="auto", quantize="w8a8")
+    again = load_pair(tiny["verifier"], None, None, "cpu", dtype="auto", quantize="w8a8")  # from the cache
     with torch.no_grad():
         assert torch.equal(first.verifier.model(input_ids=ids).logits, again.verifier.model(input_ids=ids).logits)
 
@@ -252,21 +252,21 @@ def test_quantized_weights_are_cached_and_reused(tiny, monkeypatch, isolated_hom
         return real(w)
 
     monkeypatch.setattr(qz, "quantize_int8", counting)
-    first = load_pair(tiny["verifier"], None, None, "cpu", "auto", quantize="int8")
+    first = load_pair(tiny["verifier"], None, None, "cpu", dtype="auto", quantize="int8")
     n_layers = len(calls)
     assert n_layers == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
     files = list((isolated_home / "quantized").glob("int8-*.safetensors"))
     assert len(files) == 1 and not list((isolated_home / "quantized").glob(".*tmp"))
-    second = load_pair(tiny["verifier"], None, None, "cpu", "auto", quantize="int8")
+    second = load_pair(tiny["verifier"], None, None, "cpu", dtype="auto", quantize="int8")
     assert len(calls) == n_layers  # nothing quantized again
     ids = torch.tensor([prompt_ids(first)])
     with torch.no_grad():
         torch.testing.assert_close(first.verifier.model(ids).logits, second.verifier.model(ids).logits, atol=0, rtol=0)
     files[0].write_bytes(b"not a safetensors file")  # a damaged cache is rebuilt, not trusted
-    load_pair(tiny["verifier"], None, None, "cpu", "auto", quantize="int8")
+    load_pair(tiny["verifier"], None, None, "cpu", dtype="auto", quantize="int8")
     assert len(calls) == 2 * n_layers
     monkeypatch.setattr(qz, "FORMAT", qz.FORMAT + 1)  # a new cache format (or torch) replaces the old file
-    load_pair(tiny["verifier"], None, None, "cpu", "auto", quantize="int8")
+    load_pair(tiny["verifier"], None, None, "cpu", dtype="auto", quantize="int8")
     assert len(calls) == 3 * n_layers
     assert [f.name for f in (isolated_home / "quantized").glob("int8-*")] != [files[0].name]
     assert len(list((isolated_home / "quantized").glob("int8-*"))) == 1
@@ -680,11 +680,11 @@ def test_every_rebuilt_cache_says_why(tiny, fake_model_cache, capsys):
     assert quantize.quality_verdict(tiny["verifier"]) is None
     assert f"warning: the w8a8 quality verdict {verdict} is unreadable; measuring" in said()
 
-    devices._timed_once("t-", [1], ("a",), lambda name: 0.5)
+    devices._timed_once("t-", [1], ("a",), lambda name, watch: 0.5)
     assert said() == ""  # measured the first time
     (path,) = (devices.cache_path({}, "").parent).glob("t-*.json")
     path.write_text("not json")
-    devices._timed_once("t-", [1], ("a",), lambda name: 0.5)
+    devices._timed_once("t-", [1], ("a",), lambda name, watch: 0.5)
     assert f"warning: the timing cache {path} is unreadable; measuring again" in said()
 
     (embedded.models_dir() / "fake").mkdir(parents=True)  # a conversion that never finished

@@ -38,7 +38,7 @@ def _tokens(engine, ids, params, reuse=False):
 
 def reference_runs(tiny, monkeypatch) -> dict[str, list[list[int]]]:
     def pair(draft):
-        return load_pair(tiny["verifier"], tiny[draft] if draft else None, None, "cpu", "float32")
+        return load_pair(tiny["verifier"], tiny[draft] if draft else None, None, "cpu", dtype="float32")
 
     close, disagree, alone = pair("draft_close"), pair("draft"), pair(None)
     out: dict[str, list[list[int]]] = {}

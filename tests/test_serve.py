@@ -612,7 +612,7 @@ def test_the_measured_default_parallel_doubles_while_it_pays():
     from cactus_cli.app.serving import choose_parallel
     from cactus_cli.infer.costs import CostModel
 
-    cpu = CostModel()  # the EPYC's llama-bench curve (issue 58): 4 wins, 8 adds only 16%
+    cpu = CostModel()  # the EPYC's llama-bench curve (docs/adaptive-k.md): 4 wins, 8 adds only 16%
     for w, ms in {1: 29, 2: 46, 4: 66, 8: 114, 16: 163}.items():
         cpu.add_verify(w, ms / 1000)
     n, why = choose_parallel(cpu, 16)

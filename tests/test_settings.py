@@ -137,7 +137,7 @@ def test_a_profile_or_set_value_that_is_not_finite_is_refused():
 
 
 def test_a_profile_that_names_no_rule_decodes_as_the_shipped_default(isolated_home, tmp_path):
-    """Issue 48 chose SpS for the default profile; the built-in default (a profile or a Session
+    """The default profile decodes with SpS; the built-in default (a profile or a Session
     without `rule`) is the same rule, and delta alone is refused rather than silently ignored."""
     from cactus_cli.app.profiles import load_profile, resolve_settings
 

@@ -61,7 +61,7 @@ def test_greedy_speculation_past_the_window_equals_the_verifier_alone(gemmas, k)
     """Both caches are cropped after rejections long after the window filled: the output must
     still be the verifier's own, token for token (before: transformers raised on the first
     crop past the window)."""
-    pair = load_pair(gemmas["verifier"], gemmas["draft"], None, "cpu", "float32")
+    pair = load_pair(gemmas["verifier"], gemmas["draft"], None, "cpu", dtype="float32")
     ids = prompt_ids(pair)
     alone = GenerationParams(sampling=GREEDY, num_draft_tokens=0, max_tokens=40, ignore_eos=True)
     want, _, _ = run(SpeculativeEngine(pair), ids, alone)
@@ -82,7 +82,7 @@ def test_a_crop_below_what_the_window_kept_forgets_and_is_fed_again(gemmas):
     """Past the window, a crop further back than the last one cannot be restored: the runner
     forgets its cache (cache_len 0) and a prefill feeds the prompt again; the logits equal a
     fresh runner's."""
-    pair = load_pair(gemmas["verifier"], None, None, "cpu", "float32")
+    pair = load_pair(gemmas["verifier"], None, None, "cpu", dtype="float32")
     seq = [(5 + 7 * i) % pair.vocab_size for i in range(30)]
     r = CachedLM(pair.verifier, pair.vocab_size)
     r.forward(seq[:20], keep=1)

@@ -38,7 +38,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def close(tiny):
-    return load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32")
+    return load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", dtype="float32")
 
 
 def ids(pair, text):

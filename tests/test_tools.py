@@ -1,4 +1,4 @@
-"""Tool calls and log-probabilities through `cactus serve` (issue 57): the request checks, the
+"""Tool calls and log-probabilities through `cactus serve`: the request checks, the
 rendering through the chat template, the reading of the model's calls (whole and streamed), and
 each token's log-probability against the verifier's own full forward."""
 

@@ -61,7 +61,7 @@ def test_a_rule_defined_here_runs_through_verify_exactness_and_the_meter(geo):
 
 
 def test_a_rule_defined_here_runs_in_the_engine(geo, tiny):
-    pair = load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", "float32")
+    pair = load_pair(tiny["verifier"], tiny["draft_close"], None, "cpu", dtype="float32")
     params = GenerationParams(
         sampling=SamplingParams(1.0, 0, 1.0),
         rule="geo",

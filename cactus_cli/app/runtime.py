@@ -46,6 +46,7 @@ def load_request(settings: Settings, **overrides: Any) -> LoadRequest:
 def load_engine(
     settings: Settings,
     reporter=None,
+    *,
     compile_mode: str | None = None,
     pair: ModelPair | None = None,
     quantize: str | None = None,

@@ -27,7 +27,6 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 COMPILE = ("auto", "on", "off")
 QUANTIZE = ("auto", "none", *dict.fromkeys(q for b in backends.BACKENDS.values() for q in b.quantizations))
 CROSS_VOCAB = ("auto", "string", "intersection")
-BACKENDS = ("auto", *backends.BACKENDS)
 _LISTS = " (a comma list is for bench and eval, to compare several in one run)"
 
 
@@ -138,7 +137,7 @@ _CHOICES = {
     "cross_vocab": CROSS_VOCAB,
     "quantize": QUANTIZE,
     "rule": RULES,
-    "backend": BACKENDS,
+    "backend": backends.CHOICES,
 }
 
 

@@ -21,12 +21,13 @@ from cactus_cli.infer.vocab import CrossVocab
 
 def load_engines(
     settings: Settings,
+    prompts: list[Prompt],
+    reporter,
+    *,
     quantizes: list[str],
     compiles: list[str],
     drafts: list[str],
-    prompts: list[Prompt],
     ks: list[int | str],
-    reporter,
     crosses: list[str] = ("auto",),
     backends: list[str] = ("torch",),
     sequences: int = 1,
@@ -49,10 +50,10 @@ def load_engines(
                 first = runtime.load_engine(
                     dataclasses.replace(loading, draft=models[0] if models else drafts[0]),
                     reporter,
-                    mode,
-                    None,
-                    quantize,
-                    backend,
+                    compile_mode=mode,
+                    pair=None,
+                    quantize=quantize,
+                    backend=backend,
                 ).pair
                 loaded = {None: dataclasses.replace(first, draft=None, cross=None)}
                 if models:
@@ -72,11 +73,11 @@ def load_engines(
                                 runtime.load_engine(
                                     dataclasses.replace(settings, draft=draft),
                                     reporter,
-                                    mode,
-                                    own,
-                                    quantize,
-                                    backend,
-                                    sequences,
+                                    compile_mode=mode,
+                                    pair=own,
+                                    quantize=quantize,
+                                    backend=backend,
+                                    sequences=sequences,
                                 ),
                             )
                         )

@@ -129,15 +129,15 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
         with ui.LoadProgress(err) as progress:
             engines, encoded = variants.load_engines(
                 settings,
-                lists["quantize"],
-                lists["compile"],
-                lists["draft"],
                 prompts,
-                lists["k"],
                 progress,
-                lists["cross"],
-                lists["backend"],
-                max(lists["concurrency"]),
+                quantizes=lists["quantize"],
+                compiles=lists["compile"],
+                drafts=lists["draft"],
+                ks=lists["k"],
+                crosses=lists["cross"],
+                backends=lists["backend"],
+                sequences=max(lists["concurrency"]),
             )
         grid = g.build_grid(
             lists["rules"],

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from cactus_cli.core.conditions import Conditions, taken
 from cactus_cli.core.errors import ModelError, warn
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.paths import cache_path
@@ -98,30 +99,38 @@ def device_name(device: torch.device) -> str:
     return f"{model} [{' '.join(flags)}] {isa}"
 
 
-def _median_seconds(fn, x: torch.Tensor, reps: int = 9) -> float:
+def _median_seconds(fn, x: torch.Tensor, reps: int = 9, watch: Conditions | None = None) -> float:
     """Median seconds of ``fn(x)`` over ``reps`` calls, after one untimed warm-up call (the
-    first call picks kernels)."""
-    with torch.inference_mode():
-        fn(x)
+    first call picks kernels); the timed calls' CPU share counted by ``watch``."""
+
+    def timed() -> list[float]:
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
             fn(x)
             times.append(time.perf_counter() - t0)
+        return times
+
+    with torch.inference_mode():
+        fn(x)
+        times = watch.measure(torch.get_num_threads(), timed, "timings") if watch is not None else timed()
     return statistics.median(times)
 
 
-def _median_linear_seconds(dtype: torch.dtype, hidden: int, inter: int, rows: int, reps: int = 9) -> float:
+def _median_linear_seconds(
+    dtype: torch.dtype, hidden: int, inter: int, rows: int, reps: int = 9, watch: Conditions | None = None
+) -> float:
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(inter, hidden, generator=gen).to(dtype)  # [out, in], like an MLP up-projection
     x = torch.randn(rows, hidden, generator=gen).to(dtype)  # [rows, in]
-    return _median_seconds(lambda x: torch.nn.functional.linear(x, w), x, reps)
+    return _median_seconds(lambda x: torch.nn.functional.linear(x, w), x, reps, watch)
 
 
-def _timed_once(prefix: str, shape: list[int], names: tuple[str, ...], seconds) -> tuple[dict[str, float], bool]:
-    """``seconds(name)`` for each name, measured once per machine, threads, torch and shape and
-    cached; (the times, whether they came from the cache). A corrupt file (zero, negative or NaN
-    timings) is measured again and replaced."""
+def _timed_once(prefix: str, shape: list[int], names: tuple[str, ...], seconds) -> tuple[dict[str, float], str]:
+    """``seconds(name, conditions)`` for each name, measured once per machine, threads, torch and
+    shape and cached with the conditions it was taken under; (the times, when and how they were
+    taken, in words). A corrupt file (zero, negative or NaN timings) or one taken beside another
+    busy process (provisional) is measured again and replaced."""
     key = {
         "cpu": device_name(torch.device("cpu")),
         "threads": torch.get_num_threads(),
@@ -133,21 +142,26 @@ def _timed_once(prefix: str, shape: list[int], names: tuple[str, ...], seconds) 
         doc = json.loads(path.read_text(encoding="utf-8"))
         times = {name: float(v) for name, v in doc["seconds"].items() if name in names}
         if len(times) == len(names) and all(0 < t < 60 for t in times.values()):
-            return times, True
-        problem = "holds invalid or incomplete timings"
+            if doc.get("quiet") is not False:
+                return times, f"cached: {taken(doc)}"
+            problem = None  # (provisional: measured again below, said in the answer)
+        else:
+            problem = "holds invalid or incomplete timings"
     except FileNotFoundError:
         problem = None  # the first time on this machine
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         problem = "is unreadable"
     if problem:
         warn(f"the timing cache {path} {problem}; measuring again and replacing it")
-    times = {name: seconds(name) for name in names}
+    watch = Conditions.start()
+    times = {name: seconds(name, watch) for name in names}
+    doc = {"key": key, "seconds": times, **watch.finish()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, json.dumps({"key": key, "seconds": times}, indent=1))
+        atomic_write(path, json.dumps(doc, indent=1))
     except OSError:
         pass  # not cached: the next run measures again
-    return times, False
+    return times, taken(doc)
 
 
 def fastest_cpu_quantization(hidden: int, inter: int, rows: int = 9) -> tuple[str, str]:
@@ -162,18 +176,19 @@ def fastest_cpu_quantization(hidden: int, inter: int, rows: int = 9) -> tuple[st
     def weights() -> tuple[torch.Tensor, torch.Tensor]:  # made only when not cached: not on every start
         return quantize_int8(torch.randn(inter, hidden, generator=gen) * 0.02)
 
-    def seconds(name: str) -> float:
+    def seconds(name: str, watch: Conditions) -> float:
         layer = (Int8DynamicLinear if name == "w8a8" else Int8Linear)(*weights(), None, torch.bfloat16)
         return sum(
-            _median_seconds(layer, torch.randn(n, hidden, generator=gen).to(torch.bfloat16), 7) for n in (1, rows)
+            _median_seconds(layer, torch.randn(n, hidden, generator=gen).to(torch.bfloat16), 7, watch)
+            for n in (1, rows)
         )
 
-    times, cached = _timed_once("quantize-", [hidden, inter, rows], ("int8", "w8a8"), seconds)
+    times, when = _timed_once("quantize-", [hidden, inter, rows], ("int8", "w8a8"), seconds)
     best = min(times, key=times.get)
     other = "int8" if best == "w8a8" else "w8a8"
     return best, (
-        f"measured {'(cached) ' if cached else ''}{best} {times[other] / times[best]:.2f}x faster than "
-        f"{other} on a {hidden}x{inter} matmul at 1 and {rows} rows"
+        f"measured {best} {times[other] / times[best]:.2f}x faster than "
+        f"{other} on a {hidden}x{inter} matmul at 1 and {rows} rows ({when})"
     )
 
 
@@ -182,18 +197,17 @@ def fastest_cpu_dtype(hidden: int, inter: int) -> tuple[torch.dtype, str]:
     step, one short verify) and keep the faster; cached per machine, threads, torch and shape,
     so only the first run on a machine pays the ~1 s. CPU flags alone mislead: on a 2-core AVX2
     EPYC bfloat16 is 2.6x faster for a 1-token forward although it has no AVX-512 BF16."""
-    times, cached = _timed_once(
+    times, when = _timed_once(
         "dtype-",
         [hidden, inter],
         ("float32", "bfloat16"),
-        lambda name: sum(_median_linear_seconds(getattr(torch, name), hidden, inter, rows) for rows in (1, 5)),
+        lambda name, watch: sum(
+            _median_linear_seconds(getattr(torch, name), hidden, inter, rows, watch=watch) for rows in (1, 5)
+        ),
     )
     best = min(times, key=times.get)
     other = "float32" if best == "bfloat16" else "bfloat16"
-    why = (
-        f"measured {'(cached) ' if cached else ''}{best} {times[other] / times[best]:.2f}x faster than {other} "
-        f"on a {hidden}x{inter} matmul"
-    )
+    why = f"measured {best} {times[other] / times[best]:.2f}x faster than {other} on a {hidden}x{inter} matmul ({when})"
     return getattr(torch, best), why
 
 

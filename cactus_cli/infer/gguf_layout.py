@@ -24,7 +24,6 @@ stretch verified at the width with the fewest seconds per expected token.
 from __future__ import annotations
 
 import ctypes
-import datetime
 import hashlib
 import json
 import os
@@ -37,6 +36,7 @@ from typing import Any, Callable
 
 import torch
 
+from cactus_cli.core.conditions import Conditions, Watch, taken
 from cactus_cli.core.errors import ModelError, warn
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.paths import cache_path
@@ -62,7 +62,8 @@ class Layout:
     path: str
     threads: int
     quantize: str  # "gguf" (the file's own types) or a TYPES key
-    reason: str
+    reason: str  # why these weight types
+    threads_reason: str = ""  # why this many threads ("" when given)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -215,16 +216,40 @@ def choose(
     of the text quality is measured on (the built-in prompts), asked for only when it is."""
     if quantize in TYPES:
         path = requantize(path, quantize, name, reporter)
-        n, why = _threads(path, f"{name}-{quantize}", threads, reporter)
-        return Layout(str(path), n, quantize, _join("as asked (requantized once by llama.cpp)", why))
+        n, why, records = _threads(path, f"{name}-{quantize}", threads, reporter)
+        _watch(path, n, records)
+        return Layout(str(path), n, quantize, "as asked (requantized once by llama.cpp)", why)
     if quantize == "auto" and shipped:
         return _auto(path, name, threads, texts, reporter)
-    n, why = _threads(path, name, threads, reporter)
-    return Layout(str(path), n, "gguf", _join("llama.cpp runs the GGUF's own weight types", why))
+    n, why, records = _threads(path, name, threads, reporter)
+    _watch(path, n, records)
+    return Layout(str(path), n, "gguf", "llama.cpp runs the GGUF's own weight types", why)
 
 
-def _join(*parts: str) -> str:
-    return "; ".join(p for p in parts if p)
+_WATCHES: dict[tuple[str, int], Watch] = {}  # (file, threads) -> the watch on its verifies, set by choose()
+Record = tuple[dict[str, Any], dict[str, Any], dict]  # a stored measurement: key, result, the chosen curve
+
+
+def watch_for(path: str, threads: int) -> Watch | None:
+    """The watch on the verifies of ``path`` on ``threads`` threads, where stored measurements chose them."""
+    return _WATCHES.get((str(path), threads))
+
+
+def _watch(path: Path, threads: int, records: list[Record]) -> None:
+    """Hold later verifies of ``path`` against the curve of the last of ``records`` (the measurements
+    its choice was made from); beaten persistently, each is stored as provisional."""
+    if not records:
+        return
+
+    def mark(ratio: float) -> None:
+        for key, result, _ in records:
+            _store(key, {**result, "quiet": False, "drift": round(ratio, 3)})
+
+    try:
+        curve = {int(w): float(t) for w, t in records[-1][2].items()}
+    except (TypeError, ValueError, AttributeError):
+        return  # (a record from before curves were kept: nothing to hold live timings against)
+    _WATCHES[(str(path), threads)] = Watch("llama.cpp verifies", curve, records[-1][1], mark)
 
 
 def _key(path: Path, name: str, what: str) -> dict[str, Any]:
@@ -260,14 +285,14 @@ def _store(key: dict[str, Any], result: dict) -> None:
         pass  # not cached: the next run measures again
 
 
-def _threads(path: Path, name: str, threads: int | None, reporter=None) -> tuple[int, str]:
-    """(threads, why): as given, else the count with the best edit score on this file, timed
-    once per CPU."""
+def _threads(path: Path, name: str, threads: int | None, reporter=None) -> tuple[int, str, list[Record]]:
+    """(threads, why, the stored measurement it came from): as given, else the count with the best
+    edit score on this file, timed once per CPU."""
     if threads:
-        return threads, ""
+        return threads, "", []
     candidates = thread_candidates()
     if len(candidates) == 1:
-        return candidates[0], ""
+        return candidates[0], "", []
     key = _key(path, name, "threads")
     result = _cached(key)
     try:
@@ -280,10 +305,10 @@ def _threads(path: Path, name: str, threads: int | None, reporter=None) -> tuple
             why = "again: the last timing ran beside another busy process" if again else "once on this CPU"
             reporter.task(f"timing {name} on {', '.join(map(str, candidates))} threads ({why})")
         watch = Conditions.start()
-        scores = {
-            t: score(watch.measure(t, lambda t=t: measure(str(path), t, THREAD_WIDTHS))["curve"]) for t in candidates
-        }
-        result = {"scores": {str(t): s for t, s in scores.items()}, **watch.finish()}
+        curves = {t: watch.measure(t, lambda t=t: measure(str(path), t, THREAD_WIDTHS))["curve"] for t in candidates}
+        scores = {t: score(c) for t, c in curves.items()}
+        result = {"scores": {str(t): s for t, s in scores.items()}, "curves": {str(t): c for t, c in curves.items()}}
+        result |= watch.finish()
         _store(key, result)
     best = min(scores, key=scores.get)
     others = ", ".join(
@@ -291,68 +316,15 @@ def _threads(path: Path, name: str, threads: int | None, reporter=None) -> tuple
         for t in sorted(scores)
         if t != best
     )
-    return best, f"{best} threads, measured fastest here ({others}; {taken(result)})"
-
-
-QUIET_SHARE = 0.7  # of the CPU time its threads could use, a timing must get to count as quiet
-
-
-def cpu_share(wall: float, cpu: float, threads: int) -> float:
-    """Of the CPU time ``threads`` threads could use in ``wall`` seconds, the share this process got
-    (llama.cpp's threads spin: ~1.0 on a quiet machine, ~0.5 beside another busy process on 2 cores).
-    A timing too short to tell counts as quiet."""
-    return cpu / (wall * threads) if wall >= 0.2 else 1.0
-
-
-class Conditions:
-    """The load a measurement was taken under: the machine's load average before it, and the share
-    of the CPU time each timing's threads could have used that the process got (``cpu_share``).
-    A measurement that is not quiet is stored as provisional and taken again at the next start."""
-
-    def __init__(self, load: float | None):
-        self.load = load
-        self.shares: dict[str, float] = {}
-
-    @classmethod
-    def start(cls) -> Conditions:
-        try:
-            load = os.getloadavg()[0]
-        except (OSError, AttributeError):  # (no load average on this system)
-            load = None
-        return cls(load)
-
-    def measure(self, threads: int, fn: Callable[[], Any], label: str | None = None) -> Any:
-        wall, cpu = time.perf_counter(), time.process_time()
-        out = fn()
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        self.shares[label or str(threads)] = round(cpu_share(wall, cpu, threads), 3)
-        return out
-
-    def finish(self) -> dict[str, Any]:
-        """What the stored measurement says of its conditions (the load average is kept to read, not
-        judged: it counts this process's own loading just before)."""
-        quiet = min(self.shares.values(), default=1.0) >= QUIET_SHARE
-        return {
-            "taken": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "quiet": quiet,
-            "load": self.load,
-            "cpu_share": self.shares,
-        }
-
-
-def taken(result: dict[str, Any]) -> str:
-    """When a measurement was taken and under what load, in words."""
-    when = str(result.get("taken", ""))[:16].replace("T", " ") or "before loads were recorded"
-    if result.get("quiet") is False:
-        return f"provisional: measured {when} beside another busy process; measured again at the next start"
-    return f"measured {when}" + (", quiet" if result.get("quiet") else "")
+    record = (key, result, (result.get("curves") or {}).get(str(best)))
+    return best, f"{best} threads, measured fastest here ({others}; {taken(result)})", [record]
 
 
 def _auto(path: Path, name: str, threads: int | None, texts: Callable[[], list[list[int]]], reporter=None) -> Layout:
     """The shipped file or its Q4_0 requantization, whichever decodes edits faster here at equal
     quality (the NLL only measured when Q4_0 is the faster); once per CPU. A requantization this
     CPU does not use is not kept."""
-    n, twhy = _threads(path, name, threads, reporter)
+    n, twhy, records = _threads(path, name, threads, reporter)
     key = {**_key(path, name, "type"), "threads": n}
     result = _cached(key)
     if result is None or not {"quantize", "speedup", "nll_drift"} <= set(result) or result.get("quiet") is False:
@@ -379,10 +351,13 @@ def _auto(path: Path, name: str, threads: int | None, texts: Callable[[], list[l
         if use != "q4_0":  # (a GB this CPU does not use; made again only if asked for)
             for f in (made, made.with_name(made.name + ".json")):
                 f.unlink(missing_ok=True)
+    records.append((key, result, result.get("q4_0" if result["quantize"] == "q4_0" else "shipped")))
     if result["quantize"] == "q4_0":
         made = requantize(path, "q4_0", name, reporter)
-        return Layout(str(made), n, "q4_0", _join(f"quantize auto: Q4_0, requantized once; {_measured(result)}", twhy))
-    return Layout(str(path), n, "gguf", _join(f"quantize auto: the shipped weight types; {_measured(result)}", twhy))
+        _watch(made, n, records)
+        return Layout(str(made), n, "q4_0", f"quantize auto: Q4_0, requantized once; {_measured(result)}", twhy)
+    _watch(path, n, records)
+    return Layout(str(path), n, "gguf", f"quantize auto: the shipped weight types; {_measured(result)}", twhy)
 
 
 def _measured(result: dict) -> str:

@@ -22,8 +22,6 @@ from cactus_cli.infer.devices import resolve_device
 from cactus_cli.infer.runners.compiled import compile_problem
 from cactus_cli.infer.sources import Source, load_tokenizer, materialize, resolve_source
 
-BACKENDS = ("auto", *backends.BACKENDS)  # what --backend takes
-
 
 @dataclass(frozen=True, kw_only=True)
 class LoadRequest:
@@ -45,7 +43,7 @@ class LoadRequest:
     tokenizer_files: Source | None = None  # (set by plan_load: --tokenizer's files, for the backends)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoadPlan:
     """What a load will do, and why. Names are what the user gave; ``files`` what each loads."""
 
@@ -64,6 +62,7 @@ class LoadPlan:
     gate: float | None  # the quality gate of the first quantization (torch's w8a8) ...
     fallback: str | None  # ... and what the quantization becomes if it fails
     threads: int | None
+    threads_reason: str
     tp: int
     tp_load: dict[str, Any] | None  # what every tensor-parallel rank loads
     cross_vocab: str  # none, or as asked: auto, string, intersection (a draft with its own vocabulary)
@@ -86,7 +85,7 @@ class LoadPlan:
             "dtype": {"value": str(self.dtype).removeprefix("torch."), "reason": self.dtype_reason},
             "quantize": {"value": self.quantize, "reason": self.quantize_reason, "fallback": self.fallback},
             "tp": {"value": self.tp},
-            "threads": {"value": self.threads},
+            "threads": {"value": self.threads, "reason": self.threads_reason},
             "cross_vocab": {"value": self.cross_vocab, "reason": self.cross_reason},
             "compile": {"value": self.compiled, "reason": self.compile_reason},
         }
@@ -120,27 +119,28 @@ def plan_load(request: LoadRequest, reporter=None) -> LoadPlan:
     dfiles = backend.files(dsrc, reporter) if dsrc is not None else None
     cross, cross_why = _cross(request, dfiles, tok_files or decided.files[1])
     plan = LoadPlan(
-        request,
-        decided.files,
-        dsrc,
-        dfiles,
-        tsrc,
-        backend.name,
-        backend_why,
-        dev,
-        decided.dtype,
-        decided.dtype_reason,
-        decided.quantize,
-        decided.quantize_reason,
-        decided.gate,
-        decided.fallback,
-        decided.threads,
-        request.tp,
-        decided.tp_load,
-        cross,
-        cross_why,
-        False,
-        "",
+        request=request,
+        verifier_files=decided.files,
+        draft_source=dsrc,
+        draft_files=dfiles,
+        tokenizer_source=tsrc,
+        backend=backend.name,
+        backend_reason=backend_why,
+        device=dev,
+        dtype=decided.dtype,
+        dtype_reason=decided.dtype_reason,
+        quantize=decided.quantize,
+        quantize_reason=decided.quantize_reason,
+        gate=decided.gate,
+        fallback=decided.fallback,
+        threads=decided.threads,
+        threads_reason=decided.threads_reason,
+        tp=request.tp,
+        tp_load=decided.tp_load,
+        cross_vocab=cross,
+        cross_reason=cross_why,
+        compiled=False,
+        compile_reason="",
     )
     return with_compile(plan)
 

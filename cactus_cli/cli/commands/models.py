@@ -150,7 +150,13 @@ def quality_cmd(
         for method in ["none", *method_list]:
             with LoadProgress(err) as progress:
                 pair = load_pair(
-                    settings.verifier, None, settings.tokenizer, settings.device, "bfloat16", progress, quantize=method
+                    settings.verifier,
+                    None,
+                    settings.tokenizer,
+                    settings.device,
+                    dtype="bfloat16",
+                    reporter=progress,
+                    quantize=method,
                 )
                 if texts is None:  # one tokenizer for every setting: encode once
                     texts = [

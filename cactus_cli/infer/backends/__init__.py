@@ -13,9 +13,10 @@ from cactus_cli.infer.backends.llama_cpp_backend import LlamaCppBackend
 from cactus_cli.infer.backends.torch_backend import TorchBackend
 from cactus_cli.infer.sources import Source
 
-__all__ = ["BACKENDS", "Backend", "Decided", "backend_of", "choose"]
+__all__ = ["BACKENDS", "CHOICES", "Backend", "Decided", "backend_of", "choose"]
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (LlamaCppBackend(), TorchBackend())}  # (auto's preference order)
+CHOICES = ("auto", *BACKENDS)  # what --backend and a profile's backend take
 FALLBACK = "torch"  # what auto runs where nothing it prefers can: it runs every source
 
 

@@ -17,7 +17,7 @@ from cactus_cli.infer.runners.base import Runner
 from cactus_cli.infer.sources import LoadedModel, Source
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Decided:
     """A backend's part of a load plan: the files, dtype, quantization and threads, each with why."""
 
@@ -29,6 +29,7 @@ class Decided:
     gate: float | None = None  # a quality gate applied at the first quantization (torch's w8a8)
     fallback: str | None = None  # what the quantization becomes if that gate fails
     threads: int | None = None
+    threads_reason: str = ""
     tp_load: dict[str, Any] | None = None  # what every tensor-parallel rank loads
 
 

@@ -73,14 +73,13 @@ class LlamaCppBackend(Backend):
         )
         why = "llama.cpp: the GGUF's weight types, float32 activations"
         return Decided(
-            (Source("gguf", layout.path), files[1]),
-            torch.float32,
-            why,
-            layout.quantize,
-            layout.reason,
-            None,
-            None,
-            layout.threads,
+            files=(Source("gguf", layout.path), files[1]),
+            dtype=torch.float32,
+            dtype_reason=why,
+            quantize=layout.quantize,
+            quantize_reason=layout.reason,
+            threads=layout.threads,
+            threads_reason=layout.threads_reason,
         )
 
     def load(self, name: str, src: Source, plan: Any, tokenizer: Any, role: str, reporter=None) -> LoadedModel:
@@ -122,7 +121,12 @@ class LlamaCppBackend(Backend):
     def runner(
         self, lm: LoadedModel, vocab_size: int, compiled: bool, context_length: int, role: str, sequences: int = 1
     ) -> Runner:
-        return LlamaCppRunner(lm, vocab_size, context_length, sequences)  # (never compiled: --compile on chooses torch)
+        runner = LlamaCppRunner(
+            lm, vocab_size, context_length, sequences
+        )  # (never compiled: --compile on chooses torch)
+        if role == "verifier":  # (its verifies held against the measurement that chose its threads and type)
+            runner.shared.watch = gguf_layout.watch_for(lm.model.path, lm.model.threads)
+        return runner
 
     def kv_bytes_per_token(self, lm: LoadedModel) -> int:
         ll, handle = gguf.bindings(), lm.model.handle

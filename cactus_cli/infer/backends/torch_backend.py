@@ -53,7 +53,14 @@ class TorchBackend(Backend):
             load, dt, why = tp_plan(
                 request.tp, files[0], request.verifier, device, request.dtype, request.quantize, vocab
             )
-            return Decided(files, dt, why, "none", "tensor parallel shards run unquantized", tp_load=load)
+            return Decided(
+                files=files,
+                dtype=dt,
+                dtype_reason=why,
+                quantize="none",
+                quantize_reason="tensor parallel shards run unquantized",
+                tp_load=load,
+            )
         method, qwhy, gate = choose_quantize(request.quantize, device, request.dtype, files[0])
         if method != "none":
             dt, why = quantized_dtype(method, request.dtype, device)
@@ -63,7 +70,16 @@ class TorchBackend(Backend):
             dt, why = resolve_dtype(request.dtype, device, shape)
         gate = gate if method == "w8a8" else None
         qwhy = qwhy or ("as asked" if request.quantize == method else "")
-        return Decided(files, dt, why, method, qwhy, gate, "int8" if gate is not None else None, request.threads)
+        return Decided(
+            files=files,
+            dtype=dt,
+            dtype_reason=why,
+            quantize=method,
+            quantize_reason=qwhy,
+            gate=gate,
+            fallback="int8" if gate is not None else None,
+            threads=request.threads,
+        )
 
     def load(self, name: str, src: Source, plan: Any, tokenizer: Any, role: str, reporter=None) -> LoadedModel:
         calibration = list(tokenizer(CALIBRATION_TEXT)["input_ids"]) if plan.quantize == "w8a8" else None  # (smooth.py)

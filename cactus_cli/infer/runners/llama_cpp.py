@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import time
 from typing import Callable
 
 import torch
 
+from cactus_cli.core.conditions import Watch
 from cactus_cli.core.errors import ContextLimitError, ModelError
 from cactus_cli.infer.gguf import GGUFModel, bindings, last_log
 from cactus_cli.infer.runners.base import MAX_STEP_WIDTH, Row, prefill
@@ -41,6 +43,7 @@ class Context:
         self.ids: list[list[int]] = [[] for _ in range(sequences)]  # what each sequence holds (replayed when grown)
         self.need = [0] * sequences  # the room each sequence's request reserved
         self.forward_passes = 0
+        self.watch: Watch | None = None  # told the seconds of each call whose every token is an output
 
     def make(self, n_ctx: int, n_outputs: int) -> None:
         ll = bindings()
@@ -146,7 +149,10 @@ class Context:
                 b.logits[i] = j >= len(ids) - keep
                 i += 1
         b.n_tokens = i
+        t0 = time.perf_counter()
         code = ll.llama_decode(self.ctx, b)
+        if self.watch is not None and code == 0 and all(keep == len(ids) for _, ids, keep in rows):
+            self.watch.add(i, time.perf_counter() - t0)  # (a verify: a prefill has tokens without outputs)
         if code != 0:
             for seq, ids, _ in rows:  # (what this call may have written is dropped: the caches stay as they were)
                 ll.llama_memory_seq_rm(self.memory, seq, len(self.ids[seq]), -1)
