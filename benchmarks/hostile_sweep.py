@@ -787,7 +787,7 @@ def long_draft_sweep(models: dict[str, str]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=("server", "cli", "sandbox", "cache", "drafts"))
+    ap.add_argument("--only", choices=("server", "cli", "sandbox", "cache", "drafts", "fifth"))
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="cactus-sweep-") as tmp:
@@ -795,7 +795,7 @@ def main() -> None:
         home.mkdir()
         os.environ["CACTUS_HOME"] = str(home)
         os.environ["HF_HUB_OFFLINE"] = "1"
-        models = tiny_models(Path(tmp)) if a.only not in ("sandbox", "cache") else {}
+        models = tiny_models(Path(tmp)) if a.only not in ("sandbox", "cache", "fifth") else {}
         if a.only in (None, "server"):
             server_sweep(models)
         if a.only in (None, "cli"):
@@ -806,9 +806,14 @@ def main() -> None:
             cache_sweep(Path(tmp))
         if a.only in (None, "drafts"):
             long_draft_sweep(models)
+        if a.only in (None, "fifth"):  # (the fifth round: slots, tools, JSON output, logprobs, remeasure)
+            import sweep_fifth
+
+            sweep_fifth.run(sys.modules[__name__], Path(tmp))
     kinds = ("fine", "traceback", "hang", "wrong", "lost", "leak", "security")
     print(f"\n| surface | cases | {' | '.join(kinds)} |\n|---|---|{'---|' * len(kinds)}")
-    for surface in ("server", "cli", "sandbox", "cache", "drafts", None):
+    surfaces = ("server", "cli", "sandbox", "cache", "drafts", "tools", "json", "logprobs", "slots", "remeasure")
+    for surface in (*surfaces, None):
         rows = [r for r in RESULTS if surface is None or r.surface == surface]
         counts = [sum(r.outcome == k for r in rows) for k in kinds]
         print(f"| {surface or 'all'} | {len(rows)} | {' | '.join(map(str, counts))} |")
