@@ -145,7 +145,8 @@ SERVER_CASES: list[tuple] = [
         {},
         OK,
     ),  # noqa: E501
-    ("a message with an unknown key", "POST", X, {"messages": [{"role": "user", "content": "hi", "x": 1}]}, {}, BAD),
+    # (a key clients add inside a message, e.g. litellm's provider_specific_fields, is let through)
+    ("a message with an unknown key", "POST", X, {"messages": [{"role": "user", "content": "hi", "x": 1}]}, {}, OK),
     ("prompt missing", "POST", C, {"max_tokens": 2}, {}, BAD),
     ("prompt empty", "POST", C, comp(prompt=""), {}, BAD),
     ("prompt a list of strings (a batch)", "POST", C, comp(prompt=["a", "b"]), {}, BAD),
@@ -217,7 +218,15 @@ SERVER_CASES: list[tuple] = [
         BAD,
     ),
     ("tools on completions", "POST", C, comp(tools=[{"type": "function", "function": {"name": "f"}}]), {}, BAD),
-    ("response_format", "POST", X, chat(response_format={"type": "json_object"}), {}, BAD),
+    # (JSON output on a word-level vocabulary that has no "{": refused, naming why)
+    (
+        "response_format on a vocabulary that cannot write JSON",
+        "POST",
+        X,
+        chat(response_format={"type": "json_object"}),
+        {},
+        BAD,
+    ),
     ("presence_penalty", "POST", X, chat(presence_penalty=1.0), {}, BAD),
     ("logit_bias", "POST", X, chat(logit_bias={"5": 100}), {}, BAD),
     ("an unknown field", "POST", X, chat(foo=1), {}, BAD),
@@ -443,11 +452,11 @@ def disconnects(url: str, server) -> None:
         except httpx.TimeoutException:
             pass
     deadline = time.monotonic() + 20
-    while (server.running is not None or server.queue.qsize()) and time.monotonic() < deadline:
+    while (server.running or server.queue.qsize()) and time.monotonic() < deadline:  # (running: the slots' requests)
         time.sleep(0.05)
-    idle = server.running is None and server.queue.qsize() == 0
+    idle = not server.running and server.queue.qsize() == 0
     record("server", "20 dropped streams and 5 dropped whole requests", "fine" if idle else "leak",
-           f"running={server.running is not None} waiting={server.queue.qsize()}")  # fmt: skip
+           f"running={len(server.running)} waiting={server.queue.qsize()}")  # fmt: skip
 
 
 def api_keys(models) -> None:

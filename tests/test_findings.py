@@ -239,3 +239,110 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(monkeypatch):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+# --- the fifth round's own sweep (benchmarks/hostile_sweep.py --only fifth) ------------------------
+
+
+def test_requests_that_free_slots_will_take_are_not_refused_as_a_full_queue(tiny, monkeypatch):
+    """--parallel 4 --max-queue 1: eight requests sent together got 503 "the queue is full" while
+    slots were free (the worker takes waiting requests only between steps). Now a request waits
+    only for what --parallel and --max-queue hold together: 4 + 1 here, the sixth is refused."""
+    pytest.importorskip("fastapi")
+    from cactus_cli.app.serving import Busy, Server
+    from cactus_cli.app.session import Session
+
+    monkeypatch.setattr(Server, "_work", lambda self: None)  # (nothing is admitted: every request waits)
+    session = Session.load(verifier=tiny["verifier"], draft=None, device="cpu", dtype="float32", sequences=4)
+    server = Server(session, max_queue=1, parallel=4)
+    ids = session.tokenizer("the cat")["input_ids"]
+    for _ in range(5):
+        server.submit(server.job(ids, {"max_tokens": 2}, lambda item: None))
+    with pytest.raises(Busy, match=r"the queue is full \(1 requests waiting\)"):
+        server.submit(server.job(ids, {"max_tokens": 2}, lambda item: None))
+
+
+def test_a_schema_too_large_for_the_grammar_parser_is_the_requests_error(tiny, monkeypatch):
+    """A JSON schema of 2,000 properties passes the compile check, then llguidance stops at the first
+    property ("Current row has 8007 items; max is 2000"): a 500 "internal error" before, now a
+    ConfigError (400) naming the limit."""
+    pytest.importorskip("llguidance")
+    from cactus_cli.infer.grammar import Constraint
+
+    class Stopped:
+        def consume_tokens(self, tokens):
+            return False
+
+        def get_error(self):
+            return "Parser Error: Current row has 8007 items; max is 2000; consider making your grammar left-recursive\n<state>"
+
+        def is_error(self):
+            return True
+
+    constraint = Constraint.__new__(Constraint)
+    constraint.matcher, constraint.eos = Stopped(), set()
+    with pytest.raises(
+        ConfigError, match=r"too large for the grammar parser \(Current row has 8007 items; max is 2000"
+    ):
+        constraint.advance([5])
+    with pytest.raises(ConfigError, match="too large for the grammar parser"):
+        constraint._failed("the grammar matcher failed")
+
+
+def test_remeasure_keeps_a_folder_named_like_a_measurement(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cactus_cli.cli.main import app
+
+    costs = tmp_path / "costs"
+    (costs / "x.json").mkdir(parents=True)
+    (costs / "m.json").write_text("{}")
+    (costs / "l.json").symlink_to(costs / "nowhere")
+    monkeypatch.setenv("CACTUS_HOME", str(tmp_path))
+    r = CliRunner().invoke(app, ["models", "remeasure"])
+    assert r.exit_code == 0 and "forgot 2 measurement(s)" in r.stdout, r.output  # ("Is a directory" before)
+    assert "kept 1 folder(s) named like a measurement" in r.stderr and (costs / "x.json").is_dir()
+    assert not (costs / "m.json").exists() and not (costs / "l.json").is_symlink()
+
+
+def test_a_stored_thread_measurement_with_garbage_curves_is_read_as_none(tmp_path, monkeypatch):
+    """A threads record whose "curves" is a list: AttributeError on every start before."""
+    from cactus_cli.infer import gguf_layout
+
+    path = tmp_path / "v.gguf"
+    path.write_bytes(b"x" * 64)
+    monkeypatch.setenv("CACTUS_HOME", str(tmp_path))
+    monkeypatch.setattr(gguf_layout, "thread_candidates", lambda: [1, 2])
+    key = gguf_layout._key(path, "v", "threads")
+    for curves in ([1, 2], "fast", {"2": "fast"}, None):
+        gguf_layout._store(
+            key, {"scores": {"1": 2.0, "2": 1.0}, "curves": curves, "taken": "2026-12-05T10:00", "quiet": True}
+        )
+        n, why, records = gguf_layout._threads(path, "v", None)
+        assert n == 2 and "measured fastest" in why
+        gguf_layout._watch(path, n, records)  # (no curve to hold later verifies against: no watch)
+        assert gguf_layout.watch_for(str(path), 2) is None
+
+
+def test_json_output_on_a_vocabulary_that_cannot_write_json_is_a_400(tiny):
+    """The word-level tiny tokenizer has no "{": response_format json_object was a 500 "internal
+    error: the grammar matcher failed (NoExtensionBias)"; now refused before it is queued."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("llguidance")
+    from cactus_cli.app.serving import Server
+    from cactus_cli.app.session import Session
+    from tests.test_serve import httpx, start
+
+    session = Session.load(verifier=tiny["verifier"], draft=None, device="cpu", dtype="float32")
+    server = Server(session, max_queue=2)
+    url, stop = start(server)
+    try:
+        body = {"messages": [{"role": "user", "content": "the cat"}], "response_format": {"type": "json_object"}}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body | {"max_tokens": 8}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert "vocabulary cannot write the requested output format" in r.json()["error"]["message"]
+        ok = httpx.post(f"{url}/v1/completions", json={"prompt": "the cat", "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200
+    finally:
+        stop()
+        server.stop()

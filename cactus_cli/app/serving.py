@@ -161,7 +161,10 @@ class Server:
         self.max_tokens = max_tokens
         self.parallel = max(1, min(parallel, len(session.engine.slots)))
         self.slots = session.engine.slots[: max(self.parallel, min(PREFIXES, len(session.engine.slots)))]
-        self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        # (the requests a slot will take at the next step wait here too: the bound is checked in submit)
+        self.queue: queue.Queue[Job | None] = queue.Queue()
+        self.max_queue = max_queue
+        self._admitting = threading.Lock()
         self.metrics = Metrics()
         self.running: dict[Entry, Job] = {}
         self.stopping = threading.Event()
@@ -250,11 +253,11 @@ class Server:
         if self.stopping.is_set():
             self.metrics.rejected["stopping"] += 1
             raise Busy("the server is shutting down")
-        try:
+        with self._admitting:  # (a request waits only when no slot is free: --parallel plus --max-queue at once)
+            if self.queue.qsize() >= self.max_queue + max(0, self.parallel - len(self.running)):
+                self.metrics.rejected["queue full"] += 1
+                raise Busy(f"the queue is full ({self.max_queue} requests waiting); retry shortly")
             self.queue.put_nowait(job)
-        except queue.Full:
-            self.metrics.rejected["queue full"] += 1
-            raise Busy(f"the queue is full ({self.queue.maxsize} requests waiting); retry shortly") from None
 
     def stop(self) -> None:
         """Take no more jobs; the running ones end after the current step (finish_reason abort), the

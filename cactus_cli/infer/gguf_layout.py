@@ -316,7 +316,8 @@ def _threads(path: Path, name: str, threads: int | None, reporter=None) -> tuple
         for t in sorted(scores)
         if t != best
     )
-    record = (key, result, (result.get("curves") or {}).get(str(best)))
+    curves = result.get("curves")
+    record = (key, result, curves.get(str(best)) if isinstance(curves, dict) else None)
     return best, f"{best} threads, measured fastest here ({others}; {taken(result)})", [record]
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -102,6 +102,7 @@ class Grammars:
         if failed:
             first = " ".join((messages[0] if messages else "invalid").split("\n")[:3]).strip()
             raise ConfigError(f"the {grammar.kind} cannot be used: {first}")
+        self.constraint(grammar).masks([])  # (a vocabulary that cannot start it, e.g. no "{": refused now)
 
     def constraint(self, grammar: Grammar) -> Constraint:
         llg = _llguidance()
@@ -168,12 +169,12 @@ class Constraint:
         else:
             self.llg.numpy.fill_next_token_bitmask(self.matcher, packed, 0)
         if self.matcher.is_error():
-            raise RuntimeError(f"internal error: the grammar matcher failed ({self.matcher.get_error()})")
+            self._failed("the grammar matcher failed")
         # bit j of word i is token 32 i + j: little-endian words, bits read least significant first
         bits = np.unpackbits(packed.view(np.uint8), axis=-1, bitorder="little")[:, : self.vocab_size]
         allowed = torch.from_numpy(bits.view(np.bool_))
         if not bool(allowed.any(-1).all()):
-            raise RuntimeError("internal error: the grammar allows no token at some position")
+            raise ConfigError("the model's vocabulary cannot write the requested output format (no token continues it)")
         return allowed
 
     def advance(self, tokens: list[int]) -> None:
@@ -181,7 +182,18 @@ class Constraint:
         fed: a complete grammar takes nothing more)."""
         tokens = [t for t in tokens if t not in self.eos]
         if tokens and not self.matcher.consume_tokens(tokens):
-            raise RuntimeError(f"internal error: an emitted token left the grammar ({self.matcher.get_error()})")
+            self._failed("an emitted token left the grammar")
+
+    def _failed(self, what: str) -> NoReturn:
+        """The matcher stopped: past one of llguidance's limits (a schema too large for its parser,
+        e.g. 2,000 properties in one object) it is the request's to fix; anything else is ours."""
+        error = self.matcher.get_error() or ""
+        first = error.split("\n")[0].removeprefix("Parser Error: ")[:200]
+        if "ParserTooComplex" in error or "too complex" in error.lower() or "; max is " in first:
+            raise ConfigError(f"the requested output format is too large for the grammar parser ({first}); simplify it")
+        if "NoExtensionBias" in error:  # (no token of this vocabulary continues it: a word-level one has no "{")
+            raise ConfigError("the model's vocabulary cannot write the requested output format (no token continues it)")
+        raise RuntimeError(f"internal error: {what} ({first})")
 
     def forced(self) -> list[int]:
         """The tokens the grammar forces next (its canonical tokenization of the bytes it forces):

@@ -10,7 +10,7 @@ from cactus_cli.app.prompts import load_prompts
 from cactus_cli.cli.edge import user_errors
 from cactus_cli.cli.tables import print_quality
 from cactus_cli.cli.ui import LoadProgress, make_console
-from cactus_cli.core.errors import ConfigError, ModelError
+from cactus_cli.core.errors import ConfigError, ModelError, warn
 from cactus_cli.core.paths import cache_dir
 from cactus_cli.infer import embedded
 
@@ -96,10 +96,13 @@ def remeasure_cmd() -> None:
     first start that ran beside another busy job, or after a hardware change."""
     with user_errors():
         folder = cache_dir() / "costs"
-        gone = sorted(folder.glob("*.json")) if folder.is_dir() else []
+        found = sorted(folder.glob("*.json")) if folder.is_dir() else []
+        gone = [p for p in found if p.is_symlink() or not p.is_dir()]  # (a folder named like one is not ours)
         for path in gone:
             path.unlink(missing_ok=True)
         typer.echo(f"forgot {len(gone)} measurement(s) in {folder}; the next start measures again")
+        if len(gone) < len(found):
+            warn(f"kept {len(found) - len(gone)} folder(s) named like a measurement in {folder}")
 
 
 @models_app.command("quality")
