@@ -136,3 +136,17 @@ def test_no_comment_cites_a_file_that_is_not_there():
         for text in texts:
             bad += [f"{path.relative_to(ROOT)}: {name}" for name in sorted(cited_files(text)) if missing(name)]
     assert not bad, "\n".join(bad)
+
+
+def test_the_readme_package_map_names_every_folder():
+    """A newcomer's map: each folder the README's package map names exists, and every folder of the
+    package is named in it."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text.split("## How it works", 1)[1].split("```", 2)[1]
+    entries = [line.split()[0] for line in block.splitlines() if line.startswith("  ") and line.split()]
+    named = {e.rstrip("/") for e in entries if e.endswith("/")}
+    package = ROOT / "cactus_cli"
+    folders = {str(p.relative_to(package)) for p in package.rglob("*") if p.is_dir() and p.name != "__pycache__"}
+    assert named, "no package map under 'How it works'"
+    assert not named - folders, f"the map names folders that do not exist: {sorted(named - folders)}"
+    assert not folders - named, f"folders the map does not name: {sorted(folders - named)}"

@@ -253,7 +253,14 @@ def test_requests_that_free_slots_will_take_are_not_refused_as_a_full_queue(tiny
     from cactus_cli.app.session import Session
 
     monkeypatch.setattr(Server, "_work", lambda self: None)  # (nothing is admitted: every request waits)
-    session = Session.load(verifier=tiny["verifier"], draft=None, device="cpu", dtype="float32", sequences=4)
+    session = Session.load(
+        verifier=tiny["verifier"],
+        draft=tiny["draft_close"],
+        device="cpu",
+        dtype="float32",
+        num_draft_tokens=2,
+        sequences=4,
+    )
     server = Server(session, max_queue=1, parallel=4)
     ids = session.tokenizer("the cat")["input_ids"]
     for _ in range(5):
@@ -333,7 +340,9 @@ def test_json_output_on_a_vocabulary_that_cannot_write_json_is_a_400(tiny):
     from cactus_cli.app.session import Session
     from tests.test_serve import httpx, start
 
-    session = Session.load(verifier=tiny["verifier"], draft=None, device="cpu", dtype="float32")
+    session = Session.load(
+        verifier=tiny["verifier"], draft=tiny["draft_close"], device="cpu", dtype="float32", num_draft_tokens=2
+    )
     server = Server(session, max_queue=2)
     url, stop = start(server)
     try:
