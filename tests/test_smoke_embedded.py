@@ -100,9 +100,8 @@ NEAR_TIE = 1.0  # logits: how far a one-row step and a verify block moved a posi
 
 
 @pytest.mark.parametrize(
-    "prompt",
-    ["Write a Python function that checks whether a number is prime.", "Explain what a hash table is."],
-)
+    "prompt", ["Write a Python function that checks whether a number is prime."]
+)  # (one prompt: the edit test below covers long drafts; each prompt costs ~17 s of the suite)
 def test_greedy_speculation_on_the_embedded_pair_equals_plain_greedy_or_parts_at_a_near_tie(prompt, monkeypatch):
     """64 greedy tokens with the 0.5B draft at k = 4 against the verifier alone, on llama.cpp. Where
     the two part, ggml's batched kernels rounded a near-tie differently (Q4_K quantizes activations

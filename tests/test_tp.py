@@ -63,7 +63,7 @@ def text(tiny, tp, *args) -> str:
     return doc["text"]
 
 
-@pytest.mark.parametrize("k", ["1", "4"])
+@pytest.mark.parametrize("k", ["4"])  # (k = 4 verifies blocks of 1 to 5 rows: k = 1's widths too)
 def test_tp2_greedy_equals_tp1(tiny, k):
     one = text(tiny, 1, "-t", "0", "-k", k)
     assert one.strip()
