@@ -273,9 +273,6 @@ SERVER_CASES: list[tuple] = [
 
 
 def start_server(models: dict[str, str], api_key: str | None = None, max_queue: int = 4):
-    import uvicorn
-
-    from cactus_cli.app.http_api import build_app
     from cactus_cli.app.serving import Server
     from cactus_cli.app.session import Session
 
@@ -283,7 +280,15 @@ def start_server(models: dict[str, str], api_key: str | None = None, max_queue: 
         verifier=models["verifier"], draft=models["draft_close"], device="cpu", dtype="float32",
         num_draft_tokens=3, max_tokens=16, temperature=0.0, seed=0,
     )  # fmt: skip
-    server = Server(session, max_queue=max_queue)
+    return serve(Server(session, max_queue=max_queue), api_key)
+
+
+def serve(server, api_key: str | None = None):
+    """``server`` behind the app on a free port of 127.0.0.1, in a thread: (server, url, stop)."""
+    import uvicorn
+
+    from cactus_cli.app.http_api import build_app
+
     config = uvicorn.Config(build_app(server, api_key), host="127.0.0.1", port=0, log_level="error")
     http = uvicorn.Server(config)
     thread = threading.Thread(target=http.run, daemon=True)

@@ -12,6 +12,7 @@ kept) with a Hermes tools section in its chat template; a llama.cpp tiny GGUF fo
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -721,38 +722,13 @@ def server_cases() -> list[tuple]:
 
 
 def make_pair(root: Path) -> dict[str, str]:
-    """The byte-level tiny pair, its template with a tools section."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """The byte-level tiny pair (every character a token), its template with a tools section."""
+    from tests.conftest import make_byte_pair
 
-    from tests.conftest import make_model
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    texts = [json.dumps({"animal": a, "n": n}) for a in ("cat", "dog", "bird") for n in range(10)] * 20
-    tok.train_from_iterator(texts + ["the cat sat on the mat and the dog ran fast"] * 20, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
-    )
-    fast.chat_template = TEMPLATE
-    out = {}
-    for name, seed, noise in (("verifier", 10, 0.0), ("draft", 10, 0.05)):
-        make_model(root / name, "llama", seed, len(fast), max_pos=2048, noise=noise)
-        fast.save_pretrained(root / name)
-        out[name] = str(root / name)
-    return out
+    return make_byte_pair(root, max_pos=2048, chat_template=TEMPLATE)
 
 
-def start(models: dict[str, str], parallel: int = PARALLEL, max_queue: int = 4):
-    import uvicorn
-
-    from cactus_cli.app.http_api import build_app
+def start(hs, models: dict[str, str], parallel: int = PARALLEL, max_queue: int = 4):
     from cactus_cli.app.serving import Server
     from cactus_cli.app.session import Session
 
@@ -760,20 +736,7 @@ def start(models: dict[str, str], parallel: int = PARALLEL, max_queue: int = 4):
         verifier=models["verifier"], draft=models["draft"], device="cpu", dtype="float32",
         num_draft_tokens=3, temperature=0.0, seed=0, sequences=parallel,
     )  # fmt: skip
-    server = Server(session, max_queue=max_queue, parallel=parallel)
-    http = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=0, log_level="error"))
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    while not http.started:
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
-
-    def stop():
-        http.should_exit = True
-        thread.join(10)
-        server.stop()
-
-    return server, url, stop
+    return hs.serve(Server(session, max_queue=max_queue, parallel=parallel))
 
 
 def streamed(hs, url: str, path: str, body: dict) -> tuple[int, dict]:
@@ -804,8 +767,8 @@ def streamed(hs, url: str, path: str, body: dict) -> tuple[int, dict]:
 def server_round(hs, models: dict[str, str]) -> None:
     errors = hs.Errors()
     for name in ("uvicorn.error", "uvicorn", "fastapi", ""):
-        logging_add(name, errors)
-    server, url, stop = start(models)
+        logging.getLogger(name).addHandler(errors)
+    server, url, stop = start(hs, models)
     canary = chat(max_tokens=12)
     base = hs.httpx.post(url + X, json=canary, timeout=60).json()["choices"][0]["message"]["content"]
     try:
@@ -831,11 +794,11 @@ def server_round(hs, models: dict[str, str]) -> None:
                 after = hs.httpx.post(url + X, json=canary, timeout=60).json()["choices"][0]["message"]["content"]
             except Exception as err:  # noqa: BLE001
                 hs.record(surface, name, "lost", f"canary after it: {type(err).__name__}: {err}")
-                server, url, stop = start(models)
+                server, url, stop = start(hs, models)
                 continue
             problem = None
             if status == 200 and body.get("stream"):
-                problem = stream_problem(name, doc, body)
+                problem = stream_problem(doc, body)
             elif status == 200 and check is not None:
                 try:
                     problem = check(doc)
@@ -860,13 +823,7 @@ def server_round(hs, models: dict[str, str]) -> None:
         stop()
 
 
-def logging_add(name: str, handler) -> None:
-    import logging
-
-    logging.getLogger(name).addHandler(handler)
-
-
-def stream_problem(name: str, doc: dict, body: dict) -> str | None:
+def stream_problem(doc: dict, body: dict) -> str | None:
     if "json" in (body.get("response_format") or {}).get("type", "") and doc["finish"] == "stop":
         try:
             json.loads(doc["text"])
@@ -887,6 +844,14 @@ def stream_problem(name: str, doc: dict, body: dict) -> str | None:
 # ------------------------------------------------------------------------------ slots and concurrency
 
 
+def run_all(threads: list[threading.Thread], seconds: float = 240) -> None:
+    """Start every thread, then wait for each (at most ``seconds``)."""
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds)
+
+
 def together(hs, url: str, requests: list[tuple[str, dict]], stream: list[bool] | None = None) -> list[Any]:
     """Send every request at once (threads), each answer or the exception it raised, in order."""
     out: list[Any] = [None] * len(requests)
@@ -902,11 +867,7 @@ def together(hs, url: str, requests: list[tuple[str, dict]], stream: list[bool] 
         except Exception as err:  # noqa: BLE001
             out[i] = err
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
+    run_all([threading.Thread(target=go, args=(i,)) for i in range(len(requests))])
     return out
 
 
@@ -944,13 +905,7 @@ def wait_idle(server, seconds: float = 20) -> bool:
 
 
 def server_busy(server) -> bool:
-    running = getattr(server, "running", None)
-    busy = (
-        (len(running) if isinstance(running, (list, dict, set)) else running is not None)
-        if running is not None
-        else False
-    )
-    return bool(busy) or server.queue.qsize() > 0
+    return bool(server.running) or server.queue.qsize() > 0
 
 
 def slots_round(hs, url: str, server, errors) -> None:
@@ -1035,15 +990,13 @@ def slots_round(hs, url: str, server, errors) -> None:
            or not 1 <= s["verifier_forward_passes"] <= d["usage"]["completion_tokens"] + 1
            or not 0 <= s["accepted"] <= s["drafted"]]  # fmt: skip
     hs.record("slots", "each answer's speculative object its own", "fine" if not bad else "wrong", str(bad[:1])[:200])
-    import os as _os
-
     time.sleep(1.0)
-    before = threading.active_count(), len(_os.listdir("/proc/self/fd"))
+    before = threading.active_count(), len(os.listdir("/proc/self/fd"))
     for _ in range(2):
         together(hs, url, [g(p, 12) for p in prompts])
         cancel_round(hs, url, server, say=False)
     time.sleep(1.0)
-    after = threading.active_count(), len(_os.listdir("/proc/self/fd"))
+    after = threading.active_count(), len(os.listdir("/proc/self/fd"))
     hs.record("slots", "threads and fds after two more rounds of 8 and of cancels",
               "fine" if after[0] <= before[0] + 2 and after[1] <= before[1] + 2 else "leak", f"{before} -> {after}")  # fmt: skip
 
@@ -1068,19 +1021,11 @@ def cancel_round(hs, url: str, server, say: bool = True) -> None:
         hs.record(
             "slots", "a stream dropped beside three answers", "fine" if both == alone else "wrong", f"{both} vs {alone}"
         )
-    drops = [threading.Thread(target=drop) for _ in range(4)]
-    for d in drops:
-        d.start()
-    for d in drops:
-        d.join(60)
+    run_all([threading.Thread(target=drop) for _ in range(4)], 60)
     idle = wait_idle(server)
     if say:
         hs.record("slots", "four streams dropped at once free their slots", "fine" if idle else "leak", f"idle={idle}")
-    waiting = [threading.Thread(target=lambda: _quick_drop(hs, url)) for _ in range(8)]  # (some dropped while queued)
-    for w in waiting:
-        w.start()
-    for w in waiting:
-        w.join(60)
+    run_all([threading.Thread(target=lambda: _quick_drop(hs, url)) for _ in range(8)], 60)  # (some while queued)
     idle = wait_idle(server)
     if say:
         hs.record(
@@ -1104,11 +1049,7 @@ def burst(hs, url: str, server) -> None:
         except Exception:  # noqa: BLE001
             docs.append(-1)
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(40)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
+    run_all([threading.Thread(target=go, args=(i,)) for i in range(40)])
     ok = len(docs) == 40 and all(s in (200, 503) for s in docs) and docs.count(200) >= PARALLEL
     hs.record("slots", f"40 requests at once, {PARALLEL} slots, a queue of 4", "fine" if ok else "lost",
               f"200: {docs.count(200)}, 503: {docs.count(503)}, other: {[s for s in docs if s not in (200, 503)]}")  # fmt: skip

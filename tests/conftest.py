@@ -78,6 +78,37 @@ def make_model(
     return folder
 
 
+def make_byte_pair(root: Path, max_pos: int = 512, chat_template: str | None = None) -> dict[str, str]:
+    """A tiny pair over a byte-level BPE tokenizer (trained here on JSON-like text): every character
+    is a token, so a JSON grammar can be kept. {"verifier": folder, "draft": folder}."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    texts = [json.dumps({"animal": a, "n": n}) for a in ("cat", "dog", "bird") for n in range(10)] * 20
+    tok.train_from_iterator(texts + ["the cat sat on the mat and the dog ran fast"] * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    out = {}
+    for name, seed, noise in (("verifier", 10, 0.0), ("draft", 10, 0.05)):
+        make_model(root / name, "llama", seed, len(fast), max_pos=max_pos, noise=noise)
+        fast.save_pretrained(root / name)
+        out[name] = str(root / name)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> dict[str, str]:
     """Folders: verifier (Llama), draft (Qwen2, other weights: disagrees often), draft_close (the

@@ -20,7 +20,7 @@ from cactus_cli.core.sampling import SamplingParams, probs_from_logits
 from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.grammar import Grammar
 from cactus_cli.infer.models import load_pair
-from tests.conftest import WORDS, make_model
+from tests.conftest import WORDS, make_byte_pair
 from tests.stats_helpers import assert_matches
 
 try:
@@ -177,32 +177,9 @@ def test_a_grammar_that_does_not_compile_is_a_clear_error(far):
 
 @pytest.fixture(scope="module")
 def json_folders(tmp_path_factory):
-    """A tiny pair over a byte-level BPE tokenizer (trained here on JSON-like text): every
-    character is a token, so a JSON grammar can be kept."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    root = tmp_path_factory.mktemp("json_pair")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    texts = [json.dumps({"animal": a, "n": n}) for a in ("cat", "dog", "bird") for n in range(10)] * 20
-    tok.train_from_iterator(texts + ["the cat sat on the mat and the dog ran fast"] * 20, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
-    )
-    out = {}
-    for name, seed, noise in (("verifier", 10, 0.0), ("draft", 10, 0.05)):
-        folder = root / name
-        make_model(folder, "llama", seed, len(fast), noise=noise)
-        fast.save_pretrained(folder)
-        out[name] = str(folder)
-    return out
+    """A tiny pair over a byte-level BPE tokenizer: every character is a token, so a JSON grammar
+    can be kept."""
+    return make_byte_pair(tmp_path_factory.mktemp("json_pair"))
 
 
 @pytest.fixture(scope="module")
