@@ -20,7 +20,7 @@ import torch
 
 from cactus_cli.app.prompts import load_prompts
 from cactus_cli.app.session import Session
-from cactus_cli.infer.batch import Batch
+from cactus_cli.infer.decode.batch import Batch
 
 
 def requests(session: Session, n: int) -> list[tuple[str, list[int], object]]:

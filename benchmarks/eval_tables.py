@@ -24,10 +24,10 @@ import random
 import sys
 from pathlib import Path
 
-from cactus_cli.app.checkpoint import FILE, records
-from cactus_cli.app.tasks import paired_difference, wilson
+from cactus_cli.app.eval.checkpoint import FILE, records
 from cactus_cli.core.acceptance import RULES, resolve_params
 from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.intervals import paired_difference, wilson
 from cactus_cli.core.stats import SpecStats
 
 RESAMPLES = 10_000
@@ -116,8 +116,8 @@ def merge(
 def regrade(merged: dict[str, dict[str, dict]]) -> list[tuple[str, str, bool, bool]]:
     """Run every HumanEval completion's check again with the sandbox as it is now; the verdicts
     are replaced, and each one that changed is returned (problem, row, before, after)."""
-    from cactus_cli.app.sandbox import run_checks
-    from cactus_cli.app.tasks import humaneval_tasks
+    from cactus_cli.app.eval.sandbox import run_checks
+    from cactus_cli.app.eval.tasks import humaneval_tasks
 
     tasks = {t.id: t for t in humaneval_tasks()}
     cells = [(p, lab, i) for p, per in merged.items() for lab, cell in per.items() for i in range(len(cell["texts"]))]

@@ -59,7 +59,7 @@ SMOKE = dict(
 def build(spec: dict, device: torch.device, dtype: torch.dtype, name: str):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from cactus_cli.infer.sources import LoadedModel
+    from cactus_cli.infer.load.sources import LoadedModel
 
     config = Qwen3Config(**spec)
     t0 = time.perf_counter()

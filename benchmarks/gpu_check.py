@@ -103,7 +103,7 @@ def tiny_pair(device: torch.device, dtype: torch.dtype, layers: int = 2):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from cactus_cli.infer.sources import ModelPair
+    from cactus_cli.infer.load.sources import ModelPair
 
     spec = dict(SMOKE, num_hidden_layers=layers, tie_word_embeddings=False, vocab_size=512)
     v = build(spec, device, dtype, "tiny verifier")
@@ -127,8 +127,8 @@ def main() -> None:
     print(f"gpu_check on {name} · torch {torch.__version__}", flush=True)
 
     from cactus_cli.core.sampling import SamplingParams
-    from cactus_cli.infer import devices as models
-    from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+    from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
+    from cactus_cli.infer.load import devices as models
     from cactus_cli.infer.quant import quantize
     from cactus_cli.infer.runners import compiled as runners
     from cactus_cli.infer.runners import sharded as distributed
@@ -226,7 +226,7 @@ def main() -> None:
 
     @check("11. many runs: 4 slots verified in one forward per step, at most 2 host syncs per step")
     def _() -> str:
-        from cactus_cli.infer.batch import Batch
+        from cactus_cli.infer.decode.batch import Batch
 
         engine = SpeculativeEngine(pair, sequences=4)  # (eager: a static cache holds one sequence)
         sampled = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)

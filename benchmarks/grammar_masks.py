@@ -44,7 +44,7 @@ K = 8
 
 
 def default_tokenizer() -> Path:
-    from cactus_cli.infer.embedded import get, models_dir
+    from cactus_cli.infer.load.embedded import get, models_dir
 
     return models_dir() / get("qwen2.5-coder-1.5b").name
 

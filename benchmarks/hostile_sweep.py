@@ -273,7 +273,7 @@ SERVER_CASES: list[tuple] = [
 
 
 def start_server(models: dict[str, str], api_key: str | None = None, max_queue: int = 4):
-    from cactus_cli.app.serving import Server
+    from cactus_cli.app.serve.serving import Server
     from cactus_cli.app.session import Session
 
     session = Session.load(
@@ -287,7 +287,7 @@ def serve(server, api_key: str | None = None):
     """``server`` behind the app on a free port of 127.0.0.1, in a thread: (server, url, stop)."""
     import uvicorn
 
-    from cactus_cli.app.http_api import build_app
+    from cactus_cli.app.serve.http_api import build_app
 
     config = uvicorn.Config(build_app(server, api_key), host="127.0.0.1", port=0, log_level="error")
     http = uvicorn.Server(config)
@@ -668,7 +668,7 @@ SANDBOX_CASES = [
 
 
 def sandbox_sweep() -> None:
-    from cactus_cli.app import sandbox
+    from cactus_cli.app.eval import sandbox
 
     if problem := sandbox.isolation_problem():
         record("sandbox", "isolation available", "wrong", problem)
@@ -719,7 +719,7 @@ def _is_check(pid: str) -> bool:
 def cache_sweep(tmp: Path) -> None:
     """The requantized-model cache (a tiny GGUF through llama.cpp's own quantizer): what a damaged,
     half-written or foreign cache entry gives the next run."""
-    from cactus_cli.infer.gguf_layout import requantize
+    from cactus_cli.infer.load.gguf_layout import requantize
     from tests.gguf_helpers import write_tiny_gguf
 
     src = write_tiny_gguf(tmp / "tiny.gguf", seed=3)

@@ -20,7 +20,7 @@ import json
 import time
 
 from cactus_cli.app.session import Session
-from cactus_cli.infer import grammar as G
+from cactus_cli.infer.decode import grammar as G
 
 TASKS = [
     (

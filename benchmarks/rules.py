@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from cactus_cli.core.acceptance import verify
+from cactus_cli.core.verify import verify
 
 CASES = [
     ("sps", {}),

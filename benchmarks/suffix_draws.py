@@ -13,12 +13,12 @@ import dataclasses
 import json
 
 from cactus_cli.app import runtime
-from cactus_cli.app.profiles import resolve_settings
-from cactus_cli.app.tasks import load_tasks
+from cactus_cli.app.config.profile_files import resolve_settings
+from cactus_cli.app.eval.tasks import load_tasks
 from cactus_cli.core.events import SUFFIX
 from cactus_cli.core.stats import SpecStats
+from cactus_cli.infer.decode.engine import SpeculativeEngine
 from cactus_cli.infer.draft import Lookup
-from cactus_cli.infer.engine import SpeculativeEngine
 
 
 def main() -> None:

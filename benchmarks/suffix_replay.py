@@ -39,7 +39,7 @@ import cactus_cli.infer.draft.suffix as S
 import cactus_cli.infer.draft.suffix_tree as T
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer.draft.ngram import NgramDrafter
-from cactus_cli.infer.policy import Calibration
+from cactus_cli.infer.kpolicy.policy import Calibration
 
 K, SLOPE, VOCAB = 8, 0.05, 1 << 20
 GREEDY = SamplingParams(temperature=0)  # (one-hot drafts: the most frequent path)
@@ -47,9 +47,9 @@ GREEDY = SamplingParams(temperature=0)  # (one-hot drafts: the most frequent pat
 
 def record(path: Path, n: int) -> None:
     from cactus_cli.app import runtime
-    from cactus_cli.app.profiles import resolve_settings
-    from cactus_cli.app.tasks import load_tasks
-    from cactus_cli.infer.engine import SpeculativeEngine
+    from cactus_cli.app.config.profile_files import resolve_settings
+    from cactus_cli.app.eval.tasks import load_tasks
+    from cactus_cli.infer.decode.engine import SpeculativeEngine
 
     settings = resolve_settings(None, {"max_tokens": n})
     engine = SpeculativeEngine(runtime.load_engine(settings).pair, None)
@@ -249,7 +249,7 @@ def main() -> None:
         print(json.dumps({"drafter": name, **{k: round(v, 4) for k, v in run().items()}}), flush=True)
     from transformers import AutoTokenizer
 
-    from cactus_cli.infer.embedded import prepare_embedded
+    from cactus_cli.infer.load.embedded import prepare_embedded
 
     digit_wildcards(AutoTokenizer.from_pretrained(str(prepare_embedded("qwen2.5-coder-1.5b"))))
     print(json.dumps({"drafter": "suffix digits", **{k: round(v, 4) for k, v in replay(rows, suffix).items()}}))

@@ -14,12 +14,12 @@ import sys
 import time
 
 from cactus_cli.app import runtime
-from cactus_cli.app.profiles import resolve_settings
-from cactus_cli.app.tasks import load_tasks
+from cactus_cli.app.config.profile_files import resolve_settings
+from cactus_cli.app.eval.tasks import load_tasks
 from cactus_cli.core.events import NGRAM, SUFFIX
 from cactus_cli.core.stats import SpecStats
+from cactus_cli.infer.decode.engine import SpeculativeEngine
 from cactus_cli.infer.draft import Lookup
-from cactus_cli.infer.engine import SpeculativeEngine
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--limit", type=int, default=8)

@@ -729,7 +729,7 @@ def make_pair(root: Path) -> dict[str, str]:
 
 
 def start(hs, models: dict[str, str], parallel: int = PARALLEL, max_queue: int = 4):
-    from cactus_cli.app.serving import Server
+    from cactus_cli.app.serve.serving import Server
     from cactus_cli.app.session import Session
 
     session = Session.load(

@@ -16,7 +16,7 @@ import torch
 from typer.testing import CliRunner
 
 from cactus_cli.cli.main import app
-from cactus_cli.infer import costs as policy
+from cactus_cli.infer.kpolicy import store
 from cactus_cli.infer.quant import quantize
 
 runner = CliRunner()
@@ -87,7 +87,7 @@ def quantize_tiny(tiny, **kwargs):
 
 def write_costs(path: Path, costs: dict, acceptance: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"schema": policy.SCHEMA, "key": {}, "costs": costs, "acceptance": acceptance}))
+    path.write_text(json.dumps({"schema": store.SCHEMA, "key": {}, "costs": costs, "acceptance": acceptance}))
 
 
 def cactus_run(args, env=None, timeout=120, **kw):

@@ -10,15 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cactus_cli.core.acceptance import (
-    DIVERGENCES,
-    RULES,
-    cactus_target_prob,
-    greedy_verify,
-    resolve_params,
-    target_distribution,
-    verify,
-)
+from cactus_cli.core.acceptance import DIVERGENCES, RULES, cactus_target_prob, resolve_params
+from cactus_cli.core.verify import greedy_verify, target_distribution, verify
 from tests.stats_helpers import assert_matches, l1_bound
 
 ALL_RULES = [

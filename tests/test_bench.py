@@ -15,7 +15,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from cactus_cli.app import grid as bench_mod
+from cactus_cli.app.grid import runner as bench_mod
 from cactus_cli.cli.main import app
 from cactus_cli.core import fileio
 from tests.helpers import (
@@ -280,7 +280,7 @@ def test_a_value_given_twice_runs_once_and_every_row_has_its_own_history(tiny, f
 
 
 def test_twin_rows_never_share_a_drafters_memory():
-    from cactus_cli.app.grid import build_grid
+    from cactus_cli.app.grid.configs import build_grid
 
     grid = build_grid(["sps", "sps"], [1.0], [2, 2], {}, False, variants=[("torch", "none", False, "suffix", "")])
     assert [c.label for c in grid] == ["verifier alone", "sps k=2"]

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from cactus_cli.app import calibrate as cal
-from cactus_cli.app.profiles import builtin_profile_dir, load_profile
+from cactus_cli.app.config.profile_files import builtin_profile_dir, load_profile
+from cactus_cli.app.grid import calibration as cal
 from cactus_cli.cli.main import app
 from cactus_cli.core import fileio
 from tests.helpers import assert_one_line_error, calibrate_args, invoke
@@ -159,7 +159,7 @@ def test_accuracy_and_acceptance_gain_bounds():
 
 
 def costs(verify: dict[int, float], draft: float):
-    from cactus_cli.infer.costs import CostModel
+    from cactus_cli.infer.kpolicy.costs import CostModel
 
     cm = CostModel()
     for w, t in verify.items():
@@ -188,8 +188,8 @@ def test_a_fixed_k_replaces_the_profiles_k_auto_bound(tiny, tmp_path):
     """A profile with ``num_draft_tokens: auto`` and ``max_draft_tokens`` calibrated to a fixed k:
     the bound goes (beside a fixed k it is an error that made the saved profile unloadable; the
     full suite met it when the sweep happened to pick k = 2)."""
-    from cactus_cli.app.calibrate import save_profile
-    from cactus_cli.app.profiles import load_profile, resolve_settings
+    from cactus_cli.app.config.profile_files import load_profile, resolve_settings
+    from cactus_cli.app.grid.calibrated_profile import save_profile
 
     target = tmp_path / "auto.yaml"
     target.write_text(
@@ -248,10 +248,10 @@ def test_calibrate_validates_before_loading(tmp_path, args, needle):
 
 @pytest.mark.parametrize("plain, fast", [(10.0, 12.0), (12.0, 10.0)])
 def test_calibrate_advice_follows_the_rows_it_prints(plain, fast):
-    from cactus_cli.app import calibrate as cal
-    from cactus_cli.app.grid import ConfigResult
+    from cactus_cli.app.grid import calibration as cal
+    from cactus_cli.app.grid.runner import ConfigResult
     from cactus_cli.core.stats import SpecStats
-    from cactus_cli.infer.costs import CostModel
+    from cactus_cli.infer.kpolicy.costs import CostModel
 
     costs = CostModel()  # a steep verify: the model predicts that no k pays
     costs.add_draft(0.01)

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from cactus_cli.app.runtime import encode
 from cactus_cli.cli.main import app
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.load.loader import load_pair
 from tests.helpers import invoke, pair_args
 
 runner = CliRunner()
@@ -231,7 +231,7 @@ def test_piped_subprocess(tiny):
 def test_chat_input_cut_off_at_the_end_keeps_the_turn(monkeypatch, script, turns):
     import io
 
-    from cactus_cli.app.chat import read_turns
+    from cactus_cli.app.conversation import read_turns
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(script.encode())))
     assert list(read_turns(False)) == turns
@@ -254,7 +254,7 @@ def test_chat_set_max_draft_tokens_with_a_fixed_k(tiny):
 def test_chat_keeps_no_typed_history_unless_asked_and_then_only_for_the_user(tmp_path, monkeypatch, isolated_home):
     import builtins
 
-    from cactus_cli.app.chat import read_turns
+    from cactus_cli.app.conversation import read_turns
 
     def typed(lines):
         feed = iter(lines)
@@ -277,7 +277,7 @@ def test_chat_keeps_no_typed_history_unless_asked_and_then_only_for_the_user(tmp
 
 
 def test_the_chat_command_passes_no_history_file_by_default(tiny, monkeypatch):
-    from cactus_cli.app import chat
+    from cactus_cli.app import conversation as chat
     from tests.helpers import invoke
 
     seen = []

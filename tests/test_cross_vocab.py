@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 from cactus_cli.cli.main import app
 from cactus_cli.core.errors import ModelError
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import load_pair
-from cactus_cli.infer.vocab import _byte_decoder, spelling_scheme, token_bytes
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.load.vocab import _byte_decoder, spelling_scheme, token_bytes
 from tests.conftest import SPECIALS, WORDS, make_model
 from tests.stats_helpers import assert_matches, exact_two_tokens
 from tests.test_engine import hf_greedy, run
@@ -409,7 +409,7 @@ def byte_level_tokenizer(vocab_size=262):
 
 
 def test_a_character_split_across_byte_level_tokens_is_never_half_read():
-    from cactus_cli.infer.vocab import visible_text
+    from cactus_cli.infer.load.vocab import visible_text
 
     tok = byte_level_tokenizer()
     assert spelling_scheme(tok) == "bytelevel"

@@ -16,15 +16,15 @@ from torch import nn
 
 from cactus_cli.core.errors import ModelError
 from cactus_cli.core.sampling import SamplingParams, sample
-from cactus_cli.infer import devices
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.load import devices
+from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.load.sources import Source
 from cactus_cli.infer.quant import quantize
 from cactus_cli.infer.runners import compiled as runners
 from cactus_cli.infer.runners import sharded as distributed
 from cactus_cli.infer.runners.compiled import CompiledLM, compile_problem
-from cactus_cli.infer.sources import Source
 from tests.test_engine import prompt_ids
 
 needs_compiler = pytest.mark.skipif(compile_problem(torch.device("cpu")) is not None, reason="no torch.compile here")
@@ -98,7 +98,7 @@ def test_kv_bytes_per_token_counts_keys_and_values_of_every_layer(pair):
 
 def test_chat_on_cuda_reserves_the_whole_context_once(pair, monkeypatch):
     from cactus_cli.app import runtime
-    from cactus_cli.app.settings import Settings
+    from cactus_cli.app.config.settings import Settings
 
     asked = []
     engine = SpeculativeEngine(pair)

@@ -13,8 +13,8 @@ import textwrap
 import pytest
 
 from cactus_cli.core.errors import ModelError
-from cactus_cli.infer import embedded
-from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.load import embedded
+from cactus_cli.infer.load.loader import load_pair
 
 
 @pytest.fixture

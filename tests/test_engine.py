@@ -12,8 +12,8 @@ import torch
 from cactus_cli.core.errors import ContextLimitError, ModelError
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits
 from cactus_cli.core.stats import SpecStats
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.load.loader import load_pair
 from cactus_cli.infer.runners.compiled import compile_problem
 from tests.stats_helpers import assert_matches, exact_two_tokens
 
@@ -278,8 +278,8 @@ def test_missing_models_are_clear_errors(tmp_path):
 def test_non_finite_probabilities_are_an_error_not_garbage(tiny):
     from cactus_cli.core.errors import ModelError
     from cactus_cli.core.sampling import SamplingParams
-    from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-    from cactus_cli.infer.models import load_pair
+    from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
+    from cactus_cli.infer.load.loader import load_pair
 
     pair = load_pair(tiny["verifier"], None, None, "cpu", dtype="float32")
     params = GenerationParams(sampling=SamplingParams(1e-38, 0, 1.0), num_draft_tokens=0, max_tokens=4)

@@ -15,18 +15,18 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-import cactus_cli.app.grid as bench_mod
-from cactus_cli.app import tasks
-from cactus_cli.app.tasks import (
+import cactus_cli.app.grid.runner as bench_mod
+from cactus_cli.app.eval import tasks
+from cactus_cli.app.eval.tasks import (
     Task,
     builtin_tasks,
     extract_answer,
     is_correct,
     normalize,
-    wilson,
 )
 from cactus_cli.cli.main import app
 from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.intervals import wilson
 from tests.helpers import ctrl_c_as_in_a_terminal
 
 cli = CliRunner()
@@ -240,7 +240,7 @@ def test_a_backtracking_pattern_gives_up_and_ctrl_c_still_works():
     assert tasks.extract_answer("x" * 40, r"((x|xx)+)+y(\d)") == tasks.PATTERN_TIMED_OUT
     assert time.monotonic() - t0 < tasks.PATTERN_SECONDS + 3
     code = (
-        "from cactus_cli.app.tasks import extract_answer\nimport sys\nprint('ready', flush=True)\n"
+        "from cactus_cli.app.eval.tasks import extract_answer\nimport sys\nprint('ready', flush=True)\n"
         "while True: extract_answer('x' * 40, r'((x|xx)+)+y(\\d)')"
     )
     proc = subprocess.Popen(

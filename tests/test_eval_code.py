@@ -12,19 +12,19 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from cactus_cli.app import sandbox
-from cactus_cli.app.prompts import Prompt
-from cactus_cli.app.tasks import (
+from cactus_cli.app.eval import sandbox
+from cactus_cli.app.eval.tasks import (
     CODE_REPLY,
     FENCE,
     Task,
     grade,
     humaneval_tasks,
     load_tasks,
-    paired_difference,
     sanitize,
 )
+from cactus_cli.app.prompts import Prompt
 from cactus_cli.cli.main import app
+from cactus_cli.core.intervals import paired_difference
 
 cli = CliRunner()
 GOOD = "def add(a, b):\n    return a + b\n"
@@ -233,7 +233,7 @@ def test_code_tasks_end_to_end_with_samples_and_paired_rows(tiny, tmp_path):
 
 def test_an_interrupted_eval_goes_on_with_resume_and_refuses_another_run(tiny, tmp_path, monkeypatch):
     tasks, out = code_tasks(tmp_path, True), tmp_path / "out"
-    import cactus_cli.app.grid as grid_mod
+    import cactus_cli.app.grid.runner as grid_mod
 
     real, calls = grid_mod.run_one, []
 
@@ -247,7 +247,7 @@ def test_an_interrupted_eval_goes_on_with_resume_and_refuses_another_run(tiny, t
     r = cli.invoke(app, eval_args(tiny, tasks, "--out", str(out)))
     assert r.exit_code == 130
     assert len((out / "progress.jsonl").read_text().splitlines()) == 1 + 2  # the run's name, two problems kept
-    from cactus_cli.app.checkpoint import records
+    from cactus_cli.app.eval.checkpoint import records
 
     assert records(out / "progress.jsonl")[0]["rows"] == {  # what each row is, for eval_tables.py
         "verifier alone": {"rule": None, "rule_params": {}},
@@ -269,8 +269,8 @@ def test_an_interrupted_eval_goes_on_with_resume_and_refuses_another_run(tiny, t
 
 
 def test_a_progress_line_cut_by_a_kill_is_done_again_and_any_other_bad_line_is_refused(tmp_path):
-    from cactus_cli.app.checkpoint import Checkpoint, records
-    from cactus_cli.app.grid import Generated
+    from cactus_cli.app.eval.checkpoint import Checkpoint, records
+    from cactus_cli.app.grid.runner import Generated
     from cactus_cli.core.errors import ConfigError
     from cactus_cli.core.stats import SpecStats
 

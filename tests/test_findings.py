@@ -10,8 +10,8 @@ import pytest
 
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.load.loader import load_pair
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 
@@ -44,7 +44,7 @@ def test_a_run_without_drafts_leaves_no_stale_draft_cache_behind(close):
 
 def test_two_tasks_with_one_id_are_refused(tmp_path):
     """Finding 2: eval --out graded the second task of a shared id with the first's answer."""
-    from cactus_cli.app.tasks import load_tasks
+    from cactus_cli.app.eval.tasks import load_tasks
 
     path = tmp_path / "tasks.jsonl"
     rows = [{"id": "q", "prompt": "one", "answer": "1"}, {"id": "q", "prompt": "two", "answer": "2"}]
@@ -126,7 +126,7 @@ def test_a_fifo_among_the_profiles_is_an_error_not_a_hang(tmp_path):
     """Finding 6: `generate -p pipe` and `profiles show pipe` blocked forever on a FIFO there."""
     import os
 
-    from cactus_cli.app.profiles import user_profile_dir
+    from cactus_cli.app.config.profile_files import user_profile_dir
     from tests.helpers import invoke
 
     folder = user_profile_dir()
@@ -141,7 +141,7 @@ def test_a_fifo_among_the_profiles_is_an_error_not_a_hang(tmp_path):
 
 def test_a_key_given_twice_in_a_profile_is_refused(tmp_path):
     """Finding 10: YAML keeps the last of two equal keys silently."""
-    from cactus_cli.app.profiles import load_profile
+    from cactus_cli.app.config.profile_files import load_profile
 
     path = tmp_path / "twice.yaml"
     path.write_text("temperature: 0.2\nmax_tokens: 64\ntemperature: 0.9\n")
@@ -155,7 +155,7 @@ def test_a_key_given_twice_in_a_profile_is_refused(tmp_path):
 def test_calibrate_save_under_a_builtin_name_is_refused(tmp_path):
     """Finding 10: `calibrate --save default` wrote a user default.yaml that replaced the built-in
     default for every bare command, silently."""
-    from cactus_cli.app.calibrate import save_target
+    from cactus_cli.app.grid.calibrated_profile import save_target
 
     with pytest.raises(ConfigError, match="built-in profile's name.*every command that names no profile"):
         save_target("default")
@@ -165,7 +165,7 @@ def test_calibrate_save_under_a_builtin_name_is_refused(tmp_path):
 @pytest.mark.parametrize("phase", ["k", "delta"])
 def test_an_interrupted_calibrate_prints_what_finished_and_saves_nothing(tiny, tmp_path, monkeypatch, phase):
     """Finding 7: Ctrl-C or SIGTERM after the delta sweep printed only `interrupted`."""
-    from cactus_cli.app import calibrate as cal_mod
+    from cactus_cli.app.grid import calibration as cal_mod
     from tests.helpers import calibrate_args, invoke
 
     if phase == "k":
@@ -203,7 +203,7 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(monkeypatch):
     import uvicorn
     from fastapi import FastAPI
 
-    from cactus_cli.app import http_guard
+    from cactus_cli.app.serve import http_guard
 
     monkeypatch.setattr(http_guard, "HEADER_TIMEOUT", 1.0)
     app = FastAPI()
@@ -249,7 +249,7 @@ def test_requests_that_free_slots_will_take_are_not_refused_as_a_full_queue(tiny
     slots were free (the worker takes waiting requests only between steps). Now a request waits
     only for what --parallel and --max-queue hold together: 4 + 1 here, the sixth is refused."""
     pytest.importorskip("fastapi")
-    from cactus_cli.app.serving import Busy, Server
+    from cactus_cli.app.serve.serving import Busy, Server
     from cactus_cli.app.session import Session
 
     monkeypatch.setattr(Server, "_work", lambda self: None)  # (nothing is admitted: every request waits)
@@ -274,7 +274,7 @@ def test_a_schema_too_large_for_the_grammar_parser_is_the_requests_error(tiny, m
     property ("Current row has 8007 items; max is 2000"): a 500 "internal error" before, now a
     ConfigError (400) naming the limit."""
     pytest.importorskip("llguidance")
-    from cactus_cli.infer.grammar import Constraint
+    from cactus_cli.infer.decode.grammar import Constraint
 
     class Stopped:
         def consume_tokens(self, tokens):
@@ -314,7 +314,7 @@ def test_remeasure_keeps_a_folder_named_like_a_measurement(tmp_path, monkeypatch
 
 def test_a_stored_thread_measurement_with_garbage_curves_is_read_as_none(tmp_path, monkeypatch):
     """A threads record whose "curves" is a list: AttributeError on every start before."""
-    from cactus_cli.infer import gguf_layout
+    from cactus_cli.infer.load import gguf_layout
 
     path = tmp_path / "v.gguf"
     path.write_bytes(b"x" * 64)
@@ -336,7 +336,7 @@ def test_json_output_on_a_vocabulary_that_cannot_write_json_is_a_400(tiny):
     error: the grammar matcher failed (NoExtensionBias)"; now refused before it is queued."""
     pytest.importorskip("fastapi")
     pytest.importorskip("llguidance")
-    from cactus_cli.app.serving import Server
+    from cactus_cli.app.serve.serving import Server
     from cactus_cli.app.session import Session
     from tests.test_serve import httpx, start
 

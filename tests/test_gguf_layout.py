@@ -1,4 +1,4 @@
-"""The llama.cpp backend's weight types and threads (infer/gguf_layout.py): a GGUF requantized by
+"""The llama.cpp backend's weight types and threads (infer/load/gguf_layout.py): a GGUF requantized by
 llama.cpp's own quantizer, once, atomically and with its hash; the choice between the shipped file
 and Q4_0 by measured speed on edits and quality; threads by measurement; all on tiny GGUF files."""
 
@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from cactus_cli.cli.main import app
 from cactus_cli.core import conditions
 from cactus_cli.core.errors import ModelError
-from cactus_cli.infer import gguf, gguf_layout
-from cactus_cli.infer.gguf_layout import QUALITY_TOLERANCE, Layout, choose, requantize, score
+from cactus_cli.infer.load import gguf, gguf_layout
+from cactus_cli.infer.load.gguf_layout import QUALITY_TOLERANCE, Layout, choose, requantize, score
 from tests.gguf_helpers import write_tiny_gguf
 from tests.helpers import assert_one_line_error
 
@@ -74,7 +74,7 @@ def test_a_killed_requantization_leaves_nothing_the_next_run_trusts(tiny_gguf):
 
 
 def test_a_folder_where_the_cache_file_goes_is_a_clear_error(tiny_gguf):
-    from cactus_cli.infer.embedded import models_dir
+    from cactus_cli.infer.load.embedded import models_dir
 
     (models_dir() / "tiny-q4_0.gguf").mkdir(parents=True)
     with pytest.raises(ModelError, match="is a folder where cactus keeps a requantized model"):

@@ -1,4 +1,4 @@
-"""Constrained output (infer/grammar.py): every emitted token keeps the grammar, SpS emits exactly the
+"""Constrained output (infer/decode/grammar.py): every emitted token keeps the grammar, SpS emits exactly the
 masked verifier distribution and Cactus exactly its own emitted distribution over the masked rows
 (drafts the grammar refuses cut, as grammar.py argues), greedy speculation equals the greedy
 verifier under the same grammar, and JSON answers validate against their schema (a byte-level
@@ -17,9 +17,9 @@ import torch
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.exact import emitted_distribution
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.grammar import Grammar
-from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.decode.grammar import Grammar
+from cactus_cli.infer.load.loader import load_pair
 from tests.conftest import WORDS, make_byte_pair
 from tests.stats_helpers import assert_matches
 
@@ -205,7 +205,7 @@ def test_json_answers_validate_against_their_schema(json_pair, temperature):
 
 
 def test_the_server_answers_response_format_with_valid_json_whole_and_streamed(json_folders):
-    from cactus_cli.app.serving import Server
+    from cactus_cli.app.serve.serving import Server
     from cactus_cli.app.session import Session
     from tests.test_serve import httpx, start  # (skipped there, with its reason, without the serve extra)
 
@@ -256,7 +256,7 @@ def test_a_forced_tool_call_keeps_its_schema(json_pair, choice, parallel):
     """tool_choice required or named: after the forced opening the grammar holds the answer to a
     declared name, arguments valid against its schema and the closing tag, so the call checks out
     (read back by the server's own parser); with parallel calls off, the answer ends after one."""
-    from cactus_cli.app.tools import Calls, parse_tools
+    from cactus_cli.app.serve.tools import Calls, parse_tools
 
     pet = {"type": "function", "function": {"name": "set_pet", "parameters": SCHEMA}}
     digit = {"type": "integer", "minimum": 0, "maximum": 9}

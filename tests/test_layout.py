@@ -15,6 +15,13 @@ ROOT = Path(__file__).resolve().parent.parent / "cactus_cli"
 LAYERS = ("core", "infer", "app", "api", "cli")  # each imports only from those before it
 MAX_MODULE_STATEMENTS = 300  # statements, not lines: packing code into wide lines does not shorten a module
 MAX_FUNCTION_STATEMENTS = 50
+MAX_MODULE_LINES = 450  # and in lines, with no exception: a file a newcomer reads in one sitting
+FOLDERS = {  # each layer's folders, one per purpose (README's package map names them too)
+    "core": (),
+    "infer": ("backends", "decode", "draft", "kpolicy", "load", "quant", "runners", "tp"),
+    "app": ("config", "data", "eval", "grid", "serve"),
+    "cli": ("commands",),
+}
 REASON = "Long because"  # a docstring that says why a module or function is longer
 LAZY_OK = ("cactus_cli.cli.",)  # may import torch-heavy modules inside functions (startup time of --help)
 
@@ -157,6 +164,33 @@ def test_modules_and_functions_are_short_or_say_why():
                 if statements(node) > MAX_FUNCTION_STATEMENTS and not _has_reason(node):
                     long.append(f"{name}.{node.name}: {statements(node)} statements")
     assert not long, "\n".join(long)
+
+
+def test_modules_stay_under_450_lines():
+    long = [f"{name}: {n} lines" for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > 450]
+    assert not long, "\n".join(long)
+
+
+def test_each_layer_holds_the_folders_it_names():
+    """Folders say what they hold: a new folder is a decision, named here and in the README's map."""
+    for top, named in FOLDERS.items():
+        found = sorted(p.name for p in (ROOT / top).iterdir() if p.is_dir() and p.name != "__pycache__")
+        assert found == sorted(named), f"{top}/ holds {found}; FOLDERS names {sorted(named)}"
+
+
+def test_no_module_name_in_two_layers():
+    """`cli/grid.py` beside `app/grid.py` made a reader open both: a module's name is its own."""
+    seen: dict[str, str] = {}
+    clashes = []
+    for name in MODULES:
+        stem = name.rpartition(".")[2]
+        package = MODULES[name].name == "__init__.py"  # a folder may be named for the command it serves
+        if layer(name) in (0, len(LAYERS) + 1) or package or stem == "base":
+            continue
+        if stem in seen and layer(seen[stem]) != layer(name):
+            clashes.append(f"{seen[stem]} and {name}")
+        seen.setdefault(stem, name)
+    assert not clashes, "\n".join(clashes)
 
 
 def test_the_length_check_counts_statements_not_lines(tmp_path, monkeypatch):

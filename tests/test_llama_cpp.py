@@ -18,13 +18,14 @@ import torch
 from cactus_cli.core.errors import ContextLimitError, ModelError
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.core.stats import SpecStats
-from cactus_cli.infer import backends, gguf, plan
+from cactus_cli.infer import backends
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.load import gguf, plan
+from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.load.sources import Source
 from cactus_cli.infer.runners import llama_cpp
 from cactus_cli.infer.runners.llama_cpp import LlamaCppRunner
-from cactus_cli.infer.sources import Source
 from tests.gguf_helpers import write_tiny_gguf
 from tests.stats_helpers import assert_matches
 
@@ -390,7 +391,7 @@ def test_several_sequences_in_one_decode_each_get_their_own_logits(pairs):
 
 
 def test_batched_greedy_speculation_on_llama_cpp_equals_each_run_alone(pairs):
-    from cactus_cli.infer.batch import Batch
+    from cactus_cli.infer.decode.batch import Batch
 
     pair = pairs["close"]
     params = GenerationParams(sampling=GREEDY, num_draft_tokens=3, max_tokens=16, ignore_eos=True)

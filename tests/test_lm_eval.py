@@ -27,7 +27,7 @@ import os
 import pytest
 import torch
 
-from cactus_cli.app.settings import flags_to_settings
+from cactus_cli.app.config.settings import flags_to_settings
 from cactus_cli.core.errors import ConfigError
 
 ROWS = [
@@ -78,7 +78,7 @@ def evaluate(tiny, task_dir, tasks, **args):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    import cactus_cli.app.lm_eval_adapter  # noqa: F401  registers "cactus"
+    import cactus_cli.app.eval.lm_eval_adapter  # noqa: F401  registers "cactus"
 
     model_args = {
         "verifier": tiny["verifier"],
@@ -113,7 +113,7 @@ def test_generation_goes_through_the_engine_and_greedy_equals_the_verifier(tiny,
 
 
 def test_loglikelihood_is_the_verifiers_own(tiny, task_dir):
-    from cactus_cli.infer.models import load_pair
+    from cactus_cli.infer.load.loader import load_pair
 
     out = evaluate(tiny, task_dir, ["tiny_mc"], rule="cactus", delta=5.0)
     assert "acc,none" in out["results"]["tiny_mc"]
@@ -141,7 +141,7 @@ def test_cactus_lm_eval_command_line(tiny, task_dir, tmp_path):
         [
             sys.executable,
             "-m",
-            "cactus_cli.app.lm_eval_adapter",
+            "cactus_cli.app.eval.lm_eval_adapter",
             "--model",
             "cactus",
             "--model_args",
@@ -173,7 +173,7 @@ def test_lm_eval_model_args_without_draft():
 
 def test_lm_eval_stats_file_in_a_missing_folder_fails_at_creation(tiny, tmp_path):
     pytest.importorskip("lm_eval")
-    from cactus_cli.app.lm_eval_adapter import CactusLM
+    from cactus_cli.app.eval.lm_eval_adapter import CactusLM
 
     with pytest.raises(ConfigError, match="folder .* does not exist"):
         CactusLM(
@@ -189,7 +189,7 @@ def test_lm_eval_stats_file_in_a_missing_folder_fails_at_creation(tiny, tmp_path
 
 def test_lm_eval_continuation_longer_than_the_context(tiny):
     pytest.importorskip("lm_eval")
-    from cactus_cli.app.lm_eval_adapter import CactusLM
+    from cactus_cli.app.eval.lm_eval_adapter import CactusLM
     from cactus_cli.core.errors import ContextLimitError
 
     lm = CactusLM(

@@ -9,13 +9,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cactus_cli.app.parsing import parse_draft
+from cactus_cli.app.config.parsing import parse_draft
 from cactus_cli.cli.main import app
 from cactus_cli.core.sampling import SamplingParams
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
 from cactus_cli.infer.draft.ngram import NgramDrafter
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.load.loader import load_pair
 from tests.helpers import assert_one_line_error, pair_args
 from tests.stats_helpers import assert_matches, exact_two_tokens
 from tests.test_engine import hf_greedy, run

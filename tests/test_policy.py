@@ -13,26 +13,21 @@ import torch
 
 from cactus_cli.core.paths import cache_path
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer import costs as policy
-from cactus_cli.infer.costs import (
-    CostModel,
-    CostStore,
-    Step,
-    best_k,
-    probe_widths,
-)
-from cactus_cli.infer.costs import slope as costs_slope
-from cactus_cli.infer.devices import fastest_cpu_dtype, resolve_dtype
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import load_pair
-from cactus_cli.infer.policy import (
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.kpolicy import costs as policy
+from cactus_cli.infer.kpolicy.costs import CostModel, Step, best_k, probe_widths
+from cactus_cli.infer.kpolicy.costs import slope as costs_slope
+from cactus_cli.infer.kpolicy.policy import (
     EXPLORE_BUDGET,
     MAX_BACKOFF,
     AdaptiveK,
     Overhead,
 )
+from cactus_cli.infer.kpolicy.rates import Acceptance, Calibration, expected_tokens
+from cactus_cli.infer.kpolicy.store import CostStore
+from cactus_cli.infer.load.devices import fastest_cpu_dtype, resolve_dtype
+from cactus_cli.infer.load.loader import load_pair
 from cactus_cli.infer.quant import quantize
-from cactus_cli.infer.rates import Acceptance, Calibration, expected_tokens
 from tests.helpers import (
     quantize_tiny,
     write_costs,
@@ -445,7 +440,7 @@ def test_a_full_disk_does_not_stop_the_run(tiny, monkeypatch):
 def test_invalid_cost_entries_are_dropped_said_and_never_written_back(tmp_path, costs, acceptance):
     path = tmp_path / "costs.json"
     write_costs(path, costs, acceptance)
-    p = policy.CostStore(path)
+    p = CostStore(path)
     assert len(p.notes) == 1 and "invalid" in p.notes[0]
     assert all(1 <= w <= policy.MAX_WIDTH for w in p.costs.verify)
     assert all(math.isfinite(p.costs.t_v(w)) and 0 < p.costs.t_v(w) < 1 for w in range(1, 10))
@@ -453,14 +448,14 @@ def test_invalid_cost_entries_are_dropped_said_and_never_written_back(tmp_path, 
         assert all(math.isfinite(r) for r in acc.rates(8))
     assert AdaptiveK(p).choose("greedy", 4) in range(5)
     p.save()
-    again = policy.CostStore(path)
+    again = CostStore(path)
     assert again.notes == []  # what was written back is clean
 
 
 def test_deeply_nested_or_garbage_cost_cache(tmp_path):
     path = tmp_path / "costs.json"
     path.write_text("[" * 100000 + "]" * 100000)  # RecursionError before
-    p = policy.CostStore(path)
+    p = CostStore(path)
     assert p.notes and "unreadable" in p.notes[0]
 
 
@@ -469,7 +464,7 @@ def test_deeply_nested_or_garbage_cost_cache(tmp_path):
     [{"float32": 0, "bfloat16": 0}, {"float32": -0.2, "bfloat16": 0.1}, {"float32": float("nan"), "bfloat16": 0.1}],
 )
 def test_a_corrupt_dtype_cache_is_measured_again(monkeypatch, seconds):
-    from cactus_cli.infer import devices as models
+    from cactus_cli.infer.load import devices as models
 
     key = {
         "cpu": models.device_name(torch.device("cpu")),

@@ -79,8 +79,8 @@ def test_prompt_files_split_on_newlines_only_keep_ids_and_read_fifos(tmp_path):
     import json
     import threading
 
+    from cactus_cli.app.eval.tasks import load_tasks
     from cactus_cli.app.prompts import load_prompts
-    from cactus_cli.app.tasks import load_tasks
 
     f = tmp_path / "p.jsonl"
     rows = [{"prompt": "a\u2028b\u2029c\x85d", "id": 7}, {"prompt": "two", "id": "x"}, {"prompt": "three"}]

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 import cactus_cli.infer.quant.quantize as qz
 from cactus_cli.cli.main import app
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.load.loader import load_pair
 from cactus_cli.infer.quant import quantize
 from tests.helpers import invoke, quantize_tiny
 from tests.test_embedded import fake_model  # noqa: F401 (a fixture: fake embedded parts)
@@ -349,7 +349,7 @@ def test_quantize_auto_on_cpu_is_measured_and_says_why(tiny):
 def test_quantize_auto_gates_w8a8_on_its_measured_quality(tiny, isolated_home, monkeypatch):
     from cactus_cli.core import defaults
     from cactus_cli.infer.backends import torch_backend
-    from cactus_cli.infer.sources import Source
+    from cactus_cli.infer.load.sources import Source
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(
@@ -667,7 +667,7 @@ def test_a_damaged_quantized_cache_is_said_in_a_line_that_stays(tiny):
 
 
 def test_every_rebuilt_cache_says_why(tiny, fake_model_cache, capsys):
-    from cactus_cli.infer import devices, embedded
+    from cactus_cli.infer.load import devices, embedded
     from cactus_cli.infer.quant import quantize
 
     def said() -> str:

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer import policy
-from cactus_cli.infer.costs import CostModel, CostStore
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import load_pair
-from cactus_cli.infer.policy import AdaptiveK
+from cactus_cli.infer.kpolicy import policy
+from cactus_cli.infer.kpolicy.costs import CostModel
+from cactus_cli.infer.kpolicy.policy import AdaptiveK
+from cactus_cli.infer.kpolicy.store import CostStore
+from cactus_cli.infer.load.loader import load_pair
 
 REFERENCE = Path(__file__).parent / "data" / "engine_reference.json"
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)

@@ -1,4 +1,4 @@
-"""The code-task sandbox (app/sandbox.py) as a hostile check would try it: each program below did
+"""The code-task sandbox (app/eval/sandbox.py) as a hostile check would try it: each program below did
 what its test names before the sandbox isolated checks (another uid, PID, network and mount
 namespaces, Landlock, a launcher that keeps the pass token out of the program file), and must not
 now. Runs as the suite runs (as root in CI and on these machines, where the old sandbox let all of
@@ -17,7 +17,7 @@ import uuid
 import pytest
 from typer.testing import CliRunner
 
-from cactus_cli.app import sandbox, tasks
+from cactus_cli.app.eval import sandbox, tasks
 from cactus_cli.cli.main import app
 from tests.helpers import assert_one_line_error
 
@@ -205,7 +205,7 @@ def test_a_finished_check_never_sweeps_the_namespace_of_the_next(monkeypatch):
     the first check's namespace must still be held, so the second one gets another name and passes."""
     import threading
 
-    real_kill, second = sandbox._kill, []
+    real_kill, second = sandbox.kill_check, []
 
     def kill_after_the_next_check_starts(launcher, ns):
         if not second:
@@ -215,7 +215,7 @@ def test_a_finished_check_never_sweeps_the_namespace_of_the_next(monkeypatch):
             time.sleep(1.0)  # the second check's namespaces exist by now
         real_kill(launcher, ns)
 
-    monkeypatch.setattr(sandbox, "_kill", kill_after_the_next_check_starts)
+    monkeypatch.setattr(sandbox, "kill_check", kill_after_the_next_check_starts)
     first = sandbox.run_check("import time; time.sleep(0.3)\n")  # long enough for its namespace to be seen
     second[0].join()
     assert first.passed and second[1].passed, (first, second[1])

@@ -32,7 +32,7 @@ except ImportError as err:
         raise RuntimeError('the serve tests need the serve and test extras: install ".[demo,test,eval,serve]"') from err
     pytest.skip(f"the serve extra is not installed ({err.name})", allow_module_level=True)
 
-from cactus_cli.app.serving import Server  # noqa: E402
+from cactus_cli.app.serve.serving import Server  # noqa: E402
 from cactus_cli.app.session import Session  # noqa: E402
 
 PROMPT = "the cat sat on the mat and the dog"
@@ -42,7 +42,7 @@ def start(server: Server, api_key: str | None = None):
     """Run the app on a free port in a thread; (base url, stop)."""
     import uvicorn
 
-    from cactus_cli.app.http_api import build_app
+    from cactus_cli.app.serve.http_api import build_app
 
     config = uvicorn.Config(build_app(server, api_key), host="127.0.0.1", port=0, log_level="error")
     http = uvicorn.Server(config)
@@ -190,7 +190,7 @@ def test_malformed_and_oversized_bodies(served, monkeypatch):
     assert r.status_code == 405 and r.json()["error"]["message"] == "GET is not allowed on /v1/completions"
     r = httpx.get(f"{url}/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    from cactus_cli.app import http_api as http
+    from cactus_cli.app.serve import http_api as http
 
     monkeypatch.setattr(http, "MAX_BODY_BYTES", 1000)
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "the " * 500})
@@ -598,7 +598,7 @@ def test_parallel_bad_values_are_one_line_errors(monkeypatch, capsys):
 
 
 def test_parallel_past_memory_is_a_one_line_error():
-    from cactus_cli.app.serving import check_parallel
+    from cactus_cli.app.serve.serving import check_parallel
     from cactus_cli.core.errors import ConfigError
 
     with pytest.raises(
@@ -609,8 +609,8 @@ def test_parallel_past_memory_is_a_one_line_error():
 
 
 def test_the_measured_default_parallel_doubles_while_it_pays():
-    from cactus_cli.app.serving import choose_parallel
-    from cactus_cli.infer.costs import CostModel
+    from cactus_cli.app.serve.serving import choose_parallel
+    from cactus_cli.infer.kpolicy.costs import CostModel
 
     cpu = CostModel()  # the EPYC's llama-bench curve (docs/adaptive-k.md): 4 wins, 8 adds only 16%
     for w, ms in {1: 29, 2: 46, 4: 66, 8: 114, 16: 163}.items():

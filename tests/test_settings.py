@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from cactus_cli.app.parsing import parse_params
-from cactus_cli.app.settings import check_flags_apply, flags_to_settings
+from cactus_cli.app.config.parsing import parse_params
+from cactus_cli.app.config.settings import check_flags_apply, flags_to_settings
 from cactus_cli.core.errors import ConfigError
 from tests.helpers import (
     ALIAS_BOMB,
@@ -70,7 +70,7 @@ def test_settings_that_do_nothing_are_errors(tiny, tmp_path):
         "--max-draft-tokens has no effect without a draft",
     )
     settings = flags_to_settings(rule="sps", delta=0.5, ngram_max=2, verifier=tiny["verifier"], draft=tiny["draft"])
-    from cactus_cli.app.profiles import resolve_settings
+    from cactus_cli.app.config.profile_files import resolve_settings
 
     with pytest.raises(ConfigError, match="--delta has no effect"):
         check_flags_apply(resolve_settings(None, settings), settings)
@@ -94,7 +94,7 @@ def test_cross_vocab_with_a_draft_that_has_no_model_is_an_error(tiny, lookup):
 
 
 def test_numbers_in_e_notation_are_read_as_numbers_everywhere_yaml_is(tiny):
-    from cactus_cli.app.parsing import parse_params, parse_yaml
+    from cactus_cli.app.config.parsing import parse_params, parse_yaml
 
     assert parse_params(["epsilon=1e-3", "scale=2E+2"]) == {"epsilon": 0.001, "scale": 200.0}
     assert parse_yaml("delta: 5e-1\nname: 1e3x\n", "profile.yaml") == {"delta": 0.5, "name": "1e3x"}
@@ -128,8 +128,8 @@ def test_a_number_that_is_not_finite_is_refused_in_one_line(tiny, command, flag,
 
 
 def test_a_profile_or_set_value_that_is_not_finite_is_refused():
-    from cactus_cli.app.parsing import parse_yaml
-    from cactus_cli.app.settings import check_layer
+    from cactus_cli.app.config.parsing import parse_yaml
+    from cactus_cli.app.config.settings import check_layer
 
     for text in ("delta: .nan\n", "top_p: .inf\n", "rule_params: {epsilon: .nan}\n"):
         with pytest.raises(ConfigError, match="finite number"):
@@ -139,7 +139,7 @@ def test_a_profile_or_set_value_that_is_not_finite_is_refused():
 def test_a_profile_that_names_no_rule_decodes_as_the_shipped_default(isolated_home, tmp_path):
     """The default profile decodes with SpS; the built-in default (a profile or a Session
     without `rule`) is the same rule, and delta alone is refused rather than silently ignored."""
-    from cactus_cli.app.profiles import load_profile, resolve_settings
+    from cactus_cli.app.config.profile_files import load_profile, resolve_settings
 
     (tmp_path / "mine.yaml").write_text("verifier: embedded:qwen2.5-coder-1.5b\n")
     default, _ = load_profile("default")

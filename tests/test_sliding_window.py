@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import load_pair
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.load.loader import load_pair
 from cactus_cli.infer.runners.eager import CachedLM
 from tests.conftest import SPECIALS, WORDS, make_tokenizer
 from tests.test_engine import GREEDY, prompt_ids, run

@@ -11,16 +11,16 @@ import dataclasses
 import pytest
 import torch
 
-from cactus_cli.core.acceptance import Row, verify, verify_rows
 from cactus_cli.core.errors import ModelError
 from cactus_cli.core.exact import emitted_distribution
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.batch import Batch
-from cactus_cli.infer.costs import CostModel, best_k
+from cactus_cli.core.verify import Row, verify, verify_rows
+from cactus_cli.infer.decode.batch import Batch
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import load_pair
-from cactus_cli.infer.policy import Want, allocate
+from cactus_cli.infer.kpolicy.costs import CostModel, best_k
+from cactus_cli.infer.kpolicy.policy import Want, allocate
+from cactus_cli.infer.load.loader import load_pair
 from tests.stats_helpers import assert_matches, exact_two_tokens
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)

@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from cactus_cli.app.parsing import parse_draft
-from cactus_cli.app.profiles import load_profile
-from cactus_cli.infer import embedded
+from cactus_cli.app.config.parsing import parse_draft
+from cactus_cli.app.config.profile_files import load_profile
+from cactus_cli.infer.load import embedded
 
 
 def default_pair() -> list[embedded.EmbeddedModel]:

@@ -16,13 +16,14 @@ from typer.testing import CliRunner
 
 from cactus_cli.cli.main import app
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.costs import WINDOW, CostStore
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
 from cactus_cli.infer.draft.suffix import SUFFIX, SuffixDrafter
 from cactus_cli.infer.draft.suffix_tree import History, SuffixTree, follow
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import load_pair
-from cactus_cli.infer.policy import AdaptiveK
+from cactus_cli.infer.kpolicy.costs import WINDOW
+from cactus_cli.infer.kpolicy.policy import AdaptiveK
+from cactus_cli.infer.kpolicy.store import CostStore
+from cactus_cli.infer.load.loader import load_pair
 from tests.helpers import assert_one_line_error, pair_args
 from tests.stats_helpers import assert_matches, exact_two_tokens
 from tests.test_engine import hf_greedy, run

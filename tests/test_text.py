@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cactus_cli.core.events import StepEvent
-from cactus_cli.infer.text import TextStream
+from cactus_cli.infer.decode.text import TextStream
 
 
 class PieceTokenizer:

@@ -14,8 +14,8 @@ import torch
 pytest.importorskip("fastapi")  # (the serve extra; test_serve says so on CI)
 openai = pytest.importorskip("openai")
 
-from cactus_cli.app import tools as T  # noqa: E402
-from cactus_cli.app.serving import FieldError, Server  # noqa: E402
+from cactus_cli.app.serve import tools as T  # noqa: E402
+from cactus_cli.app.serve.serving import FieldError, Server  # noqa: E402
 from cactus_cli.app.session import Session  # noqa: E402
 from cactus_cli.core.events import Piece  # noqa: E402
 

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from cactus_cli.api import Session
 from cactus_cli.cli.main import app
 from cactus_cli.infer import draft
-from cactus_cli.infer.costs import CostStore, cost_key
 from cactus_cli.infer.draft import DrafterBase, Kind, Peek, one_hot_proposal
+from cactus_cli.infer.kpolicy.store import CostStore, cost_key
 
 runner = CliRunner()
 

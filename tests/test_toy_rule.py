@@ -7,17 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cactus_cli.core.acceptance import (
-    RULES,
-    FixedTargetRule,
-    Param,
-    target_distribution,
-    verify,
-)
+from cactus_cli.core.acceptance import RULES, FixedTargetRule, Param
 from cactus_cli.core.exact import divergences, emitted_distribution, meter
 from cactus_cli.core.sampling import SamplingParams
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import load_pair
+from cactus_cli.core.verify import target_distribution, verify
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.load.loader import load_pair
 from tests.stats_helpers import assert_matches
 
 

@@ -1,1 +1,3 @@
-"""Layer 3: what the commands do, without a terminal: settings and profiles, runtime, the grid runner, calibrate, chat, eval tasks, the lm-eval adapter."""
+"""Layer 3: what the commands do, without a terminal. Here: the session (a loaded pair and its
+settings), runtime (settings to an engine), the chat conversation, the prompts, the tensor-parallel
+follower. Folders: config/ (settings, profiles), grid/ (bench and calibrate), eval/, serve/, data/."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from cactus_cli.infer.models import load_shard
+from cactus_cli.infer.load.loader import load_shard
 from cactus_cli.infer.runners.base import Runner
 from cactus_cli.infer.runners.eager import CachedLM
 from cactus_cli.infer.runners.sharded import CMD_SLOTS, parse_command

@@ -8,18 +8,18 @@ import dataclasses
 from typing import Any
 
 from cactus_cli.app import follower
-from cactus_cli.app.parsing import parse_draft
+from cactus_cli.app.config.parsing import parse_draft
+from cactus_cli.app.config.settings import Settings, draft_limit
 from cactus_cli.app.prompts import builtin_prompts
-from cactus_cli.app.settings import Settings, draft_limit
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer import draft
 from cactus_cli.infer.backends import backend_of
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import KINDS, Free
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.models import load_plan
-from cactus_cli.infer.plan import LoadRequest, plan_load, with_compile
-from cactus_cli.infer.sources import ModelPair
+from cactus_cli.infer.load.loader import load_plan
+from cactus_cli.infer.load.plan import LoadRequest, plan_load, with_compile
+from cactus_cli.infer.load.sources import ModelPair
 from cactus_cli.infer.tp import group
 
 

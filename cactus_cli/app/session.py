@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from cactus_cli.app import runtime
-from cactus_cli.app.profiles import resolve_settings
-from cactus_cli.app.settings import (
+from cactus_cli.app.config.profile_files import resolve_settings
+from cactus_cli.app.config.settings import (
     Settings,
     build_settings,
     check_flags_apply,
@@ -32,7 +32,7 @@ from cactus_cli.app.settings import (
 )
 from cactus_cli.core.events import StepEvent
 from cactus_cli.core.stats import SpecStats
-from cactus_cli.infer.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Options shared by generate, chat, bench and calibrate, declared once. Every option defaults
 to None, meaning "not given", so the profile underneath keeps its value (defaults < profile < flags).
-What the values mean and how they are checked lives with the settings (app/settings.py)."""
+What the values mean and how they are checked lives with the settings (app/config/settings.py)."""
 
 from __future__ import annotations
 
@@ -333,7 +333,7 @@ def shared_options(*names: str) -> Callable:
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            from cactus_cli.app.settings import (
+            from cactus_cli.app.config.settings import (
                 flags_to_settings,  # (here, not above: --help stays torch-free)
             )
 

@@ -23,13 +23,7 @@ are those whose ``h`` is ``g`` at the drafted token and the verifier's ``q`` sca
 acceptance) and ``topk`` sit outside that frame. After ``k`` acceptances one bonus token is
 drawn from ``q[:, k]`` whatever the rule.
 
-All distributions are taken after the sampling transforms (temperature, top-k, top-p),
-applied identically to both models. Every random draw comes from the ``generator``
-argument: ``torch.rand`` for the acceptance tests, then one uniform per sequence for the
-extra token (inverse CDF), in that order for every rule, so equal generator states give equal results.
-
-Long because every rule sits here whole (parameters, acceptance, residual, target, emitted
-distribution, budget bound), beside the shared verify and sampling code they all run through.
+Applying a rule to drafts (``verify``, ``verify_rows``) is core/verify.py.
 """
 
 from __future__ import annotations
@@ -41,32 +35,11 @@ from typing import Any, Callable
 import torch
 
 from cactus_cli.core import defaults
-from cactus_cli.core.sampling import sample
 
-__all__ = [
-    "RULES",
-    "DIVERGENCES",
-    "Verdict",
-    "verify",
-    "verify_rows",
-    "Row",
-    "greedy_verify",
-    "target_distribution",
-    "resolve_params",
-    "cactus_target_prob",
-]
+__all__ = ["RULES", "DIVERGENCES", "LOSSLESS", "Param", "Rule", "resolve_params", "cactus_target_prob"]
 
 DIVERGENCES = ("kl", "chi2", "hellinger", "tv")
 _BISECTION_STEPS = 60  # float64 bisection on [q_n, 1]: width 2^-60, below float64 resolution
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What one verification step decided, for each of the B sequences."""
-
-    num_accepted: torch.Tensor  # [B] int64, accepted prefix length, 0..k
-    tokens: torch.Tensor  # [B, k+1] int64: accepted drafts, one extra token, then -1
-    acceptance_probs: torch.Tensor  # [B, k] probability each drafted token had of acceptance
 
 
 # --------------------------------------------------------------------------- parameters
@@ -414,10 +387,6 @@ def _kl_root(x: torch.Tensor, delta: float) -> torch.Tensor:
 # --------------------------------------------------------------------------- shared helpers
 
 
-def _work_dtype(*ts: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
-
-
 def _scale(q_n: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """s = (1 - g) / (1 - q_n), the factor every other token's q is scaled by (0 when q_n = 1)."""
     rest = 1.0 - q_n
@@ -427,180 +396,3 @@ def _scale(q_n: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 def _one_hot(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """[B] -> [B, V] one-hot rows shaped and typed like ``like``."""
     return torch.zeros_like(like).scatter(-1, index.unsqueeze(-1), 1.0)
-
-
-# --------------------------------------------------------------------------- public functions
-
-
-def _check_shapes(p: torch.Tensor, q: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int, int]:
-    if p.dim() != 3 or q.dim() != 3 or draft_tokens.dim() != 2:
-        raise ValueError(
-            f"expected p [B, k, V], q [B, k+1, V], draft_tokens [B, k]; got {tuple(p.shape)}, "
-            f"{tuple(q.shape)}, {tuple(draft_tokens.shape)}"
-        )
-    B, k, V = p.shape
-    if tuple(q.shape) != (B, k + 1, V) or tuple(draft_tokens.shape) != (B, k):
-        raise ValueError(
-            f"shape mismatch: p {tuple(p.shape)} needs q {(B, k + 1, V)} and draft_tokens {(B, k)}; "
-            f"got q {tuple(q.shape)}, draft_tokens {tuple(draft_tokens.shape)}"
-        )
-    if draft_tokens.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
-    return B, k, V
-
-
-def verify(
-    rule: str,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    *,
-    generator: torch.Generator | None = None,
-    **params: Any,
-) -> Verdict:
-    """Verify ``k`` drafted tokens per sequence against the verifier and emit 1..k+1 tokens each.
-
-    p: [B, k, V] draft probabilities; q: [B, k+1, V] verifier probabilities (row k = bonus);
-    draft_tokens: [B, k] drawn from p. Works in float32 (float64 if an input is float64), so
-    float16/bfloat16 inputs are fine. The rule (``RULES[rule]``) decides acceptance and residual.
-    """
-    prm = resolve_params(rule, params)
-    B, k, V = _check_shapes(p, q, draft_tokens)
-    work = _work_dtype(p, q)
-    n = draft_tokens.to(torch.int64)  # [B, k]
-    rows = torch.arange(B, device=q.device)
-
-    spec = RULES[rule]
-    pw, qw = p.to(work), q[:, :k].to(work)  # [B, k, V] (no copy for float32 inputs)
-    acc_prob = spec.accept(prm, pw, qw, n)  # [B, k]
-    u = torch.rand((B, k), generator=generator, device=q.device, dtype=work)
-    accepted = u < acc_prob  # u in [0, 1): probability 1 always accepts, 0 never
-    num_accepted = accepted.to(torch.int64).cumprod(-1).sum(-1)  # [B]
-
-    bonus = q[:, k].to(work)  # [B, V]
-    if k == 0:
-        dist, fallback = bonus, bonus
-    else:
-        j = num_accepted.clamp(max=k - 1)  # first rejected position (ignored where all accepted)
-        q_j = qw[rows, j]
-        resid = spec.residual(prm, pw[rows, j], q_j, n[rows, j])
-        all_in = (num_accepted == k).unsqueeze(-1)
-        dist = torch.where(all_in, bonus, resid)
-        fallback = torch.where(all_in, bonus, q_j)
-    extra = sample(dist, generator, fallback=fallback)  # [B]
-
-    pos = torch.arange(k + 1, device=q.device)  # [k+1]
-    m = num_accepted.unsqueeze(-1)
-    padded = torch.cat([n, n.new_zeros(B, 1)], dim=-1)
-    tokens = torch.where(pos < m, padded, torch.where(pos == m, extra.unsqueeze(-1), torch.full_like(padded, -1)))
-    return Verdict(num_accepted=num_accepted, tokens=tokens, acceptance_probs=acc_prob)
-
-
-@dataclass(frozen=True)
-class Row:
-    """One sequence's drafts for ``verify_rows``: its own rule, parameters, k and generator."""
-
-    rule: str
-    params: dict[str, Any]
-    p: torch.Tensor  # [k, V] draft probabilities
-    q: torch.Tensor  # [k+1, V] verifier probabilities (row k: the bonus)
-    n: torch.Tensor  # [k] drafted tokens
-    generator: torch.Generator | None = None
-
-
-def verify_rows(rows: list[Row]) -> list[Verdict]:
-    """``verify`` for ragged rows in one call: each row its own rule, parameters, k and generator
-    (a step of several sequences; vLLM's rejection sampler takes ragged drafts the same way). Rows
-    of one rule and parameters are decided together: every row's acceptance, then one residual
-    call over every row's first rejected position; each row's random draws come from its own
-    generator in ``verify``'s order, so a row's verdict equals ``verify`` of that row alone, bit
-    for bit. No host sync, and no copy of the rows' [k, V] distributions."""
-    out: list[Verdict | None] = [None] * len(rows)
-    groups: dict[tuple, list[int]] = {}
-    for i, row in enumerate(rows):
-        key = (row.rule, tuple(sorted(resolve_params(row.rule, row.params).items())))
-        groups.setdefault(key, []).append(i)
-    for (rule, items), idx in groups.items():
-        prm, spec = dict(items), RULES[rule]
-        for i, verdict in zip(idx, _decide_group(spec, prm, [rows[i] for i in idx])):
-            out[i] = verdict
-    return out
-
-
-def _decide_group(spec: Rule, prm: dict[str, Any], rows: list[Row]) -> list[Verdict]:
-    """One rule's rows: acceptance at every drafted position (each row's own rows, no copy of
-    them), each row's uniforms from its own generator, one residual call over every row's first
-    rejected position, each row's extra token from its own generator."""
-    for row in rows:
-        _check_shapes(row.p.unsqueeze(0), row.q.unsqueeze(0), row.n.unsqueeze(0))
-    work = _work_dtype(*(t for row in rows for t in (row.p, row.q)))
-    ks = [row.n.shape[0] for row in rows]
-    dev = rows[0].q.device
-    drafted = [i for i, k in enumerate(ks) if k]
-    n64 = [row.n.to(torch.int64) for row in rows]
-    acc = [
-        spec.accept(prm, row.p.to(work).unsqueeze(0), row.q[: ks[i]].to(work).unsqueeze(0), n64[i].unsqueeze(0))
-        if ks[i]
-        else None
-        for i, row in enumerate(rows)
-    ]  # [1, k] each
-    num = []
-    for i, row in enumerate(rows):  # each row's uniforms from its own generator, as verify draws them
-        u = torch.rand((1, ks[i]), generator=row.generator, device=dev, dtype=work)
-        num.append(
-            (u < acc[i]).to(torch.int64).cumprod(-1).sum(-1) if ks[i] else torch.zeros(1, dtype=torch.int64, device=dev)
-        )
-    resid = q_j = None
-    if drafted:  # [R, V]: each drafting row's rows at its first rejected position (ignored where all accepted)
-        j = [num[i].clamp(max=ks[i] - 1) for i in drafted]  # [1] each, on the device
-        p_j = torch.cat([rows[i].p.index_select(0, jj) for i, jj in zip(drafted, j)]).to(work)
-        q_j = torch.cat([rows[i].q.index_select(0, jj) for i, jj in zip(drafted, j)]).to(work)
-        n_j = torch.cat([n64[i].index_select(0, jj) for i, jj in zip(drafted, j)])
-        resid = spec.residual(prm, p_j, q_j, n_j)
-    out = []
-    for i, row in enumerate(rows):
-        k, m = ks[i], num[i]
-        bonus = row.q[k : k + 1].to(work)  # [1, V]
-        if k == 0:
-            dist, fallback = bonus, bonus
-        else:
-            r = drafted.index(i)
-            all_in = (m == k).unsqueeze(-1)
-            dist = torch.where(all_in, bonus, resid[r : r + 1])
-            fallback = torch.where(all_in, bonus, q_j[r : r + 1])
-        extra = sample(dist, row.generator, fallback=fallback)  # [1]
-        n = n64[i].view(1, k)
-        pos = torch.arange(k + 1, device=dev)
-        mm = m.unsqueeze(-1)
-        padded = torch.cat([n, n.new_zeros(1, 1)], dim=-1)
-        tokens = torch.where(pos < mm, padded, torch.where(pos == mm, extra.unsqueeze(-1), torch.full_like(padded, -1)))
-        probs = acc[i] if k else bonus.new_zeros(1, 0)
-        out.append(Verdict(num_accepted=m, tokens=tokens, acceptance_probs=probs))
-    return out
-
-
-def greedy_verify(draft_tokens: torch.Tensor, verifier_argmax: torch.Tensor) -> Verdict:
-    """Temperature 0: accept a drafted token iff it is the verifier's argmax; the extra token is
-    the verifier's argmax at the first mismatch (or the bonus position). Every rule reduces to
-    this on one-hot distributions. draft_tokens [B, k], verifier_argmax [B, k+1]."""
-    B, k = draft_tokens.shape
-    n = draft_tokens.to(torch.int64)
-    match = n == verifier_argmax[:, :k]
-    num_accepted = match.to(torch.int64).cumprod(-1).sum(-1)
-    extra = verifier_argmax.gather(-1, num_accepted.unsqueeze(-1))  # [B, 1]
-    pos = torch.arange(k + 1, device=n.device)
-    m = num_accepted.unsqueeze(-1)
-    padded = torch.cat([n, n.new_zeros(B, 1)], dim=-1)
-    tokens = torch.where(pos < m, padded, torch.where(pos == m, extra, torch.full_like(padded, -1)))
-    return Verdict(num_accepted=num_accepted, tokens=tokens, acceptance_probs=match.to(torch.float32))
-
-
-def target_distribution(
-    rule: str, p: torch.Tensor, q: torch.Tensor, draft_tokens: torch.Tensor, **params: Any
-) -> torch.Tensor:
-    """[B, k, V]: the target h each drafted token is verified against (sps, cactus,
-    cactus-exact, interp). ``tas`` and ``topk`` have no such h and raise ValueError."""
-    prm = resolve_params(rule, params)
-    B, k, V = _check_shapes(p, q, draft_tokens)
-    work = _work_dtype(p, q)
-    return RULES[rule].target(prm, p.to(work), q[:, :k].to(work), draft_tokens.to(torch.int64))

@@ -1,4 +1,4 @@
-"""Every built-in default, in one place. ``Settings`` (app/settings.py), the engine's
+"""Every built-in default, in one place. ``Settings`` (app/config/settings.py), the engine's
 ``GenerationParams``, ``SamplingParams``, the rules' parameters and the sweep commands all read
 them from here; a profile or a flag overrides them (defaults < profile < flags)."""
 
@@ -13,6 +13,6 @@ TOP_P = 0.95  # 1 = off
 MAX_TOKENS = 256
 BENCH_RULES = "sps,cactus"  # bench and eval compare these rules when --rules is not given
 QUALITY_TOLERANCE = 0.03  # nats/token of mean NLL a quantization may cost to be chosen by --quantize auto
-# what runs the models: each "auto" is decided from the sources and the machine at load (infer/models.py)
+# what runs the models: each "auto" is decided from the sources and the machine at load (infer/load/loader.py)
 BACKEND = DEVICE = DTYPE = COMPILE = QUANTIZE = CROSS_VOCAB = "auto"
 TP = 1  # tensor-parallel ranks

@@ -1,1 +1,2 @@
-"""Layer 2: models and decoding: loading, runners, drafters, the k policy, the engine, quantization, tensor parallelism."""
+"""Layer 2: models and decoding. Folders: load/ (plan and load a pair), decode/ (the engine, slots,
+grammar, text), kpolicy/ (choosing k), runners/, backends/, draft/, quant/, tp/."""

@@ -1,5 +1,5 @@
 """One module per command; each exposes ``register(app)``. Commands never import each other
-(what bench and eval share is cli/grid.py). Keep these imports light: `cactus --help` imports
+(what bench and eval share is cli/grid_options.py). Keep these imports light: `cactus --help` imports
 them all and must not import torch, so a command imports the app layer inside its function."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from cactus_cli.cli import options as o
-from cactus_cli.cli.grid import (
+from cactus_cli.cli.grid_options import (
     DEFAULT_RULES,
     Backends,
     Compiles,

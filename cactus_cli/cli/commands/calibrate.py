@@ -11,8 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from cactus_cli.app.eval.tasks import grader, load_tasks
 from cactus_cli.app.prompts import load_prompts
-from cactus_cli.app.tasks import grader, load_tasks
 from cactus_cli.cli import options as o
 from cactus_cli.cli import tables, ui
 from cactus_cli.cli.edge import user_errors
@@ -108,10 +108,10 @@ def calibrate(
     with SpS (the default: delta = 0 is SpS). With --tasks each delta's answers are graded (give
     --limit and -n large enough for whole answers)."""
     with user_errors():
-        from cactus_cli.app import calibrate as cal_mod
-        from cactus_cli.app import grid as b
-        from cactus_cli.app import report
-        from cactus_cli.app.parsing import parse_list
+        from cactus_cli.app.config.parsing import parse_list
+        from cactus_cli.app.grid import calibration as cal_mod
+        from cactus_cli.app.grid import report
+        from cactus_cli.app.grid import runner as b
         from cactus_cli.app.session import Session
 
         settings, constraints = _settings(
@@ -184,8 +184,8 @@ def _settings(
 ):
     """The run's settings (seed 0 unless given; 64 tokens per prompt unless given, or with --tasks
     the profile's cap: an answer cut short fails its grade) and the constraints on delta."""
-    from cactus_cli.app import calibrate as cal_mod
-    from cactus_cli.app.profiles import resolve_settings
+    from cactus_cli.app.config.profile_files import resolve_settings
+    from cactus_cli.app.grid import calibration as cal_mod
     from cactus_cli.core.acceptance import RULES
 
     settings = resolve_settings(shared.profile, shared.flags)
@@ -213,15 +213,15 @@ def _settings(
 
 def _check_outputs(save: str | None, plot: Path | None) -> tuple[Path | None, Path | None]:
     """--save and --plot checked before the run: a long calibration must not die at the end."""
-    from cactus_cli.app import calibrate as cal_mod
+    from cactus_cli.app.grid import calibrated_profile
 
-    target = cal_mod.save_target(save) if save else None
+    target = calibrated_profile.save_target(save) if save else None
     if plot is not None and plot.suffix.lower() != ".png":
         raise ConfigError(f"--plot {plot}: give a .png path")
     if plot is not None:
         plot = check_output_file(plot, "--plot")
     if target is not None:
-        cal_mod.check_save_target(target)
+        calibrated_profile.check_save_target(target)
     if plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -234,7 +234,7 @@ def _report(
     doc: dict, cal, settings, shared: o.Shared, target: Path | None, plot: Path | None, as_json: bool, err
 ) -> None:
     """Print first, then write: a failed write must not lose a finished calibration."""
-    from cactus_cli.app import calibrate as cal_mod
+    from cactus_cli.app.grid.calibrated_profile import save_profile
 
     if target is not None:
         doc["saved_profile"] = str(target)
@@ -250,7 +250,7 @@ def _report(
         if not as_json:
             err.print(f"wrote {plot}", style="dim")
     if target is not None:
-        cal_mod.save_profile(target, shared.profile, settings, doc)
+        save_profile(target, shared.profile, settings, doc)
         if not as_json:
             err.print(f"saved delta={cal.chosen_delta:g} k={cal.chosen_k} to {target}", style="dim")
 

@@ -23,14 +23,14 @@ def chat(*, shared: o.Shared) -> None:
     printf 'hi\\n/stats\\n/exit\\n' | cactus chat
     """
     with user_errors():
-        from cactus_cli.app.profiles import resolve_settings
-        from cactus_cli.app.settings import check_flags_apply, with_seed
+        from cactus_cli.app.config.profile_files import resolve_settings
+        from cactus_cli.app.config.settings import check_flags_apply, with_seed
 
         flags = shared.flags
         settings = resolve_settings(shared.profile, flags)
         check_flags_apply(settings, flags)
 
-        from cactus_cli.app.chat import ChatSession, read_turns
+        from cactus_cli.app.conversation import ChatSession, read_turns
         from cactus_cli.app.session import Session
 
         settings = with_seed(settings)

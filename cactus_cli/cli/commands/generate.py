@@ -30,9 +30,9 @@ def generate(
     with --plain: just the text. With --json: one JSON object.
     """
     with user_errors():
-        from cactus_cli.app.profiles import resolve_settings
+        from cactus_cli.app.config.profile_files import resolve_settings
+        from cactus_cli.app.config.settings import check_flags_apply, with_seed
         from cactus_cli.app.session import Session
-        from cactus_cli.app.settings import check_flags_apply, with_seed
 
         settings = resolve_settings(shared.profile, shared.flags)
         check_flags_apply(settings, shared.flags)
@@ -108,7 +108,7 @@ def _json_doc(text: str, interrupted: bool, settings, stats, engine, params) -> 
         if lm is not None and lm.quantize_note
     }  # what ran, layer counts included
     doc["settings"]["compiled"] = engine.compiled
-    plan = engine.pair.plan.describe()  # every choice the load made, with its reason (infer/plan.py)
+    plan = engine.pair.plan.describe()  # every choice the load made, with its reason (infer/load/plan.py)
     if engine.compile_note:  # (compiling failed at the first step: the engine went eager, and says why)
         plan["compile"] = {"value": False, "reason": engine.compile_note}
     doc["settings"]["plan"] = plan

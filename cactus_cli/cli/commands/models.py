@@ -12,7 +12,7 @@ from cactus_cli.cli.tables import print_quality
 from cactus_cli.cli.ui import LoadProgress, make_console
 from cactus_cli.core.errors import ConfigError, ModelError, warn
 from cactus_cli.core.paths import cache_dir
-from cactus_cli.infer import embedded
+from cactus_cli.infer.load import embedded
 
 models_app = typer.Typer(
     help="Show cached models; convert the embedded pair or a .gguf file ahead of time; measure what quantization costs.",
@@ -135,11 +135,11 @@ def quality_cmd(
     with user_errors():
         import json
 
-        from cactus_cli.app.parsing import parse_list
-        from cactus_cli.app.profiles import resolve_settings
-        from cactus_cli.app.quality import NLL_TOLERANCE, measure
-        from cactus_cli.app.settings import check_each
-        from cactus_cli.infer.models import load_pair
+        from cactus_cli.app.config.parsing import parse_list
+        from cactus_cli.app.config.profile_files import resolve_settings
+        from cactus_cli.app.config.settings import check_each
+        from cactus_cli.app.eval.quality import NLL_TOLERANCE, measure
+        from cactus_cli.infer.load.loader import load_pair
 
         flags = {"verifier": verifier if verifier is not None else ..., "device": device if device is not None else ...}
         settings = resolve_settings(profile, flags)

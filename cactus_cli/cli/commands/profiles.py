@@ -21,7 +21,7 @@ def list_cmd() -> None:
     with user_errors():
         from rich.table import Table
 
-        from cactus_cli.app.profiles import (
+        from cactus_cli.app.config.profile_files import (
             list_profiles,
             load_profile,
             user_profile_dir,
@@ -66,8 +66,8 @@ def show_cmd(name: Annotated[str, typer.Argument(help="Profile name or path.")])
     with user_errors():
         import yaml
 
-        from cactus_cli.app.profiles import load_profile
-        from cactus_cli.app.settings import build_settings
+        from cactus_cli.app.config.profile_files import load_profile
+        from cactus_cli.app.config.settings import build_settings
 
         data, path = load_profile(name)
         settings = build_settings((data, str(path)))

@@ -1,4 +1,4 @@
-"""`cactus serve`: the loaded pair behind an OpenAI-compatible HTTP API (app/http_api.py)."""
+"""`cactus serve`: the loaded pair behind an OpenAI-compatible HTTP API (app/serve/http_api.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cactus_cli.app.http_guard import guarded_http
+from cactus_cli.app.serve.http_guard import guarded_http
 from cactus_cli.cli import options as o
 from cactus_cli.cli import ui
 from cactus_cli.cli.edge import user_errors
@@ -63,15 +63,15 @@ def serve(
         try:
             import uvicorn
 
-            from cactus_cli.app.http_api import build_app
+            from cactus_cli.app.serve.http_api import build_app
         except ImportError as err:
             raise ConfigError(
                 f"cactus serve needs the serve extra ({err.name} is missing): pip install 'cactus-cli[serve]'"
             ) from None
-        from cactus_cli.app.profiles import resolve_settings
-        from cactus_cli.app.serving import MAX_PARALLEL, Server, available_memory, check_parallel, choose_parallel
+        from cactus_cli.app.config.profile_files import resolve_settings
+        from cactus_cli.app.config.settings import check_flags_apply, with_seed
+        from cactus_cli.app.serve.serving import MAX_PARALLEL, Server, available_memory, check_parallel, choose_parallel
         from cactus_cli.app.session import Session
-        from cactus_cli.app.settings import check_flags_apply, with_seed
 
         settings = with_seed(resolve_settings(shared.profile, shared.flags))
         check_flags_apply(settings, shared.flags)

@@ -11,7 +11,7 @@ from cactus_cli.core.errors import ModelError
 from cactus_cli.infer.backends.base import Backend, Decided
 from cactus_cli.infer.backends.llama_cpp_backend import LlamaCppBackend
 from cactus_cli.infer.backends.torch_backend import TorchBackend
-from cactus_cli.infer.sources import Source
+from cactus_cli.infer.load.sources import Source
 
 __all__ = ["BACKENDS", "CHOICES", "Backend", "Decided", "backend_of", "choose"]
 

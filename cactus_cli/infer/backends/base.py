@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from cactus_cli.infer.load.sources import LoadedModel, Source
 from cactus_cli.infer.runners.base import Runner
-from cactus_cli.infer.sources import LoadedModel, Source
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,6 @@
 """The llama.cpp backend: GGUF files (the embedded models, a .gguf) on llama.cpp's CPU kernels
-through llama-cpp-python's bindings (infer/gguf.py), the weight types and threads chosen by
-measurement (infer/gguf_layout.py), each model behind runners/llama_cpp.py."""
+through llama-cpp-python's bindings (infer/load/gguf.py), the weight types and threads chosen by
+measurement (infer/load/gguf_layout.py), each model behind runners/llama_cpp.py."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 from cactus_cli.core.errors import ModelError
-from cactus_cli.infer import embedded, gguf, gguf_layout
 from cactus_cli.infer.backends.base import Backend, Decided
+from cactus_cli.infer.load import embedded, gguf, gguf_layout
+from cactus_cli.infer.load.sources import GGUF_KINDS, LoadedModel, Source, load_tokenizer
 from cactus_cli.infer.quant.smooth import CALIBRATION_TEXT
 from cactus_cli.infer.runners.base import Runner
 from cactus_cli.infer.runners.llama_cpp import LlamaCppRunner
-from cactus_cli.infer.sources import GGUF_KINDS, LoadedModel, Source, load_tokenizer
 
 PROBE_TEXT = "def add(a, b):\n    return a + b  # sum: ünïcödé, 数字 42\n\tdone!"
 

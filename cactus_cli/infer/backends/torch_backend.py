@@ -12,19 +12,19 @@ import torch
 from cactus_cli.core import defaults
 from cactus_cli.core.errors import ModelError
 from cactus_cli.infer.backends.base import Backend, Decided
-from cactus_cli.infer.devices import (
+from cactus_cli.infer.load.devices import (
     fastest_cpu_quantization,
     quantized_dtype,
     resolve_dtype,
     resolve_quantize,
 )
+from cactus_cli.infer.load.sources import LoadedModel, Source, _from_pretrained, load_tokenizer, materialize, mlp_shape
 from cactus_cli.infer.quant.quantize import QualityGateFailed, quality_verdict, quantize_model
 from cactus_cli.infer.quant.smooth import CALIBRATION_TEXT
 from cactus_cli.infer.runners.base import Runner
 from cactus_cli.infer.runners.compiled import CompiledLM, kv_bytes_per_token
 from cactus_cli.infer.runners.eager import CachedLM
 from cactus_cli.infer.runners.sharded import ShardedRunner
-from cactus_cli.infer.sources import LoadedModel, Source, _from_pretrained, load_tokenizer, materialize, mlp_shape
 from cactus_cli.infer.tp import group
 
 

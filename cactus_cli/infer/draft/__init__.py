@@ -22,8 +22,8 @@ from cactus_cli.infer.draft.model import ModelDrafter
 from cactus_cli.infer.draft.ngram import NGRAM, NgramDrafter
 from cactus_cli.infer.draft.suffix import SUFFIX, SuffixDrafter
 from cactus_cli.infer.draft.suffix_tree import History
+from cactus_cli.infer.load.vocab import CrossVocab, tokenizer_fingerprint
 from cactus_cli.infer.runners.base import Runner
-from cactus_cli.infer.vocab import CrossVocab, tokenizer_fingerprint
 
 __all__ = [
     "KINDS",

@@ -32,8 +32,8 @@ import torch
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample
 from cactus_cli.infer.draft.base import DrafterBase, Peek, Proposal, one_hot_proposal
+from cactus_cli.infer.load.vocab import VocabMap, encode, eos_id, visible_text
 from cactus_cli.infer.runners.base import Runner, common_prefix
-from cactus_cli.infer.vocab import VocabMap, encode, eos_id, visible_text
 
 STRING, INTERSECTION = "string", "intersection"
 ANCHOR = 4  # verified tokens decoded before the draft's text, so the verifier encodes it in context

@@ -13,7 +13,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from cactus_cli.infer.sources import LoadedModel
+from cactus_cli.infer.load.sources import LoadedModel
 
 
 class Runner(Protocol):

@@ -10,8 +10,8 @@ from typing import Callable
 
 import torch
 
+from cactus_cli.infer.load.sources import LoadedModel
 from cactus_cli.infer.runners.base import Row, one_by_one, prefill, to_device
-from cactus_cli.infer.sources import LoadedModel
 
 
 def cache_argument(model) -> str:

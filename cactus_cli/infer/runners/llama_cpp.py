@@ -1,5 +1,5 @@
 """``LlamaCppRunner``: one sequence of a GGUF model on llama.cpp's CPU kernels (the model itself:
-infer/gguf.py). The model's sequences share one llama.cpp context (``Context``: ``n_seq_max``
+infer/load/gguf.py). The model's sequences share one llama.cpp context (``Context``: ``n_seq_max``
 sequences in one unified KV cache), each runner addressing its own ``seq_id``.
 
 ``forward`` is one ``llama_decode`` of the new tokens (split in batches of ``n_batch`` only for a
@@ -22,9 +22,9 @@ import torch
 
 from cactus_cli.core.conditions import Watch
 from cactus_cli.core.errors import ContextLimitError, ModelError
-from cactus_cli.infer.gguf import GGUFModel, bindings, last_log
+from cactus_cli.infer.load.gguf import GGUFModel, bindings, last_log
+from cactus_cli.infer.load.sources import LoadedModel
 from cactus_cli.infer.runners.base import MAX_STEP_WIDTH, Row, prefill
-from cactus_cli.infer.sources import LoadedModel
 
 FIRST_CONTEXT = 512  # tokens of KV cache made at least, when no reserve() said more; grown to what a request needs
 MAX_BATCH = 512  # tokens per llama_decode call (a longer prefill is split)

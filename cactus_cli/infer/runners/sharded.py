@@ -13,8 +13,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from cactus_cli.infer.load.sources import LoadedModel
 from cactus_cli.infer.runners.base import Row, Runner, one_by_one, prefill, to_device
-from cactus_cli.infer.sources import LoadedModel
 from cactus_cli.infer.tp import group
 
 OPS = ("stop", "reset", "forward", "crop")

@@ -1,0 +1,437 @@
+"""What `cactus serve` does, without HTTP: one loaded Session serves up to ``parallel`` requests at
+once by continuous batching (infer/decode/batch.py): a request joins the batch at the next step, in
+its own engine slot, and leaves when it is done; every step verifies every request's tokens and
+drafts in one verifier call. What exceeds ``parallel`` waits in a bounded queue, in arrival order.
+All of it runs on one worker thread. A request is a ``Job``: its token ids, its settings (the
+session's with the request's overrides, checked as flags are), and a ``deliver`` callback the
+worker hands each step event, then the end (``Finished``) or the error. A job whose client went
+away is cancelled between two steps, its slot free at once. Each slot's KV caches keep what its
+last request left, and a request takes the free slot holding the longest prefix of its prompt
+(or adopts that prefix from another slot), so a conversation's next turn, or a file an agent sends
+again, skips that prefix's prefill; the server keeps max(parallel, PREFIXES) such prefixes.
+
+The HTTP side (app/serve/http_api.py) parses and answers; this module owns the queue, the worker, the
+per-request settings and the counters /metrics reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import secrets
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from cactus_cli.app.config.settings import Settings, build_settings, inert_rule_param
+from cactus_cli.app.session import Session
+from cactus_cli.core.acceptance import RULES
+from cactus_cli.core.errors import CactusError, ConfigError
+from cactus_cli.core.stats import SpecStats
+from cactus_cli.infer.decode.batch import Batch, Entry
+from cactus_cli.infer.decode.engine import GenerationParams
+from cactus_cli.infer.decode.grammar import Grammar
+from cactus_cli.infer.kpolicy.costs import CostModel
+from cactus_cli.infer.runners.base import common_prefix
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # ours -> OpenAI's
+PREFIXES = 4  # cached sequences the server keeps at least (aider alternates two conversations)
+ADOPT_MIN = 16  # a prefix another slot holds is adopted when it is this many tokens longer than the chosen slot's
+MAX_PARALLEL = 16  # --parallel at most (and the widest a measured default goes)
+
+
+class FieldError(ConfigError):
+    """A request's field has a value cactus cannot take (400, naming ``param``)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class Busy(CactusError):
+    """The queue is full, or the server is stopping: try again later (503)."""
+
+
+@dataclass
+class Finished:
+    """The end of a job: its statistics and why it ended (OpenAI's finish_reason)."""
+
+    stats: SpecStats
+    finish_reason: str
+
+
+@dataclass
+class Job:
+    ids: list[int]
+    settings: Settings
+    params: GenerationParams
+    deliver: Callable[[Any], None]  # (from the worker thread) each StepEvent, then Finished or an exception
+    cancel: threading.Event = field(default_factory=threading.Event)
+    label: str = ""  # what --log-requests prints (the request's text); empty otherwise
+    stats: SpecStats = field(default_factory=SpecStats)  # this request's, as its events come
+
+
+@dataclass
+class Metrics:
+    """Counters since start, for /metrics (vLLM's names where vLLM has one)."""
+
+    requests: Counter = field(default_factory=Counter)  # finish reason (stop, length, abort, error) -> count
+    rejected: Counter = field(default_factory=Counter)  # why a request got no slot -> count
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_passes: int = 0
+    reused_prefix_tokens: int = 0
+
+    def add(self, stats: SpecStats, reason: str) -> None:
+        self.requests[reason] += 1
+        self.prompt_tokens += stats.prompt_tokens
+        self.generation_tokens += stats.num_output_tokens
+        self.drafts += stats.num_drafts
+        self.draft_tokens += stats.num_draft_tokens
+        self.accepted_tokens += stats.num_accepted_tokens
+        self.verify_passes += stats.verifier_forward_passes
+        self.reused_prefix_tokens += stats.reused_prefix_tokens
+
+
+SLOT_TOKENS = 2048  # tokens of KV cache each of --parallel's slots must have room for at least
+PARALLEL_GAIN = 1.25  # the measured default doubles N while N requests together decode this much more in all
+
+
+def choose_parallel(costs: CostModel, limit: int) -> tuple[int, str]:
+    """The default --parallel from the verifier's measured cost per width: N requests stepped
+    together decode N / t_v(N) tokens per second in all (a plain token each), one alone 1 / t_v(1);
+    N doubles while that gains at least PARALLEL_GAIN (each request is slower in a wider step:
+    past that, a little more throughput costs every request much of its speed)."""
+    if limit <= 1 or not costs.verify:
+        return 1, "one request at a time (no measured cost per width yet)" if limit > 1 else "one slot"
+    n = 1
+    while 2 * n <= limit and (2 * n / costs.t_v(2 * n)) >= PARALLEL_GAIN * (n / costs.t_v(n)):
+        n *= 2
+    speed = n / costs.t_v(n) * costs.t_v(1)
+    nxt = f"; {2 * n} would add {2 * n / costs.t_v(2 * n) / (n / costs.t_v(n)) - 1:.0%}" if 2 * n <= limit else ""
+    return n, (
+        f"--parallel {n}, measured here: {n} requests stepped together decode {speed:.2f}x one "
+        f"request's tokens per second in all ({costs.t_v(n) * 1000:.0f} ms a step against "
+        f"{costs.t_v(1) * 1000:.0f} ms){nxt}"
+    )
+
+
+def check_parallel(n: int, bytes_per_token: int, available: int | None) -> None:
+    """A one-line error when ``n`` slots of SLOT_TOKENS each do not fit the memory available."""
+    need = n * SLOT_TOKENS * bytes_per_token
+    if available is not None and need > available:
+        fits = max(available // max(SLOT_TOKENS * bytes_per_token, 1), 0)
+        raise ConfigError(
+            f"--parallel {n}: {n} slots of {SLOT_TOKENS} tokens need {need / 2**30:.1f} GiB of KV cache, "
+            f"and {available / 2**30:.1f} GiB of memory is available; use --parallel {max(fits, 1)} or fewer"
+        )
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux's MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class Server:
+    """The session, its queue and its worker. ``submit`` never blocks: a full queue is ``Busy``."""
+
+    def __init__(
+        self,
+        session: Session,
+        max_queue: int = 16,
+        log: Callable[[str], None] | None = None,
+        max_tokens: int | None = None,
+        parallel: int = 1,
+    ):
+        """``max_tokens``: the most tokens any answer may have (``cactus serve --max-tokens``);
+        None: an answer whose request names no max_tokens runs to its end or the context window.
+        ``parallel``: requests stepped together (at most the engine's slots)."""
+        self.session = session
+        self.max_tokens = max_tokens
+        self.parallel = max(1, min(parallel, len(session.engine.slots)))
+        self.slots = session.engine.slots[: max(self.parallel, min(PREFIXES, len(session.engine.slots)))]
+        # (the requests a slot will take at the next step wait here too: the bound is checked in submit)
+        self.queue: queue.Queue[Job | None] = queue.Queue()
+        self.max_queue = max_queue
+        self._admitting = threading.Lock()
+        self.metrics = Metrics()
+        self.running: dict[Entry, Job] = {}
+        self.stopping = threading.Event()
+        self.log = log  # --log-requests: where the requests' text goes (None: nowhere)
+        self.started = time.time()
+        self.batch = Batch(session.engine)
+        self.worker = threading.Thread(target=self._work, name="cactus-serve-worker", daemon=True)
+        self.worker.start()
+
+    @property
+    def model_id(self) -> str:
+        return self.session.settings.verifier or "cactus"
+
+    @property
+    def context_length(self) -> int:
+        return self.session.engine.context_length
+
+    def settings_for(self, overrides: dict[str, Any]) -> Settings:
+        """The session's settings with a request's (Settings keys), checked as flags are (a bad
+        value is a ``FieldError`` naming its field); a fresh seed unless the request gave one (two
+        requests without a seed sample differently)."""
+        if "draft" in overrides:
+            draft = overrides["draft"]
+            if draft not in ("none", self.session.settings.draft):
+                loaded = self.session.settings.draft or "none"
+                raise FieldError(
+                    "draft",
+                    f"draft {draft!r}: this server loaded draft {loaded!r}; a request may ask for 'none' or that",
+                )
+            overrides = {**overrides, "draft": None if draft == "none" else draft}
+        overrides = {"seed": secrets.randbelow(2**31), **overrides}
+        base = (dataclasses.asdict(self.session.settings), "the server's settings")
+        for key, value in overrides.items():  # each alone first, so that an error names its field
+            try:
+                build_settings(base, ({key: value}, "the request"))
+            except ConfigError as err:
+                raise FieldError(key, str(err)) from None
+        settings = build_settings(base, (overrides, "the request"))
+        if inert := inert_rule_param(settings.rule, overrides):  # (never a silent no-op)
+            key, rules = inert
+            raise FieldError(key, f"{key} has no effect with rule {settings.rule!r}; use rule {' or '.join(rules)}")
+        if settings.draft is None and "num_draft_tokens" in overrides:
+            raise FieldError("num_draft_tokens", "num_draft_tokens has no effect without a draft (draft 'none')")
+        return settings
+
+    def job(
+        self,
+        ids: list[int],
+        overrides: dict[str, Any],
+        deliver: Callable[[Any], None],
+        label: str = "",
+        logprobs: int | None = None,
+        grammar: Grammar | None = None,
+    ) -> Job:
+        """A job for ``ids``, its settings checked and its length too (a 400, before any queueing).
+        A request that names no max_tokens generates until the end of sequence or the context
+        window (as OpenAI's API and llama-server do), within the server's cap if it has one.
+        ``logprobs``: each token's log-probability and that many alternatives (None: none);
+        ``grammar``: what the answer must match (JSON output), or anything."""
+        room = self.context_length - len(ids)
+        if room <= 0:
+            raise FieldError(
+                "messages",
+                f"the prompt is {len(ids)} tokens but the context window is {self.context_length}; shorten it",
+            )
+        asked = overrides.get("max_tokens")
+        if asked is not None and self.max_tokens is not None and asked > self.max_tokens:
+            raise FieldError(
+                "max_tokens",
+                f"max_tokens {asked} is over this server's cap of {self.max_tokens} (cactus serve --max-tokens); "
+                f"ask for at most {self.max_tokens}, or leave it out",
+            )
+        if asked is None:
+            overrides = {**overrides, "max_tokens": min(room, self.max_tokens or room)}
+        settings = self.settings_for(overrides)
+        if settings.max_tokens > room:
+            raise FieldError(
+                "max_tokens",
+                f"max_tokens {settings.max_tokens} does not fit: the prompt is {len(ids)} tokens of a "
+                f"{self.context_length}-token context window, so at most {room} remain",
+            )
+        params = dataclasses.replace(self.session.params(settings), logprobs=logprobs, grammar=grammar)
+        return Job(list(ids), settings, params, deliver, label=label)
+
+    def submit(self, job: Job) -> None:
+        if self.stopping.is_set():
+            self.metrics.rejected["stopping"] += 1
+            raise Busy("the server is shutting down")
+        with self._admitting:  # (a request waits only when no slot is free: --parallel plus --max-queue at once)
+            if self.queue.qsize() >= self.max_queue + max(0, self.parallel - len(self.running)):
+                self.metrics.rejected["queue full"] += 1
+                raise Busy(f"the queue is full ({self.max_queue} requests waiting); retry shortly")
+            self.queue.put_nowait(job)
+
+    def stop(self) -> None:
+        """Take no more jobs; the running ones end after the current step (finish_reason abort), the
+        waiting ones end at once; the worker exits."""
+        self.stopping.set()
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self.metrics.rejected["stopping"] += 1
+                self._send(job, Busy("the server is shutting down"))
+        self.queue.put(None)
+
+    @staticmethod
+    def _send(job: Job, item: Any) -> None:
+        """Hand ``item`` to the job's client; one that cannot take it any more has gone (cancel)."""
+        try:
+            job.deliver(item)
+        except Exception:  # noqa: BLE001 (a closed event loop, a dead client: never the worker's end)
+            job.cancel.set()
+
+    def _work(self) -> None:
+        closing = False
+        while not closing or self.running:
+            while not closing and len(self.running) < self.parallel:
+                try:
+                    job = self.queue.get(block=not self.running)  # (idle: wait for one; busy: take what waits)
+                except queue.Empty:
+                    break
+                if job is None:
+                    closing = True
+                    break
+                if job.cancel.is_set() or self.stopping.is_set():  # its client left while it waited
+                    self._send(job, Finished(SpecStats(), "abort"))
+                    continue
+                self._admit(job)
+            if self.running:
+                try:
+                    self._step()
+                except Exception as err:  # noqa: BLE001 (never the worker's end: every running request gets it)
+                    for entry, job in list(self.running.items()):
+                        self.batch.cancel(entry)
+                        del self.running[entry]
+                        self.metrics.requests["error"] += 1
+                        self._send(job, err)
+
+    def _admit(self, job: Job) -> None:
+        """``job`` joins the batch (prefilled at the next step) in the free slot holding the longest
+        prefix of its prompt (ties: the least recently used), adopting a longer one another slot
+        holds."""
+        busy = {entry.run.slot.index for entry in self.running}
+        shared = {s.index: common_prefix(s.tokens[: s.verifier.cache_len], job.ids) for s in self.slots}
+        free = [s for s in self.slots if s.index not in busy]
+        slot = max(free, key=lambda s: (shared[s.index], -s.used))
+        donor = max(self.slots, key=lambda s: shared[s.index])
+        donor = donor if shared[donor.index] >= shared[slot.index] + ADOPT_MIN else None
+        if self.log is not None and job.label:
+            self.log(f"request: {job.label!r}")
+        try:
+            self.session.prepare(len(job.ids), settings=job.settings, slot=slot.index, probe=not self.running)
+            run = self.session.engine.start(job.ids, job.params, slot=slot.index)
+        except Exception as err:  # noqa: BLE001 (one request's failure is its answer, not the server's end)
+            self.metrics.requests["error"] += 1
+            self._send(job, err)
+            return
+        self.running[self.batch.add(run, reuse=True, donor=donor, tag=job)] = job
+
+    def _step(self) -> None:
+        """One step of every running request; each gets its event, its end or its error; then the
+        requests whose client left (or every one, when stopping) end between steps."""
+        for entry, item in self.batch.step():
+            job = self.running[entry]
+            if isinstance(item, BaseException):
+                del self.running[entry]
+                self.metrics.requests["error"] += 1
+                self._send(job, item)
+                continue
+            job.stats.update(item)
+            self._send(job, item)
+            if item.finish_reason:
+                self._done(entry, FINISH.get(item.finish_reason, "stop"))
+        for entry, job in list(self.running.items()):
+            if job.cancel.is_set() or self.stopping.is_set():
+                self.batch.cancel(entry)
+                self._done(entry, "abort")
+
+    def _done(self, entry: Entry, reason: str) -> None:
+        job = self.running.pop(entry)
+        stats = dataclasses.replace(job.stats)
+        self.metrics.add(stats, reason)
+        if self.log is not None and job.label:
+            self.log(f"answer ({reason}, {stats.num_output_tokens} tokens)")
+        self._send(job, Finished(stats, reason))
+
+    def speculative(self, settings: Settings, stats: SpecStats) -> dict[str, Any]:
+        """What a response says about its speculation: the rule, its budget, the k policy and what
+        the drafts bought."""
+        rule = RULES[settings.rule]
+        return {
+            "rule": settings.rule,
+            "params": settings.rule_kwargs(),
+            "lossless": rule.lossless,
+            "draft": settings.draft or "none",
+            "num_draft_tokens": settings.num_draft_tokens if settings.draft else 0,
+            "drafted": stats.num_draft_tokens,
+            "accepted": stats.num_accepted_tokens,
+            "verifier_forward_passes": stats.verifier_forward_passes,
+            "mean_acceptance_length": stats.mean_acceptance_length,  # 1 + accepted per drafting step
+            "tokens_per_verifier_pass": (
+                round(stats.num_output_tokens / stats.verifier_forward_passes, 4)
+                if stats.verifier_forward_passes
+                else None
+            ),
+            "reused_prefix_tokens": stats.reused_prefix_tokens,
+            "by_source": {
+                src: {"drafted": n, "accepted": stats.accepted_by_source.get(src, 0)}
+                for src, n in stats.drafted_by_source.items()
+            },
+        }
+
+    def prometheus(self) -> str:
+        """/metrics in Prometheus' text format."""
+        m = self.metrics
+        mal = 1 + m.accepted_tokens / m.drafts if m.drafts else 0.0  # (the speculative object's definition)
+        per_pass = m.generation_tokens / m.verify_passes if m.verify_passes else 0.0
+        lines = [
+            ("vllm:num_requests_running", "gauge", "Requests being generated.", [("", len(self.running))]),
+            ("vllm:num_requests_waiting", "gauge", "Requests waiting in the queue.", [("", self.queue.qsize())]),
+            (
+                "vllm:request_success_total",
+                "counter",
+                "Requests finished, by finish reason.",
+                [(f'{{finished_reason="{r}"}}', n) for r, n in sorted(m.requests.items())] or [("", 0)],
+            ),
+            (
+                "cactus_requests_rejected_total",
+                "counter",
+                "Requests turned away (503), by reason.",
+                [(f'{{reason="{r}"}}', n) for r, n in sorted(m.rejected.items())] or [("", 0)],
+            ),
+            ("vllm:prompt_tokens_total", "counter", "Prompt tokens.", [("", m.prompt_tokens)]),
+            ("vllm:generation_tokens_total", "counter", "Generated tokens.", [("", m.generation_tokens)]),
+            ("vllm:spec_decode_num_drafts_total", "counter", "Steps that drafted.", [("", m.drafts)]),
+            ("vllm:spec_decode_num_draft_tokens_total", "counter", "Drafted tokens.", [("", m.draft_tokens)]),
+            (
+                "vllm:spec_decode_num_accepted_tokens_total",
+                "counter",
+                "Drafted tokens accepted.",
+                [("", m.accepted_tokens)],
+            ),
+            ("cactus_verify_passes_total", "counter", "Verifier forward passes.", [("", m.verify_passes)]),
+            (
+                "cactus_reused_prefix_tokens_total",
+                "counter",
+                "Prompt tokens served from the KV cache.",
+                [("", m.reused_prefix_tokens)],
+            ),
+            (
+                "cactus_mean_acceptance_length",
+                "gauge",
+                "1 + accepted drafts per drafting step (vLLM's and the speculative object's definition).",
+                [("", round(mal, 4))],
+            ),
+            (
+                "cactus_tokens_per_verifier_pass",
+                "gauge",
+                "Generated tokens per verifier forward pass (prefills and plain steps counted).",
+                [("", round(per_pass, 4))],
+            ),
+        ]
+        out = []
+        for name, kind, doc, samples in lines:
+            out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
+            out += [f"{name}{labels} {value}" for labels, value in samples]
+        return "\n".join(out) + "\n"

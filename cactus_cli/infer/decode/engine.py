@@ -1,0 +1,373 @@
+"""The speculative decoding engine: one generator of StepEvents that every command consumes.
+
+The engine holds the models (one runner per model, each holding one sequence per slot) and its
+slots (slot.py: one sequence's whole state). ``step`` is one round for a set of runs, each in its
+own slot: choose every run's k together (policy.allocate: the whole step's expected tokens per
+second under the measured cost of its width), draft for all of them (the draft model steps every
+run's row in one call per position), verify (ONE verifier call over every run's row, then each
+run's rule over its own ragged drafts, read back in the step's one host sync; nothing is
+committed), commit (the policies learn, each slot's caches are cropped to what it accepted).
+batch.py runs the loop: ``generate`` is a batch of one, `cactus serve` a batch that requests
+join and leave. The engine speaks tokens: text, stop strings and the rejected drafts as text are
+added by text.py's stream around it, outside the timed region. The engine never imports Rich
+and never names a concrete drafter or runner (factories do).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+
+from cactus_cli.core.errors import ContextLimitError
+from cactus_cli.core.events import MODEL, StepEvent
+from cactus_cli.core.verify import verify_rows
+from cactus_cli.infer.backends import backend_of
+from cactus_cli.infer.decode.batch import Batch
+from cactus_cli.infer.decode.grammar import Grammars
+from cactus_cli.infer.decode.slot import GenerationParams, Run, Slot, Timing
+from cactus_cli.infer.draft import Free, free_drafting, make_drafter, propose_all
+from cactus_cli.infer.kpolicy.costs import probe, probe_widths
+from cactus_cli.infer.kpolicy.policy import AdaptiveK, FixedK, KPolicy, acceptance_key, allocate
+from cactus_cli.infer.kpolicy.store import CostStore, cost_key
+from cactus_cli.infer.runners.base import MAX_STEP_WIDTH, Runner, sync
+from cactus_cli.infer.runners.compiled import CompileUnavailable
+
+__all__ = ["GenerationParams", "SpeculativeEngine"]
+from cactus_cli.infer.load.sources import ModelPair, eos_ids
+
+DRAFT_WIDTHS = (1, 2)  # the draft's compiled steps: one token, or the last draft + the bonus after a full acceptance
+MAX_GRAPHS = 4  # verifier widths compiled as asked; a longer list (a sweep over k) is bucketed to powers of two
+
+
+class SpeculativeEngine:
+    def __init__(self, pair: ModelPair, free: Free | None = None, compiled: bool = False, sequences: int = 1):
+        """``free`` drafts without a model (draft/__init__.KINDS: prompt lookup, the suffix trees), with the pair's draft model
+        (if any) for when they have nothing. ``compiled``: static caches and compiled steps
+        (runners/compiled.py; one sequence). ``sequences``: the slots, each a sequence in every
+        model's KV cache (runs in different slots step together)."""
+        self.pair = pair
+        if free is not None and free.state is None:  # (its state made once: every slot's drafter shares it)
+            free = free_drafting(free.kind, free.options, pair.tokenizer, pair.vocab_size)
+        self.free = free
+        self.eos = eos_ids(pair)
+        limits = [pair.verifier.context_length] + ([pair.draft.context_length] if pair.draft else [])
+        self.context_length = min(limits)
+        self.sequences = sequences
+        self.grammars = Grammars(pair.tokenizer, pair.vocab_size, sorted(self.eos))  # (JSON output; built when asked)
+        self.compile_note: str | None = None  # why a compiled engine runs eagerly, if it does
+        self.report: Callable[[str], None] | None = None  # progress lines (a compile during generate)
+        self._build(compiled)
+
+    def _build(self, compiled: bool) -> None:
+        """Runners, slots (each with its drafter and -k auto state) and the cost store; called
+        again if compiling turns out not to work."""
+        pair = self.pair
+        self.compiled = compiled
+        backend = backend_of(pair.verifier.backend)
+        n = 1 if compiled else self.sequences
+        verifier = backend.runner(pair.verifier, pair.vocab_size, compiled, self.context_length, "verifier", n)
+        draft = None
+        if pair.draft is not None:  # (a draft with its own tokenizer runs eagerly: its token count differs)
+            draft = backend.runner(
+                pair.draft,
+                pair.cross.rows if pair.cross else pair.vocab_size,
+                compiled and pair.cross is None,
+                self.context_length,
+                "draft",
+                n,
+            )
+        self.costs = CostStore.read(cost_key(pair, compiled))  # what a step costs here
+        self.slots = [
+            Slot(
+                i,
+                verifier.sequence(i),
+                make_drafter(
+                    draft.sequence(i) if draft is not None else None,
+                    self.free,
+                    pair.vocab_size,
+                    pair.verifier.device,
+                    pair.cross,
+                    pair.tokenizer,
+                ),
+                AdaptiveK(self.costs),  # -k auto (its exploration spans the slot's runs)
+            )
+            for i in range(n)
+        ]
+
+    # -- slot 0, what a single generation uses (and tests read) --------------------------------
+
+    @property
+    def verifier(self) -> Runner:
+        return self.slots[0].verifier
+
+    @property
+    def drafter(self):
+        return self.slots[0].drafter
+
+    @property
+    def draft_runner(self) -> Runner | None:
+        return self.slots[0].draft_runner
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.slots[0].tokens
+
+    @property
+    def auto_k(self) -> AdaptiveK:
+        return self.slots[0].auto_k
+
+    @auto_k.setter
+    def auto_k(self, policy: AdaptiveK) -> None:
+        self.slots[0].auto_k = policy
+
+    @property
+    def owner(self) -> Run | None:
+        return self.slots[0].owner
+
+    def cache_lengths(self, slot: int = 0) -> dict[str, int]:
+        """For tests and diagnostics (Slot.cache_lengths)."""
+        return self.slots[slot].cache_lengths()
+
+    @property
+    def runners(self) -> list[Runner]:
+        return [self.verifier] + ([self.draft_runner] if self.draft_runner is not None else [])
+
+    def step_widths(self, k: int) -> tuple[int, ...]:
+        """The verifier's step width for draft length k (k_max with -k auto): every step of such a
+        run, k = 0 and shorter lookups included, is padded to it when compiled."""
+        return (k + 1,) if k > 0 and self.drafter is not None else (1,)
+
+    def prepare(
+        self,
+        tokens: int,
+        widths: set[int] | tuple[int, ...],
+        report: Callable[[str], None] | None = None,
+        exact: bool = True,
+        slot: int = 0,
+    ) -> None:
+        """Size ``slot``'s caches for ``tokens`` and compile the verifier's steps of these ``widths`` (and
+        the draft's) now, before anything is timed; more than MAX_GRAPHS widths (a sweep over k)
+        become power-of-two widths that shorter steps pad to. ``exact=False`` compiles only what no
+        compiled width covers. Eager runners: nothing to do. If compiling fails, the engine goes
+        eager and ``compile_note`` says why."""
+        tokens = min(tokens, self.context_length + 1)
+        s = self.slots[slot]
+        if not self.compiled:  # (llama.cpp sizes its context now, not mid-run; a no-op for transformers)
+            for runner in [s.verifier] + ([s.draft_runner] if s.draft_runner is not None else []):
+                runner.reserve(tokens, tuple(widths))
+            return
+        widths = sorted(set(widths))
+        if len(widths) > MAX_GRAPHS:
+            widths = sorted({1 << (w - 1).bit_length() for w in widths})
+        try:
+            self.verifier.reserve(tokens, tuple(widths), report, exact)
+            if self.draft_runner is not None:
+                self.draft_runner.reserve(tokens, DRAFT_WIDTHS, report, exact)
+        except CompileUnavailable as err:
+            self.compile_note = f"compiling failed ({err}); running eagerly"
+            if report is not None:
+                report(self.compile_note)
+            self._build(False)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one cached token takes in every model's KV cache: what a slot costs per token."""
+        backend = backend_of(self.pair.verifier.backend)
+        return sum(backend.kv_bytes_per_token(lm) for lm in (self.pair.verifier, self.pair.draft) if lm is not None)
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(r.compile_seconds for r in self.runners)
+
+    @property
+    def cost_source(self) -> str:
+        """Whose draft costs a choice of k mostly rests on: the draft model's, else the free drafter's."""
+        return MODEL if self.draft_runner is not None or self.free is None else self.free.kind
+
+    def reset(self) -> None:
+        """Forget every slot's caches (the next generate prefills from scratch; a drafter rebuilds the rest
+        of its state when it starts the next sequence)."""
+        for slot in self.slots:
+            slot.reset()
+
+    def probe_costs(self, k_max: int, length: int = 128) -> bool:
+        """Seed the cost store with a short timing probe over a synthetic ``length``-token context
+        (a few seconds, once per pair, device and dtype: the result is cached). Drops the caches.
+        Returns False when the context window is too small to probe."""
+        length = min(length, self.context_length - k_max - 3)
+        if length < 4:
+            return False
+        ids = [(7 + 31 * i) % self.pair.vocab_size for i in range(length + k_max + 1)]
+        self.prepare(length + k_max + 2, self.step_widths(k_max))  # compiled: every width pads to k_max + 1
+        self.slots[0].reset()  # (slot 0's sequences; the other slots keep what they cache)
+        v, d = self.verifier, self.draft_runner
+        with torch.inference_mode():
+            v.forward(ids[:length], keep=1)
+
+            def verify_forward(w: int) -> None:
+                v.forward(ids[length : length + w], keep=w)
+                v.crop(length)
+
+            dids = [t % d.vocab_size for t in ids] if d is not None else []  # (a draft may have its own vocabulary)
+
+            def draft_forward() -> None:
+                d.forward(dids[length : length + 1], keep=1)
+                d.crop(length)
+
+            if d is not None:
+                d.forward(dids[:length], keep=1)
+            try:
+                probe(
+                    self.costs.costs,
+                    verify_forward,
+                    draft_forward if d is not None else None,
+                    probe_widths(k_max),
+                    lambda: sync(self.pair.verifier.device),
+                )
+            finally:
+                self.slots[0].reset()
+        self.costs.dirty = True
+        self.costs.save()
+        return True
+
+    def cost_summary(self, params: GenerationParams) -> dict[str, Any]:
+        """The cost model's figures and the acceptance estimate for ``params`` (for --json, /stats)."""
+        sp = params.sampling
+        akey = acceptance_key(params.rule, params.rule_kwargs, sp.temperature, sp.top_k, sp.top_p)
+        out = self.costs.describe(akey, max(params.num_draft_tokens, 1), self.cost_source)
+        out["adaptive_k"] = params.adaptive_k
+        return out
+
+    def generate(
+        self, prompt_ids: list[int], params: GenerationParams, reuse_cache: bool = False
+    ) -> Iterator[StepEvent]:
+        """Step events with text for ``prompt_ids`` in slot 0: each event's pieces, rejected drafts
+        as text, stop strings (where the text stops, the run's output ends too). With
+        ``reuse_cache`` the KV caches keep the longest prefix the prompt shares with the previous
+        sequence (chat turns), so only the new tokens are encoded. A generation started earlier
+        and not finished loses the caches: its next step is an error, never a step on another's."""
+        batch = Batch(self)  # (its own: a generator the caller holds, stepped only when the caller asks)
+        return batch.events(batch.add(self.start(prompt_ids, params), reuse_cache))
+
+    def steps(self, prompt_ids: list[int], params: GenerationParams, reuse_cache: bool = False) -> Iterator[StepEvent]:
+        """Token events after ``prompt_ids`` (no text)."""
+        batch = Batch(self)
+        return batch.events(batch.add(self.start(prompt_ids, params), reuse_cache, text=False))
+
+    def start(self, prompt_ids: list[int], params: GenerationParams, slot: int = 0) -> Run:
+        """Check the prompt, size the slot's caches, and make the run: one generation's state
+        (it takes the slot's caches when it is prefilled)."""
+        if not prompt_ids:
+            raise ContextLimitError("the prompt is empty after tokenization; give the model something to continue")
+        if len(prompt_ids) >= self.context_length:
+            raise ContextLimitError(
+                f"the prompt is {len(prompt_ids)} tokens but the context window is {self.context_length}; "
+                "shorten the prompt"
+            )
+        # (an answer without a cap grows an eager cache as it goes; a static one is sized once)
+        ahead = params.max_tokens if self.compiled else min(params.max_tokens, RESERVE_AHEAD)
+        self.prepare(len(prompt_ids) + ahead + 1, self.step_widths(params.num_draft_tokens), self.report, False, slot)
+        return Run(self, self.slots[slot], list(prompt_ids), params, self.policy(params, slot))
+
+    def policy(self, params: GenerationParams, slot: int = 0) -> KPolicy:
+        if not params.learn:
+            return FixedK(None) if not params.adaptive_k else AdaptiveK(CostStore())
+        return self.slots[slot].auto_k if params.adaptive_k else FixedK(self.costs)
+
+    def prefill(self, run: Run, reuse: bool, donor: Slot | None = None) -> None:
+        """The run takes its slot's caches (a run there not finished loses them) and prefills."""
+        run.slot.owner = run
+        run.slot.used = time.monotonic()
+        run.begin()
+        run.prefill(reuse, donor)
+
+    def finish(self, run: Run, learn: bool = True) -> None:
+        """The run is done: its drafter learns what it output (unless it failed), the store is saved."""
+        if run.slot.owner is run:
+            run.slot.owner = None
+            if run.drafter is not None:
+                run.drafter.finish(run.output() if learn else [])
+        if run.params.learn:
+            self.costs.save()  # what this run learned about step costs, for the next run
+
+    @torch.inference_mode()
+    def step(self, runs: list[Run]) -> list[StepEvent | Exception]:
+        """One round for every run: choose k together, draft, one verifier call, each run's rule,
+        one host read, commit. Returns each run's event, or its own error (the others' go on)."""
+        for run in runs:
+            if run.slot.owner is not run:
+                raise RuntimeError(
+                    "this generation's caches were taken by a later one on the same engine; "
+                    "finish (or close) one generator before starting the next"
+                )
+        wants = [run.want() for run in runs]
+        asked = [(i, w) for i, w in enumerate(wants) if w is not None]
+        costs = runs[0].policy.store.costs if len(runs) == 1 and runs[0].policy.store is not None else self.costs.costs
+        width = MAX_STEP_WIDTH - (len(runs) - len(asked))  # (the runs that draft nothing verify one token each)
+        for (i, w), k in zip(asked, allocate(costs, [w for _, w in asked], width) if asked else []):
+            runs[i].k = runs[i].policy.settle(w, k)
+        t0 = time.perf_counter()
+        forced = {}  # (a grammar that forces the next tokens drafts them itself; the drafter rests)
+        for i, run in enumerate(runs):
+            if run.constraint is not None and (proposal := run.forced()) is not None:
+                forced[i], run.k = proposal, 0
+        items = [(r.drafter, r.tokens, r.k, r.sp, r.dgen) for r in runs if r.k]
+        made = iter(propose_all(items)) if items else iter(())
+        proposals = [forced[i] if i in forced else next(made) if r.k else None for i, r in enumerate(runs)]
+        for i, (run, proposal) in enumerate(zip(runs, proposals)):
+            if proposal is not None:
+                sync(proposal.tokens.device)
+                run.k = len(proposal.tokens)  # a lookup may offer fewer than k
+                run.source = proposal.source if run.k else None
+            if run.constraint is not None:
+                proposals[i] = run.constrain(proposal)
+        t1 = time.perf_counter()
+        verdicts, forward = self._verify(runs, proposals)
+        timing = Timing(t1 - t0, time.perf_counter() - t1, forward)
+        alone = len(runs) == 1
+        if not alone and all(r.params.learn for r in runs):
+            self.costs.observe_verify(sum(r.k + 1 for r in runs), timing.verify_seconds)
+        out: list[StepEvent | Exception] = []
+        for run, proposal, verified in zip(runs, proposals, verdicts):
+            if isinstance(verified, Exception):
+                out.append(verified)
+                continue
+            out.append(run.commit(verified, proposal.fed if proposal is not None else 0, timing, alone))
+        return out
+
+    def _verify(self, runs: list[Run], proposals: list) -> tuple[list, float]:
+        """One verifier call over every run's row (its last token and its drafts), each run's rule
+        over its own row, and ONE host read of every verdict; and the seconds the call took."""
+        vdev = self.pair.verifier.device
+        rows, drafts = [], []
+        for run, proposal in zip(runs, proposals):
+            slot = run.slot
+            if slot.verifier.cache_len != len(slot.tokens) - 1:  # (the invariant every step starts from)
+                raise RuntimeError(
+                    f"internal error: the verifier caches {slot.verifier.cache_len} tokens of a "
+                    f"{len(slot.tokens)}-token sequence; it must hold all but the last"
+                )
+            d = proposal.tokens.to(vdev) if run.k else torch.zeros(0, dtype=torch.int64, device=vdev)  # [k]
+            drafts.append(d)
+            rows.append((slot.verifier, torch.cat([run.last, d]), run.k + 1))
+        t0 = time.perf_counter()
+        logits = self.verifier.forward_rows(rows) if len(rows) > 1 else [runs[0].slot.verifier.forward(*rows[0][1:])]
+        forward = time.perf_counter() - t0
+        decided = [run.decide(lg, pr, d) for run, lg, pr, d in zip(runs, logits, proposals, drafts)]
+        ruled = [d for d in decided if d.row is not None]
+        for d, verdict in zip(ruled, verify_rows([d.row for d in ruled]) if ruled else []):
+            d.verdict = verdict  # (every rule row of the step in one call: each its own rule, k and generator)
+        packed = [d.packed() for d in decided]
+        host = torch.cat(packed).tolist() if len(packed) > 1 else packed[0].tolist()  # (the sync)
+        out, at = [], 0
+        for run, d, pk in zip(runs, decided, packed):
+            try:
+                out.append(run.verified(host[at : at + pk.shape[0]], d))
+            except Exception as err:  # noqa: BLE001 (a NaN or non-finite row ends its run alone)
+                out.append(err)
+            at += pk.shape[0]
+        return out, forward
+
+
+RESERVE_AHEAD = 2048  # tokens of room made ahead of a prompt at most; an answer that runs longer grows the caches

@@ -1,0 +1,209 @@
+"""The cost store: what steps cost (costs.py's ``CostModel``) and how often drafts are accepted
+(rates.py), kept per (pair, device, dtype, threads, torch, backend, quantization) in
+``$CACTUS_HOME/costs``, so the next run starts informed. ``cost_key`` names a loaded pair's entry,
+``key_of`` a load plan's before anything is loaded."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cactus_cli.core.events import MODEL
+from cactus_cli.core.fileio import atomic_write
+from cactus_cli.core.paths import cache_path
+from cactus_cli.infer.backends import backend_of
+from cactus_cli.infer.kpolicy.costs import MAX_WIDTH, CostModel, Step, best_k, tokens_per_second
+from cactus_cli.infer.kpolicy.rates import Acceptance, Calibration
+from cactus_cli.infer.load.devices import device_name
+from cactus_cli.infer.load.sources import ModelPair
+
+SCHEMA = 3
+
+
+def valid_counts(acc: Any, tested: Any) -> bool:
+    """Acceptance counts as saved: finite, non-negative, accepted <= tested at each position."""
+    if not (isinstance(acc, list) and isinstance(tested, list) and len(acc) <= MAX_WIDTH and len(tested) <= MAX_WIDTH):
+        return False
+    nums = [x for x in acc + tested if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)]
+    if len(nums) != len(acc) + len(tested) or any(x < 0 for x in nums):
+        return False
+    return all(a <= t + 1e-9 for a, t in zip(acc, tested))
+
+
+def cost_key(pair: ModelPair, compiled: bool = False) -> dict[str, Any]:
+    """What step costs depend on: the models, device, dtype, threads, torch, what the backend adds
+    (backends/), quantization (as it ran: int8 where w8a8 failed its gate), compilation and --tp."""
+    v = pair.verifier
+    return _key(
+        v.path,
+        pair.draft.path if pair.draft else None,
+        v.device,
+        v.dtype,
+        v.backend,
+        v.threads,
+        v.quantize,
+        v.tp,
+        compiled,
+    )
+
+
+def key_of(plan: Any, compiled: bool = False) -> dict[str, Any]:
+    """``cost_key`` of the pair a load plan (plan.LoadPlan) will load, before it is loaded."""
+    draft = plan.draft_files[0].location if plan.draft_files else None
+    return _key(
+        plan.verifier_files[0].location,
+        draft,
+        plan.device,
+        plan.dtype,
+        plan.backend,
+        plan.threads,
+        plan.quantize,
+        plan.tp,
+        compiled,
+    )
+
+
+def _key(verifier, draft, device, dtype, backend, threads, quantize, tp, compiled) -> dict[str, Any]:
+    key = {
+        "verifier": verifier,
+        "draft": draft,
+        "device": device_name(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        **backend_of(backend).cost_key(threads),  # (nothing for torch: its earlier caches still apply)
+    }
+    if compiled:
+        key["compiled"] = True  # (absent when eager, so eager caches from earlier versions still apply)
+    if quantize != "none":
+        key["quantize"] = quantize
+    if tp > 1:
+        key["tp"] = tp
+    return key
+
+
+class CostStore:
+    """What steps cost on this machine and how often drafts are accepted, for one (pair, device,
+    dtype, threads, torch): loaded from ``path`` when there is a valid cache, taught by finished
+    steps (``observe``), saved atomically. Both k policies (policy.py) read it; warm-up runs do
+    not teach it (the engine runs them with ``learn=False``)."""
+
+    def __init__(self, path: Path | None = None, key: dict[str, Any] | None = None):
+        self.path = path
+        self.key = key or {}
+        self.costs = CostModel()
+        self.acceptance: dict[str, Acceptance] = {}
+        self.calibrations: dict[str, Calibration] = {}  # (akey, source, run or fresh) -> acceptance by estimate
+        self.dirty = False
+        self.notes: list[str] = []  # what loading the cache had to drop, for the user (one line)
+        if path is not None and path.is_file():
+            self._load(path)
+
+    @classmethod
+    def read(cls, key: dict[str, Any]) -> CostStore:
+        """The store cached for ``key`` (empty when there is none)."""
+        return cls(cache_path(key), key)
+
+    def _load(self, path: Path) -> None:
+        """Read the cache file, keeping only valid entries; invalid ones are dropped, said once,
+        and never written back (the next save rewrites the file without them)."""
+        dropped = 0
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+            if doc.get("schema") != SCHEMA:
+                return
+            self.costs, dropped = CostModel.from_json(doc.get("costs", {}), "cache")
+            for name, pair in doc.get("acceptance", {}).items():
+                acc, tested = pair if isinstance(pair, list) and len(pair) == 2 else (None, None)
+                if isinstance(name, str) and valid_counts(acc, tested):
+                    self.acceptance[name] = Acceptance([float(x) for x in acc], [float(x) for x in tested])
+                else:
+                    dropped += 1
+            for name, pair in doc.get("calibration", {}).items():
+                acc, tested = pair if isinstance(pair, list) and len(pair) == 2 else (None, None)
+                if (
+                    isinstance(name, str)
+                    and valid_counts(acc, tested)
+                    and len(acc) == len(tested) == len(Calibration().tested)
+                ):
+                    self.calibrations[name] = Calibration([float(x) for x in acc], [float(x) for x in tested])
+                else:
+                    dropped += 1
+        except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+            self.costs, self.acceptance = CostModel(), {}  # unreadable: a missed head start, measured again
+            self.notes.append(f"the step-cost cache {path.name} is unreadable; measuring again and replacing it")
+            self.dirty = True
+            return
+        if dropped:
+            self.notes.append(
+                f"dropped {dropped} invalid entr{'y' if dropped == 1 else 'ies'} from the step-cost "
+                f"cache {path.name} (it is rewritten without them)"
+            )
+            self.dirty = True
+
+    def rates(self, akey: str, k_max: int, source: str = MODEL) -> list[float]:
+        """The acceptance estimate per draft position for drafts from ``source`` (nothing stored)."""
+        return self.acceptance.get(f"{akey} {source}", Acceptance()).rates(k_max)
+
+    def observe(self, step: Step) -> None:
+        """One finished step: its drafts' acceptance and its timings. A draft forward that caught
+        up on many missed tokens (after k = 0 steps) is not a typical drafted token: its timing
+        is skipped."""
+        if step.k > 0:
+            self.acceptance.setdefault(f"{step.akey} {step.source}", Acceptance()).add(step.accepted, step.k)
+            if step.timed and (step.source != MODEL or step.fed <= 2):
+                self.costs.add_draft(step.draft_seconds / step.k, step.source)
+        if step.timed:
+            self.observe_verify(step.k + 1, step.verify_seconds)
+        self.dirty = True
+
+    def observe_verify(self, width: int, seconds: float) -> None:
+        """One verifier call of ``width`` tokens (several runs' rows, stepped together, count as one)."""
+        self.costs.add_verify(width, seconds)
+        if not self.costs.source.endswith("+online"):
+            self.costs.source += "+online"
+        self.dirty = True
+
+    def describe(self, akey: str | None = None, k_max: int = 8, source: str = MODEL) -> dict[str, Any]:
+        """The cost model's figures and, for ``akey``, the acceptance estimate and the predicted
+        speed-up per k (read only: describing changes nothing)."""
+        out = self.costs.describe(k_max + 1)
+        if akey is not None:
+            acc = self.acceptance.get(f"{akey} {source}", Acceptance())
+            rates = acc.rates(k_max)
+            out["draft_source"] = source
+            out["acceptance_estimate"] = acc.a
+            out["acceptance_by_position"] = rates
+            known = self.costs.knows(source)
+            out["best_k"] = best_k(self.costs, rates, k_max, source) if known else None
+            if known:
+                base = 1 / self.costs.t_v(1)
+                out["predicted_speedup_by_k"] = {
+                    str(k): tokens_per_second(self.costs, rates, k, source) / base for k in range(k_max + 1)
+                }
+        return out
+
+    def save(self) -> None:
+        """Atomically write the timings and acceptance estimates (best effort: a read-only cache
+        folder only costs the next run its head start)."""
+        if self.path is None or not self.dirty:
+            return
+        doc = {
+            "schema": SCHEMA,
+            "key": self.key,
+            "saved": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "costs": self.costs.to_json(),
+            "acceptance": {k: [v.accepted, v.tested] for k, v in self.acceptance.items()},
+            "calibration": {k: [v.accepted, v.tested] for k, v in self.calibrations.items()},
+        }
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.path, json.dumps(doc, indent=1))
+            self.dirty = False
+        except OSError:
+            pass
