@@ -77,3 +77,39 @@ def test_a_model_folder_that_does_not_load_is_one_line_naming_it(tmp_path, tiny,
     r = invoke("generate", "hi", "--verifier", folder, "--draft", "ngram", "--device", "cpu", "-n", "2")
     assert_one_line_error(r, needle)
     assert str(folder) in r.output
+
+
+def test_a_load_reads_each_tokenizer_and_the_cost_store_once(tiny, monkeypatch):
+    """The plan compares vocabularies, the backend sizes the vocabulary, the loader hands the
+    tokenizer on, the plan and the engine both read the cost store: each file is read once per load,
+    and read again by the next load (nothing outlives one)."""
+    from collections import Counter
+    from pathlib import Path
+
+    import transformers
+
+    from cactus_cli.api import Session
+    from cactus_cli.core.paths import cache_dir
+
+    Session.load(None, verifier=tiny["verifier"], draft=tiny["draft"], device="cpu", quantize="none").text(
+        "the cat sat", max_tokens=8
+    )  # the first run saves what steps cost: the next load has a store to read
+    reads: Counter = Counter()
+    real_tok, real_read = transformers.AutoTokenizer.from_pretrained.__func__, Path.read_text
+
+    def tokenizer(cls, name, *a, **k):
+        reads[str(name)] += 1
+        return real_tok(cls, name, *a, **k)
+
+    def read_text(self, *a, **k):
+        if self.parent == cache_dir() / "costs":
+            reads[self.name] += 1
+        return real_read(self, *a, **k)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(tokenizer))
+    monkeypatch.setattr(Path, "read_text", read_text)
+    for loads in (1, 2):
+        Session.load(None, verifier=tiny["verifier"], draft=tiny["draft"], device="cpu", quantize="none")
+        assert reads[tiny["verifier"]] == reads[tiny["draft"]] == loads, reads
+        stores = [n for n in reads if n.endswith(".json") and "-" not in n]  # (the pair's store, not a choice's)
+        assert stores and all(reads[n] == loads for n in stores), reads

@@ -12,6 +12,7 @@ from cactus_cli.app.config.parsing import parse_draft
 from cactus_cli.app.config.settings import Settings, draft_limit
 from cactus_cli.app.prompts import builtin_prompts
 from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.once import one_load
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer import draft
 from cactus_cli.infer.backends import backend_of
@@ -65,17 +66,18 @@ def load_engine(
     if pair is None and settings.tp > 1 and group.is_follower():
         follower.serve(plan_load(request).tp_load)
         raise SystemExit(0)
-    if pair is None:
-        pair = load_plan(plan_load(request, reporter), reporter)
-    plan = pair.plan
-    if compile_mode is not None and compile_mode != plan.request.compile:  # (bench: the same pair, compiled too)
-        plan = with_compile(plan, compile_mode)
-        pair = dataclasses.replace(pair, plan=plan)
-    if plan.request.compile == "on" and not plan.compiled and reporter is not None:
-        reporter.warn(plan.compile_reason)
-    engine = SpeculativeEngine(
-        pair, free_drafting(parse_draft(settings.draft)[0], settings, pair, reporter), plan.compiled, sequences
-    )
+    with one_load():  # each tokenizer and cost file read once, by the plan and the engine alike
+        if pair is None:
+            pair = load_plan(plan_load(request, reporter), reporter)
+        plan = pair.plan
+        if compile_mode is not None and compile_mode != plan.request.compile:  # (bench: the same pair, compiled too)
+            plan = with_compile(plan, compile_mode)
+            pair = dataclasses.replace(pair, plan=plan)
+        if plan.request.compile == "on" and not plan.compiled and reporter is not None:
+            reporter.warn(plan.compile_reason)
+        engine = SpeculativeEngine(
+            pair, free_drafting(parse_draft(settings.draft)[0], settings, pair, reporter), plan.compiled, sequences
+        )
     for line in engine.costs.notes if reporter is not None else ():
         reporter.warn(line)
     return engine

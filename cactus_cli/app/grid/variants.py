@@ -12,6 +12,7 @@ from cactus_cli.app.config.parsing import parse_draft
 from cactus_cli.app.config.settings import Settings
 from cactus_cli.app.prompts import Prompt
 from cactus_cli.core.errors import ModelError
+from cactus_cli.core.once import one_load
 from cactus_cli.infer.backends import backend_of
 from cactus_cli.infer.decode.engine import SpeculativeEngine
 from cactus_cli.infer.load.loader import load_plan
@@ -60,8 +61,9 @@ def load_engines(
                     loaded[models[0]] = first
                 for m in models[1:]:
                     request = runtime.load_request(loading, quantize=quantize, backend=backend, compile=mode)
-                    plan = plan_load(dataclasses.replace(request, draft=m), reporter)
-                    loaded[m] = load_plan(plan, reporter, verifier=loaded[None])
+                    with one_load():
+                        plan = plan_load(dataclasses.replace(request, draft=m), reporter)
+                        loaded[m] = load_plan(plan, reporter, verifier=loaded[None])
                 pairs = _cross_as_asked(loaded, list(crosses))
             for draft in drafts:
                 model = parse_draft(draft)[1]

@@ -85,6 +85,10 @@ class Backend:
         """What a benchmark report says about it."""
         return {}
 
+    def dtype_reason(self, plan: Any, lm: LoadedModel) -> str:
+        """Why the verifier computes in its dtype, as the plan and the loaded model say it."""
+        return plan.dtype_reason
+
     def chat_context(self, compiled: bool, device: torch.device) -> str:
         """How a chat sizes its caches up front: "whole" (the whole context window: growing a
         compiled cache re-records every graph), "chat" (CHAT_CONTEXT tokens: growing replays the

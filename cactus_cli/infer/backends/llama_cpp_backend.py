@@ -140,5 +140,8 @@ class LlamaCppBackend(Backend):
     def environment(self, lm: LoadedModel) -> dict[str, Any]:
         return {"llama_cpp_threads": lm.threads}
 
+    def dtype_reason(self, plan: Any, lm: LoadedModel) -> str:
+        return f"{plan.dtype_reason} ({lm.quantize_note})"  # (the GGUF's weight types: what it computes in)
+
     def chat_context(self, compiled: bool, device: torch.device) -> str:
         return "chat"

@@ -15,6 +15,7 @@ import torch
 
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.fileio import atomic_write
+from cactus_cli.core.once import once
 from cactus_cli.core.paths import cache_path
 from cactus_cli.infer.backends import backend_of
 from cactus_cli.infer.kpolicy.costs import MAX_WIDTH, CostModel, Step, best_k, tokens_per_second
@@ -114,7 +115,7 @@ class CostStore:
         and never written back (the next save rewrites the file without them)."""
         dropped = 0
         try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
+            doc = json.loads(once(("cost store", str(path)), lambda: path.read_text(encoding="utf-8")))
             if doc.get("schema") != SCHEMA:
                 return
             self.costs, dropped = CostModel.from_json(doc.get("costs", {}), "cache")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from cactus_cli.core.errors import ModelError
+from cactus_cli.core.once import one_load
 from cactus_cli.infer import backends
 from cactus_cli.infer.load.plan import LoadPlan, LoadRequest, plan_load
 from cactus_cli.infer.load.sources import LoadedModel, ModelPair, Source, load_tokenizer, materialize
@@ -34,7 +35,8 @@ def load_pair(
     """Plan and load in one call (tests, benchmarks): a LoadRequest of these and ``request``'s
     keywords (quantize=..., backend=..., threads=...)."""
     req = LoadRequest(verifier=verifier, draft=draft, tokenizer=tokenizer, device=device, dtype=dtype, **request)
-    return load_plan(plan_load(req, reporter), reporter)
+    with one_load():
+        return load_plan(plan_load(req, reporter), reporter)
 
 
 def load_plan(plan: LoadPlan, reporter=None, verifier: ModelPair | None = None) -> ModelPair:
@@ -62,10 +64,9 @@ def load_plan(plan: LoadPlan, reporter=None, verifier: ModelPair | None = None) 
             group.start(plan.tp, plan.device, plan.tp_load)
         vm = backend.load(plan.verifier, plan.verifier_files[0], plan, tok, "verifier", reporter)
         _check_rows(vm, "verifier", len(tok))
-        why = (
-            plan.dtype_reason if plan.quantize not in ("gguf", "q4_0") else f"{plan.dtype_reason} ({vm.quantize_note})"
+        verifier = ModelPair(
+            vm, None, tok, len(tok), backend.dtype_reason(plan, vm), backend_reason=plan.backend_reason, plan=plan
         )
-        verifier = ModelPair(vm, None, tok, len(tok), why, backend_reason=plan.backend_reason, plan=plan)
     if plan.draft is None:
         return verifier
     if reporter is not None:

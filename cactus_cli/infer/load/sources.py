@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from cactus_cli.core.errors import ModelError
+from cactus_cli.core.once import once
 from cactus_cli.infer.load import embedded
 from cactus_cli.infer.load.vocab import CrossVocab
 
@@ -220,6 +221,8 @@ def _model_type(location: str) -> str:
 
 
 def load_tokenizer(src: Source):
+    """``src``'s tokenizer; read once per load (``core.once``: the plan compares vocabularies, the
+    backend sizes the vocabulary, the loader hands it to the engine: one read)."""
     from transformers import AutoTokenizer
 
-    return _from_pretrained(AutoTokenizer, src, "tokenizer")
+    return once(("tokenizer", src), lambda: _from_pretrained(AutoTokenizer, src, "tokenizer"))
