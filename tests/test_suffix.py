@@ -282,7 +282,7 @@ def test_cli_suffix_drafting_and_remember(tiny, tmp_path):
         )
         assert r.exit_code == 0, r.output
         docs.append(json.loads(r.stdout))
-    assert docs[0]["settings"]["remember"] == str(path)
+    assert docs[0]["settings"]["draft_params"]["remember"] == str(path)
     s0, s1 = (d["stats"]["draft_sources"]["suffix"] for d in docs)
     assert s1["accepted"] > s0["accepted"]  # the second run drafted from the first one's answer
     assert docs[0]["stats"]["draft_forward_passes"] == 0

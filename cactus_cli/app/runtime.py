@@ -17,7 +17,7 @@ from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer import draft
 from cactus_cli.infer.backends import backend_of
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.draft import KINDS, Free
+from cactus_cli.infer.draft import Free
 from cactus_cli.infer.load.loader import load_plan
 from cactus_cli.infer.load.plan import LoadRequest, plan_load, with_compile
 from cactus_cli.infer.load.sources import ModelPair
@@ -88,9 +88,8 @@ def free_drafting(kind: str | None, settings: Settings, pair: ModelPair, reporte
     reads; its state (the suffix trees' remembered history) loaded now, a problem one warning."""
     if kind is None:
         return None
-    options = {key: getattr(settings, key) for key in KINDS[kind].settings}
     warn = reporter.warn if reporter is not None else (lambda line: None)
-    return draft.free_drafting(kind, options, pair.tokenizer, pair.vocab_size, warn)
+    return draft.free_drafting(kind, settings.draft_params, pair.tokenizer, pair.vocab_size, warn)
 
 
 CHAT_CONTEXT = 4096  # tokens a chat's llama.cpp context holds from the start

@@ -62,7 +62,7 @@ Backends = Annotated[
     Optional[str],
     typer.Option(
         "--backend",
-        help="Comma list of auto, torch, llama.cpp: time both backends side by side on the same GGUF files, each with its own verifier-alone row, e.g. --backend torch,llama.cpp (default: the profile's). --quantize and --compile lists apply to the torch rows.",
+        help="Comma list of {backend_names}: time backends side by side on the same files, each with its own verifier-alone row (default: the profile's). --quantize and --compile lists apply to the backends that take them.",
         rich_help_panel=o.RUNTIME,
     ),
 ]
@@ -119,13 +119,14 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
         from cactus_cli.app.runtime import generation_params
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
-        if settings.remember:
+        if remembered := settings.draft_params.get("remember"):
             err.print(
-                f"{kind} does not use the profile's remember: {settings.remember} (each row's history starts "
+                f"{kind} does not use the profile's remember: {remembered} (each row's history starts "
                 "empty, or rows would draft from earlier runs' answers to the same prompts)",
                 style="yellow",
             )
-            settings = replace(settings, remember=None)
+            kept = {k: v for k, v in settings.draft_params.items() if k != "remember"}
+            settings = replace(settings, draft_params=kept)
         with ui.LoadProgress(err) as progress:
             engines, encoded = variants.load_engines(
                 settings,

@@ -41,7 +41,7 @@ Draft = Annotated[
     Optional[str],
     typer.Option(
         "--draft",
-        help="Draft (small) model, same sources as --verifier; `ngram` drafts by prompt lookup (copying what followed the last occurrence of the current n-gram; no model); `suffix` drafts the most frequent continuation from suffix trees over the request and earlier requests in this run (no model; generate and chat can keep them with --remember); `ngram+MODEL` / `suffix+MODEL` let MODEL draft when they have nothing; `none` runs the verifier alone. bench and eval take a comma list, e.g. ngram,suffix,embedded:qwen2.5-coder-0.5b.",
+        help="Draft (small) model, same sources as --verifier; or a drafter that needs no model: {drafters}; `NAME+MODEL` lets MODEL draft when the drafter has nothing; `none` runs the verifier alone. bench and eval take a comma list, e.g. ngram,suffix,embedded:qwen2.5-coder-0.5b.",
         rich_help_panel=MODEL,
     ),
 ]
@@ -90,6 +90,14 @@ Delta = Annotated[
         rich_help_panel=DECODING,
     ),
 ]
+DraftParam = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--draft-param",
+        help="A parameter of a drafter that needs no model, as KEY=VALUE, repeatable: {draft_params}.",
+        rich_help_panel=MODEL,
+    ),
+]
 Param = Annotated[
     Optional[list[str]],
     typer.Option(
@@ -101,19 +109,28 @@ Param = Annotated[
 
 
 def rule_help(text: str) -> str:
-    """``text`` with {rules}, {delta_rules} and {params} filled in from the rule registry (RULES):
-    what --help lists is what the registry holds, a rule registered later included. Imported
-    when a command's help is shown, not at start (the registry imports torch)."""
+    """``text`` with {rules}, {delta_rules} and {params} filled in from the rule registry (RULES),
+    {drafters} and {draft_params} from the drafters' (KINDS), {backends} and {backend_names} from
+    the backends' (BACKENDS): what --help lists is what the registries hold, one registered later
+    included. Imported when a command's help is shown, not at start (the registries import torch)."""
     if "{" not in text:
         return text
     from cactus_cli.core.acceptance import RULES
+    from cactus_cli.infer.backends import BACKENDS, CHOICES
+    from cactus_cli.infer.draft import KINDS
 
     params = {}
     for rule in RULES.values():
         for prm in rule.params:
             params.setdefault(prm.name, (prm, []))[1].append(rule.name)
     listed = "; ".join(f"{name} ({', '.join(rules)}: {prm.valid_range})" for name, (prm, rules) in params.items())
+    drafters = "; ".join(f"`{k.name}` drafts by {k.summary}" for k in KINDS.values())
+    draft_params = "; ".join(f"{p.name} for {k.name}, {p.valid_range}" for k in KINDS.values() for p in k.params)
     return text.format(
+        drafters=drafters,
+        draft_params=draft_params or "none",
+        backends="; ".join(f"{b.name} runs {b.summary}" for b in BACKENDS.values()),
+        backend_names=", ".join(CHOICES),
         rules=", ".join(RULES),
         delta_rules=" / ".join(r.name for r in RULES.values() if "delta" in r.param_names()),
         params=listed,
@@ -214,7 +231,7 @@ Backend = Annotated[
     Optional[str],
     typer.Option(
         "--backend",
-        help="auto, torch, llama.cpp: what runs the models. llama.cpp runs GGUF files (the embedded pair, a .gguf) on the CPU with llama.cpp's kernels and the GGUF's own quantization (no conversion); torch runs every source, on CUDA too. auto (default): llama.cpp for GGUF files on a CPU when llama-cpp-python is installed, torch everywhere else or when a torch setting (--quantize, --dtype, --compile on, --tp, a GPU) is given.",
+        help="What runs the models: {backends}; auto (default): the first of them, in that order, that runs the models with the settings given and is installed (a setting one of them lacks, such as --quantize, --dtype, --compile on, --tp or a GPU, passes it over).",
         rich_help_panel=RUNTIME,
     ),
 ]
@@ -252,6 +269,7 @@ SHARED: dict[str, tuple[Any, str | None]] = {
     "rule": (Rule, "rule"),
     "delta": (Delta, "delta"),
     "param": (Param, "rule_params"),
+    "draft_param": (DraftParam, "draft_params"),
     "num_draft_tokens": (NumDraft, "num_draft_tokens"),
     "max_draft_tokens": (MaxDraft, "max_draft_tokens"),
     "temperature": (Temperature, "temperature"),
@@ -277,6 +295,7 @@ MODEL_AND_SAMPLING = (
     "profile",
     "verifier",
     "draft",
+    "draft_param",
     "tokenizer",
     "cross_vocab",
     "param",

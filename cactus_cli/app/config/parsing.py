@@ -82,14 +82,15 @@ def parse_draft(spec: str | None) -> tuple[str | None, str | None]:
     return None, spec
 
 
-def parse_params(items: list[str] | None) -> dict[str, Any]:
-    """--param KEY=VALUE pairs; values parsed as YAML scalars (numbers, strings)."""
+def parse_params(items: list[str] | None, flag: str = "--param") -> dict[str, Any]:
+    """--param (or --draft-param) KEY=VALUE pairs; values parsed as YAML scalars (numbers, strings)."""
     out: dict[str, Any] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--param {item!r}: expected KEY=VALUE, e.g. --param divergence=chi2")
-        out[key.strip()] = parse_yaml(value, f"--param {key.strip()}")
+            example = "divergence=chi2" if flag == "--param" else "ngram_max=3"
+            raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE, e.g. {flag} {example}")
+        out[key.strip()] = parse_yaml(value, f"{flag} {key.strip()}")
     return out
 
 

@@ -110,7 +110,7 @@ def check_unique_keys(node: Any, path: Path) -> None:
 def check_profile_keys(data: dict[str, Any], origin: str, lines: dict[str, int]) -> None:
     """Keys of one profile that would do nothing with the profile's other keys: an error."""
     draft = data.get("draft")
-    given = [k for k, v in data.items() if v is not None]
+    given = {k: v for k, v in data.items() if v is not None}
     if isinstance(draft, str) and (problem := kind_setting_problem(draft, given)):
         key, owners = problem
         raise ConfigError(

@@ -18,7 +18,7 @@ from cactus_cli.core.acceptance import RULES, resolve_params
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.fileio import clean_text
 from cactus_cli.infer import backends
-from cactus_cli.infer.draft import KINDS
+from cactus_cli.infer.draft import KINDS, param_specs
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 MIN_TEMPERATURE = 1e-3  # below this, logits / T overflows to inf and probabilities to NaN: use 0 (greedy)
@@ -45,9 +45,7 @@ class Settings:
         defaults.NUM_DRAFT_TOKENS
     )  # k, or "auto": the engine picks k in 0..max_draft_tokens per step
     max_draft_tokens: int = defaults.MAX_DRAFT_TOKENS  # k_max for num_draft_tokens: auto
-    ngram_max: int = defaults.NGRAM_MAX  # prompt lookup (draft: ngram or ngram+MODEL): the longest n-gram matched ...
-    ngram_min: int = defaults.NGRAM_MIN  # ... and the shortest
-    remember: str | None = None  # draft: suffix or suffix+MODEL: a file the history tree is loaded from and saved to
+    draft_params: dict[str, Any] = field(default_factory=dict)  # the model-free drafters' own (KINDS): ngram_max, ...
     history: str | None = None  # chat: a file keeping the lines typed at its prompt (mode 0600); none by default
     temperature: float = defaults.TEMPERATURE
     top_k: int = defaults.TOP_K
@@ -84,6 +82,10 @@ class Settings:
     def param(self, name: str) -> Any:
         """A rule parameter as set, else its default (``settings.param("delta")``)."""
         return self.rule_params.get(name, rule_param_specs()[name].default)
+
+    def draft_param(self, name: str) -> Any:
+        """A drafter parameter as set, else its default (``settings.draft_param("remember")``)."""
+        return self.draft_params.get(name, param_specs()[name].default)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,8 +145,6 @@ _CHOICES = {
 
 _INT_RANGES = {
     "max_draft_tokens": (1, 64),
-    "ngram_max": (1, 16),
-    "ngram_min": (1, 16),
     "tp": (1, 64),
     "threads": (1, 1024),
 }
@@ -169,7 +169,7 @@ def check_value(key: str, value: Any) -> str | None:
         for kind in KINDS:
             if value.startswith(kind + "+") and not value[len(kind) + 1 :].strip():
                 return f"{kind}+MODEL needs a model after the +, e.g. {kind}+embedded:qwen2.5-coder-0.5b"
-    if key in ("remember", "history") and not value.strip():
+    if key == "history" and not value.strip():
         return "must be a file path"
     if key == "temperature" and not (math.isfinite(value) and (value == 0 or MIN_TEMPERATURE <= value <= 1e4)):
         return f"must be 0 (greedy) or a number in {MIN_TEMPERATURE:g}..1e4, got {value!r}"
@@ -196,6 +196,8 @@ def check_value(key: str, value: Any) -> str | None:
         for name, v in value.items():
             if problem := check_rule_param(name, v):
                 return f"{name} {problem}"
+    if key == "draft_params":
+        return _draft_params_problem(value)
     if key == "stop" and not all(isinstance(s, str) and s for s in value):
         return "must be a list of non-empty strings"
     return None
@@ -204,7 +206,26 @@ def check_value(key: str, value: Any) -> str | None:
 def check_rule_param(name: str, value: Any) -> str | None:
     """Why ``value`` is not valid for the rule parameter ``name`` (the rule's own check: the rule
     a run uses checks it again with its own range), or None."""
-    spec = rule_param_specs()[name]
+    return _check_param(rule_param_specs()[name], value)
+
+
+def _draft_params_problem(value: dict[str, Any]) -> str | None:
+    specs = param_specs()
+    unknown = sorted(set(value) - set(specs))
+    if unknown:
+        return f"has unknown parameter {unknown[0]!r} (known: {', '.join(specs) or 'none'})"
+    for name, v in value.items():
+        if problem := check_draft_param(name, v):
+            return f"{name} {problem}"
+    return None
+
+
+def check_draft_param(name: str, value: Any) -> str | None:
+    """Why ``value`` is not valid for the drafter parameter ``name``, or None."""
+    return _check_param(param_specs()[name], value)
+
+
+def _check_param(spec: Any, value: Any) -> str | None:
     if value is None and spec.default is None:
         return None
     if isinstance(value, float) and not math.isfinite(value):
@@ -220,20 +241,36 @@ def check_each(key: str, values: list[Any], flag: str) -> None:
             raise ConfigError(f"{flag}: each value {problem}")
 
 
-FLAG_NAMES = {"rule_params": "--param", "num_draft_tokens": "-k/--num-draft-tokens", "delta": "--delta"}
+FLAG_NAMES = {
+    "rule_params": "--param",
+    "draft_params": "--draft-param",
+    "num_draft_tokens": "-k/--num-draft-tokens",
+    "delta": "--delta",  # (a rule parameter with a flag of its own ...)
+    "remember": "--remember",  # (... and a drafter parameter)
+}
 
 
 def flag_name(key: str) -> str:
-    """How the command line spells a setting or rule parameter (``--delta``, ``--param KEY``)."""
+    """How the command line spells a setting or parameter (``--delta``, ``--param KEY``,
+    ``--draft-param KEY``)."""
     if key in FLAG_NAMES:
         return FLAG_NAMES[key]
-    return f"--param {key}" if key in rule_param_specs() and key not in _TYPES else "--" + key.replace("_", "-")
+    if key in _TYPES:
+        return "--" + key.replace("_", "-")
+    return f"--param {key}" if key in rule_param_specs() else f"--draft-param {key}"
+
+
+def _check_key(key: str, value: Any) -> str | None:
+    """A setting's, a rule parameter's or a drafter parameter's check, whichever ``key`` is."""
+    if key in _TYPES:
+        return check_value(key, value)
+    return check_rule_param(key, value) if key in rule_param_specs() else check_draft_param(key, value)
 
 
 def check_layer(layer: dict[str, Any], origin: str, lines: dict[str, int] | None = None) -> None:
     """Every key known (a setting, or a rule parameter: ``delta: 0.5`` in a profile), every
     value valid; errors name the origin (and the line, for a file) and the key (or flag)."""
-    specs = rule_param_specs()
+    specs = {**rule_param_specs(), **param_specs()}
     for key, value in layer.items():
         if value is ...:
             continue
@@ -242,21 +279,22 @@ def check_layer(layer: dict[str, Any], origin: str, lines: dict[str, int] | None
         if key not in _TYPES and key not in specs:
             known = ", ".join([*_TYPES, *specs])
             raise ConfigError(f"{where}: unknown key {key!r} (known keys: {known})")
-        problem = check_rule_param(key, value) if key in specs and key not in _TYPES else check_value(key, value)
+        problem = _check_key(key, value)
         if problem:
             raise ConfigError(f"{where}: {name} {problem}")
 
 
 def gather_params(layer: dict[str, Any]) -> dict[str, Any]:
     """A layer with its rule parameters given as keys (``delta: 0.5``, ``--delta``) moved into
-    ``rule_params``, where every rule parameter lives."""
-    specs = rule_param_specs()
-    params = {k: v for k, v in layer.items() if k in specs and k not in _TYPES and v is not ...}
-    if not params:
-        return layer
-    out = {k: v for k, v in layer.items() if k not in params}
-    given = out.get("rule_params", ...)
-    out["rule_params"] = {**(given if isinstance(given, dict) else {}), **params}
+    ``rule_params``, and its drafter parameters (``ngram_max: 3``, ``--remember``) into
+    ``draft_params``, where each lives."""
+    out = layer
+    for field_name, specs in (("rule_params", rule_param_specs()), ("draft_params", param_specs())):
+        params = {k: v for k, v in out.items() if k in specs and k not in _TYPES and v is not ...}
+        if params:
+            out = {k: v for k, v in out.items() if k not in params}
+            given = out.get(field_name, ...)
+            out[field_name] = {**(given if isinstance(given, dict) else {}), **params}
     return out
 
 
@@ -272,21 +310,28 @@ def build_settings(*layers: tuple[dict[str, Any], str]) -> Settings:
             if key == "rule_params":
                 value = {n: float(v) if specs[n].kind is float and type(v) is int else v for n, v in value.items()}
                 merged[key] = {**merged.get(key, {}), **value}
+            elif key == "draft_params":
+                merged[key] = {**merged.get(key, {}), **value}
             else:
                 merged[key] = value
     settings = Settings(**merged)
-    if settings.ngram_min > settings.ngram_max:
-        raise ConfigError(f"ngram_min ({settings.ngram_min}) must not exceed ngram_max ({settings.ngram_max})")
+    for kind in KINDS.values():  # (checks across a drafter's parameters: ngram_min <= ngram_max)
+        try:
+            kind.resolve(settings.draft_params)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     settings.rule_kwargs()  # validates the rule's parameters now, not mid-generation
     return settings
 
 
-def kind_setting_problem(draft: str | None, keys: list[str]) -> tuple[str, str] | None:
-    """(a key, the drafters that read it, in words) among ``keys`` that ``draft`` would not read:
-    a setting of model-free drafters (``KINDS[...].settings``) the draft does not use."""
+def kind_setting_problem(draft: str | None, given: dict[str, Any]) -> tuple[str, str] | None:
+    """(a drafter parameter, the drafters that take it, in words) among the keys of ``given`` (and
+    of its ``draft_params``) that ``draft`` would not read."""
     used = parse_draft(draft)[0] if draft is not None else None
-    for key in dict.fromkeys(k for kind in KINDS.values() for k in kind.settings):
-        owners = [kind for kind in KINDS.values() if key in kind.settings]
+    nested = given.get("draft_params", ...)
+    keys = [k for k, v in given.items() if v is not ...] + list(nested if isinstance(nested, dict) else {})
+    for key in param_specs():
+        owners = [kind for kind in KINDS.values() if key in [p.name for p in kind.params]]
         if key in keys and used not in [kind.name for kind in owners]:
             return key, " or ".join(f"{k.summary} (draft {k.name} or {k.name}+MODEL)" for k in owners)
     return None
@@ -298,8 +343,9 @@ def flags_to_settings(**flags: Any) -> dict[str, Any]:
     out: dict[str, Any] = {k: (... if v is None else v) for k, v in flags.items()}
     if out.get("draft", ...) is not ... and str(out["draft"]).lower() == "none":
         out["draft"] = None
-    if "rule_params" in out and out["rule_params"] is not ...:
-        out["rule_params"] = parse_params(out["rule_params"]) or ...
+    for key, flag in (("rule_params", "--param"), ("draft_params", "--draft-param")):
+        if key in out and out[key] is not ...:
+            out[key] = parse_params(out[key], flag) or ...
     if out.get("stop") == []:
         out["stop"] = ...
     if isinstance(out.get("system"), str):
@@ -334,7 +380,7 @@ def check_flags_apply(settings: Settings, flags: dict[str, Any]) -> None:
         for key, flag in (("num_draft_tokens", "-k/--num-draft-tokens"), ("max_draft_tokens", "--max-draft-tokens")):
             if flags.get(key, ...) is not ...:
                 raise ConfigError(f"{flag} has no effect without a draft model; pass --draft")
-    if problem := kind_setting_problem(settings.draft, [k for k in flags if flags[k] is not ...]):
+    if problem := kind_setting_problem(settings.draft, flags):
         raise ConfigError(f"{flag_name(problem[0])} applies only to {problem[1]}")
     if flags.get("cross_vocab", ...) is not ... and parse_draft(settings.draft)[1] is None:
         raise ConfigError(

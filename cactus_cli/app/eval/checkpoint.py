@@ -24,7 +24,8 @@ FILE = "progress.jsonl"
 
 def run_of(settings: dict[str, Any], labels: list[str], samples: int, problems: list[str]) -> dict[str, Any]:
     """What must match for earlier results to count as this run's (as JSON would read it back)."""
-    keep = {k: v for k, v in settings.items() if k not in ("description", "remember", "history")}  # (not results)
+    keep = {k: v for k, v in settings.items() if k not in ("description", "history")}  # (not results)
+    keep["draft_params"] = {k: v for k, v in (keep.get("draft_params") or {}).items() if k != "remember"}
     doc = {"settings": keep, "grid": labels, "samples": samples, "problems": problems}
     return json.loads(json.dumps(doc, sort_keys=True, default=str))
 

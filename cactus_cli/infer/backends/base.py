@@ -35,6 +35,7 @@ class Decided:
 
 class Backend:
     name: str = ""
+    summary: str = ""  # for --help: what it runs, and how
     quantizations: tuple[str, ...] = ()  # the --quantize methods it runs, besides auto and none
     compiles: bool = False  # --compile on can apply
     tensor_parallel: bool = False  # --tp can apply

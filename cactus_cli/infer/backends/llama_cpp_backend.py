@@ -23,6 +23,7 @@ PROBE_TEXT = "def add(a, b):\n    return a + b  # sum: ünïcödé, 数字 42\n\
 
 class LlamaCppBackend(Backend):
     name = "llama.cpp"
+    summary = "GGUF files (the embedded pair, a .gguf) on the CPU with llama.cpp's kernels and the GGUF's own quantization (no conversion)"
     preferred_for = "GGUF files on a CPU"
     quantizations = tuple(gguf_layout.TYPES)  # requantized once by llama.cpp's own quantizer
 

@@ -30,6 +30,7 @@ from cactus_cli.infer.tp import group
 
 class TorchBackend(Backend):
     name = "torch"
+    summary = "every source, on CUDA too"
     quantizations = ("int8", "int4", "w8a8")
     compiles = True
     tensor_parallel = True

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from cactus_cli.core import defaults
+from cactus_cli.core.acceptance import Param
 from cactus_cli.core.errors import warn as warn_line
 from cactus_cli.core.fileio import check_output_file
 from cactus_cli.infer.draft.base import Drafter, DrafterBase, Fallback, Peek, Proposal, one_hot_proposal, propose_all
@@ -33,6 +34,7 @@ __all__ = [
     "Free",
     "History",
     "Kind",
+    "param_specs",
     "Peek",
     "Proposal",
     "free_drafting",
@@ -53,17 +55,48 @@ class Free:
     state: Any = field(default=None, compare=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Kind:
     """A model-free drafter: ``--draft NAME`` (or ``NAME+MODEL``, the model drafting when it has
-    nothing), and the source its drafts are timed and counted under."""
+    nothing), the source its drafts are timed and counted under, and its own parameters (as a
+    rule's: ``--draft-param NAME=VALUE``, a profile's ``draft_params`` or ``NAME:`` at its top;
+    given to any other draft, an error)."""
 
     name: str
-    summary: str  # for --help and messages: "prompt lookup"
+    summary: str  # for --help and messages: "prompt lookup (...)"
     label: str  # how its accepted drafts show (ui.STYLES): "copied", "remembered"
-    settings: tuple[str, ...]  # the Settings keys it reads (any other draft given one: an error)
-    make: Callable[[dict[str, Any], int, torch.device, Any], Drafter]  # (options, vocab, device, state)
-    state: Callable[[dict[str, Any], Any, int, Callable[[str], None]], Any] | None = None  # (options, tok, V, warn)
+    make: Callable[[dict[str, Any], int, torch.device, Any], Drafter]  # (params, vocab, device, state)
+    params: tuple[Param, ...] = ()
+    check: Callable[[dict[str, Any]], str | None] | None = None  # a problem across its parameters, or None
+    state: Callable[[dict[str, Any], Any, int, Callable[[str], None]], Any] | None = None  # (params, tok, V, warn)
+
+    def resolve(self, given: dict[str, Any]) -> dict[str, Any]:
+        """Its parameters from ``given`` (others' ignored), defaults filled, each checked."""
+        out = {p.name: given.get(p.name, p.default) for p in self.params}
+        for p in self.params:
+            if not (out[p.name] is None and p.default is None) and not p.valid(out[p.name]):
+                raise ValueError(f"{p.name} must be {p.valid_range}, got {out[p.name]!r}")
+        if self.check is not None and (problem := self.check(out)):
+            raise ValueError(problem)
+        return out
+
+
+def param_specs() -> dict[str, Param]:
+    """Every drafter parameter by name, read from KINDS each time (a drafter registered later brings
+    its own)."""
+    return {p.name: p for kind in KINDS.values() for p in kind.params}
+
+
+def _int_in(lo: int, hi: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _ngram_order(p: dict[str, Any]) -> str | None:
+    return (
+        f"ngram_min ({p['ngram_min']}) must not exceed ngram_max ({p['ngram_max']})"
+        if p["ngram_min"] > p["ngram_max"]
+        else None
+    )
 
 
 def _history(
@@ -86,31 +119,49 @@ KINDS: dict[str, Kind] = {
     k.name: k
     for k in (
         Kind(
-            NGRAM,
-            "prompt lookup (copying what followed the last occurrence of the current n-gram)",
-            "copied",
-            ("ngram_max", "ngram_min"),
-            lambda o, vocab, device, state: NgramDrafter(
-                vocab, device, o.get("ngram_max", defaults.NGRAM_MAX), o.get("ngram_min", defaults.NGRAM_MIN)
+            name=NGRAM,
+            summary="prompt lookup (copying what followed the last occurrence of the current n-gram)",
+            label="copied",
+            make=lambda o, vocab, device, state: NgramDrafter(vocab, device, o["ngram_max"], o["ngram_min"]),
+            params=(
+                Param(
+                    "ngram_max",
+                    defaults.NGRAM_MAX,
+                    _int_in(1, 16),
+                    "an integer in 1..16",
+                    int,
+                ),
+                Param("ngram_min", defaults.NGRAM_MIN, _int_in(1, 16), "an integer in 1..16", int),
             ),
+            check=_ngram_order,
         ),
         Kind(
-            SUFFIX,
-            "the suffix trees over the request and earlier requests",
-            "remembered",
-            ("remember",),
-            lambda o, vocab, device, state: SuffixDrafter(vocab, device, state, o.get("sampled", True)),
-            _history,
+            name=SUFFIX,
+            summary="the suffix trees over the request and earlier requests",
+            label="remembered",
+            make=lambda o, vocab, device, state: SuffixDrafter(vocab, device, state, o.get("sampled", True)),
+            params=(
+                Param(
+                    "remember",
+                    None,
+                    lambda v: isinstance(v, str) and bool(v.strip()),
+                    "a file path",
+                    str,
+                ),
+            ),
+            state=_history,
         ),
     )
 }
 
 
-def free_drafting(kind: str, options: dict[str, Any], tokenizer: Any, vocab_size: int, warn=warn_line) -> Free:
-    """``kind``'s drafting for a run, its state made now (a history loaded once, not per engine build)."""
+def free_drafting(kind: str, params: dict[str, Any], tokenizer: Any, vocab_size: int, warn=warn_line) -> Free:
+    """``kind``'s drafting for a run with its parameters (``params``: the kind's own are taken,
+    defaults filled), its state made now (a history loaded once, not per engine build)."""
     spec = KINDS[kind]
+    options = {**params, **spec.resolve(params)}
     state = spec.state(options, tokenizer, vocab_size, warn) if spec.state is not None else None
-    return Free(kind, dict(options), state)
+    return Free(kind, options, state)
 
 
 def make_drafter(
@@ -134,5 +185,6 @@ def make_drafter(
         )
     if free is None:
         return model
-    primary = KINDS[free.kind].make(free.options, vocab_size, device, free.state)
+    spec = KINDS[free.kind]
+    primary = spec.make({**free.options, **spec.resolve(free.options)}, vocab_size, device, free.state)
     return Fallback(primary, model) if model is not None else primary
