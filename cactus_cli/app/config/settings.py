@@ -189,15 +189,9 @@ def check_value(key: str, value: Any) -> str | None:
         )  # (bench and eval take lists)
         return f"must be one of {', '.join(_CHOICES[key])}, got {value!r}{_LISTS if listed else ''}"
     if key == "rule_params":
-        specs = rule_param_specs()
-        unknown = sorted(set(value) - set(specs))
-        if unknown:
-            return f"has unknown parameter {unknown[0]!r} (known: {', '.join(specs)})"
-        for name, v in value.items():
-            if problem := check_rule_param(name, v):
-                return f"{name} {problem}"
+        return _params_problem(value, rule_param_specs())
     if key == "draft_params":
-        return _draft_params_problem(value)
+        return _params_problem(value, param_specs())
     if key == "stop" and not all(isinstance(s, str) and s for s in value):
         return "must be a list of non-empty strings"
     return None
@@ -209,13 +203,13 @@ def check_rule_param(name: str, value: Any) -> str | None:
     return _check_param(rule_param_specs()[name], value)
 
 
-def _draft_params_problem(value: dict[str, Any]) -> str | None:
-    specs = param_specs()
+def _params_problem(value: dict[str, Any], specs: dict[str, Any]) -> str | None:
+    """Why a mapping of parameters (a rule's or a drafter's: ``specs``) is not valid, or None."""
     unknown = sorted(set(value) - set(specs))
     if unknown:
         return f"has unknown parameter {unknown[0]!r} (known: {', '.join(specs) or 'none'})"
     for name, v in value.items():
-        if problem := check_draft_param(name, v):
+        if problem := _check_param(specs[name], v):
             return f"{name} {problem}"
     return None
 
