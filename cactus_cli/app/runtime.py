@@ -84,8 +84,8 @@ def load_engine(
 
 
 def free_drafting(kind: str | None, settings: Settings, pair: ModelPair, reporter=None) -> Free | None:
-    """The model-free drafting a draft value asks for (draft/__init__.KINDS), with the settings it
-    reads; its state (the suffix trees' remembered history) loaded now, a problem one warning."""
+    """The model-free drafting a draft value asks for (draft/__init__.KINDS), with its parameters
+    (``settings.draft_params``); its state (the suffix trees' remembered history) loaded now, a problem one warning."""
     if kind is None:
         return None
     warn = reporter.warn if reporter is not None else (lambda line: None)

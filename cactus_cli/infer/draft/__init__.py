@@ -2,7 +2,7 @@
 own tokenizer, cross.py) and the drafters that need no model, each a ``Kind`` in the one registry
 ``KINDS``: prompt lookup (ngram.py) and the suffix trees over the request and earlier requests
 (suffix.py), either optionally backed by the draft model. A new model-free drafter is one module
-and one line in KINDS: ``--draft NAME`` and ``NAME+MODEL``, its settings' checks, how its accepted
+and one line in KINDS: ``--draft NAME`` and ``NAME+MODEL``, its parameters (``--draft-param``, their checks and help), how its accepted
 drafts show, its timings in the cost store and ``make_drafter`` all read the registry
 (tests/test_toy_drafter.py adds one)."""
 
@@ -46,8 +46,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Free:
-    """Drafting that needs no model, as a run asks for it: the kind's name, the values of the
-    settings it reads (``Kind.settings``), and what it keeps across sequences (the suffix trees'
+    """Drafting that needs no model, as a run asks for it: the kind's name, its parameters
+    (``Kind.params``, resolved), and what it keeps across sequences (the suffix trees'
     remembered history), made once per engine."""
 
     kind: str
