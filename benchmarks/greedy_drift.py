@@ -19,9 +19,9 @@ import dataclasses
 from cactus_cli.app import runtime
 from cactus_cli.app.config.profile_files import resolve_settings
 from cactus_cli.app.eval.tasks import load_tasks
-from cactus_cli.core.events import SUFFIX
 from cactus_cli.infer.decode.engine import SpeculativeEngine
-from cactus_cli.infer.draft import Lookup
+from cactus_cli.infer.draft import Free
+from cactus_cli.infer.draft.suffix import SUFFIX
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
         flags.update(dtype="float32", quantize="none")
     settings = resolve_settings(None, flags)
     pair = runtime.load_engine(settings).pair
-    alone, suffix = SpeculativeEngine(pair, None), SpeculativeEngine(pair, Lookup(SUFFIX))
+    alone, suffix = SpeculativeEngine(pair, None), SpeculativeEngine(pair, Free(SUFFIX))
     tasks = runtime.encode_prompts(alone, load_tasks(None, args.limit), settings.chat_template)
     base = runtime.generation_params(settings)
     print(f"verifier: {pair.verifier.dtype}, {pair.verifier.quantize_note or 'not quantized'}", flush=True)

@@ -15,10 +15,10 @@ import json
 from cactus_cli.app import runtime
 from cactus_cli.app.config.profile_files import resolve_settings
 from cactus_cli.app.eval.tasks import load_tasks
-from cactus_cli.core.events import SUFFIX
 from cactus_cli.core.stats import SpecStats
 from cactus_cli.infer.decode.engine import SpeculativeEngine
-from cactus_cli.infer.draft import Lookup
+from cactus_cli.infer.draft import Free
+from cactus_cli.infer.draft.suffix import SUFFIX
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     args = ap.parse_args()
     settings = resolve_settings(None, {"draft": "suffix", "max_tokens": args.n})
     pair = runtime.load_engine(settings).pair
-    engines = {sampled: SpeculativeEngine(pair, Lookup(SUFFIX, sampled=sampled)) for sampled in (False, True)}
+    engines = {sampled: SpeculativeEngine(pair, Free(SUFFIX, {"sampled": sampled})) for sampled in (False, True)}
     tasks = runtime.encode_prompts(engines[False], load_tasks(None, args.limit), settings.chat_template)
     base = dataclasses.replace(runtime.generation_params(settings), num_draft_tokens=args.k, seed=0)
     rules = {"sps": {}, "cactus": {"delta": 1.0}}
