@@ -39,30 +39,41 @@ def _bench_columns(rows: list[dict]) -> list[tuple]:
     return cols
 
 
-def print_bench(console: Console, doc: dict) -> None:
-    """The results table, best value per column in bold green; then speedup by category."""
+def _results_table(console: Console, doc: dict, counted: str, caption: str):
+    """A grid's results table (bench, eval): titled with the pair, the device, ``counted`` (what
+    ran: "8 prompts") and the temperature, its first column the configuration."""
     from rich.table import Table
 
     if not console.is_terminal:  # a file or pipe has no width: do not squeeze the numbers
         console.width = max(console.width, 132)
-    rows = doc["results"]
     env = doc["environment"]
-    cols = _bench_columns(rows)
-    title = (
-        f"{env['verifier']} / {env['draft']} · {env['device']} {env['dtype']} · "
-        f"{len(doc['prompts'])} prompts · T={doc['settings']['temperature']}"
-    )
     table = Table(
-        title=title,
+        title=f"{env['verifier']} / {env['draft']} · {env['device']} {env['dtype']} · {counted} · "
+        f"T={doc['settings']['temperature']}",
         title_justify="left",
         caption_justify="left",
         padding=(0, 1),
-        caption="AL: accepted draft tokens per step (MAL = 1 + AL); a: per-token acceptance; "
+        caption=caption,
+    )
+    table.add_column("config", overflow="fold", min_width=12)
+    return table
+
+
+def print_bench(console: Console, doc: dict) -> None:
+    """The results table, best value per column in bold green; then speedup by category."""
+    from rich.table import Table
+
+    rows = doc["results"]
+    cols = _bench_columns(rows)
+    table = _results_table(
+        console,
+        doc,
+        f"{len(doc['prompts'])} prompts",
+        "AL: accepted draft tokens per step (MAL = 1 + AL); a: per-token acceptance; "
         "accept: accepted / drafted; speedup over the verifier alone; V/tok: verifier passes per token; "
         "k̄: mean draft length per step (k = auto picks it per step); at once: requests stepped together, "
         "all tok/s: every answer's tokens over the wall time from their submission to the last answer",
     )
-    table.add_column("config", overflow="fold", min_width=12)
     for _, header, _, _ in cols:
         table.add_column(header, justify="right", no_wrap=True)
     best = {}
@@ -107,30 +118,19 @@ def print_bench(console: Console, doc: dict) -> None:
 def print_eval(console: Console, doc: dict) -> None:
     """Accuracy (95% Wilson interval) beside speed, one row per configuration; a note when the
     intervals of the verifier alone and a configuration overlap."""
-    from rich.table import Table
-
-    if not console.is_terminal:
-        console.width = max(console.width, 132)
     rows = doc["results"]
-    env = doc["environment"]
     total = len(doc["prompts"])
     done = max((r.get("problems") or 0 for r in rows), default=0)  # fewer when stopped early
-    title = (
-        f"{env['verifier']} / {env['draft']} · {env['device']} {env['dtype']} · "
-        f"{f'{done} of {total}' if done < total else total} problems · T={doc['settings']['temperature']}"
-    )
-    table = Table(
-        title=title,
-        title_justify="left",
-        caption_justify="left",
-        padding=(0, 1),
-        caption="accuracy (pass@1 for code tasks) with its 95% Wilson interval; vs alone: the difference "
+    table = _results_table(
+        console,
+        doc,
+        f"{f'{done} of {total}' if done < total else total} problems",
+        "accuracy (pass@1 for code tasks) with its 95% Wilson interval; vs alone: the difference "
         "from the verifier alone over the same problems, with its 95% paired bootstrap interval; MAL: mean "
         "acceptance length (1 + accepted drafts per step); a: per-token acceptance; speedup over the verifier alone; "
         "with --meter, KL: the realized KL(h_alg || q) per token, its mean and largest; budget max: the largest "
         "KL(h^(n) || q) of a draft's own target (at most delta for exact-KL Cactus)",
     )
-    table.add_column("config", overflow="fold", min_width=12)
     metered = any(r.get("realized_kl_mean") is not None for r in rows)
     for header in ("accuracy", "95% interval", "vs alone (95%)", "n", "MAL", "a", "tok/s", "speedup") + (
         ("KL", "KL max", "budget max") if metered else ()
@@ -302,9 +302,14 @@ def plot_calibration_png(doc: dict, path) -> None:
     lines = ax1.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
     labels = ax1.get_legend_handles_labels()[1] + ax2.get_legend_handles_labels()[1]
     ax1.legend(lines, labels, loc="lower right", fontsize=8)
-    fig.tight_layout()
+    _save_figure(plt, fig, path)
+
+
+def _save_figure(plt, fig, path) -> None:
+    """``fig`` to the PNG ``path``, whole or not at all (written beside it, then moved in place)."""
     from pathlib import Path
 
+    fig.tight_layout()
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp)
@@ -350,14 +355,7 @@ def plot_tradeoff_png(doc: dict, path) -> None:
         f"{env['verifier']} / {env['draft']} · {env.get('backend', '')} · {env.get('device_name', '')}"[:120],
         fontsize=8,
     )
-    fig.tight_layout()
-    from pathlib import Path
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(path)
+    _save_figure(plt, fig, path)
 
 
 def print_quality(console: Console, doc: dict) -> None:

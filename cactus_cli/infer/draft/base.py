@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from cactus_cli.core.events import MODEL
-from cactus_cli.core.sampling import SamplingParams
+from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample
 from cactus_cli.infer.runners.base import Runner, to_device
 
 
@@ -78,6 +78,19 @@ class Drafter(Protocol):
 Item = tuple[
     "Drafter", list[int], int, SamplingParams, "torch.Generator | None"
 ]  # (drafter, seq, k, sampling, generator)
+
+
+def draw(
+    logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator | None, rows: list, greedy: bool = False
+) -> torch.Tensor:
+    """A model's next draft token from its logits ``[V]``: the most likely when sampling is greedy
+    (or ``greedy``), else one drawn from its distribution, which is kept in ``rows`` (the draft's
+    ``p`` that the rule reads). Returns ``[1]``."""
+    if greedy or sp.greedy:
+        return logits.argmax(-1, keepdim=True)
+    p = probs_from_logits(logits, sp)  # [V]
+    rows.append(p)
+    return sample(p.unsqueeze(0), generator)
 
 
 def propose_all(items: list[Item]) -> list[Proposal]:

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from cactus_cli.core.events import MODEL
-from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample
-from cactus_cli.infer.draft.base import DrafterBase, Peek, Proposal, one_hot_proposal
+from cactus_cli.core.sampling import SamplingParams
+from cactus_cli.infer.draft.base import DrafterBase, Peek, Proposal, draw, one_hot_proposal
 from cactus_cli.infer.load.vocab import VocabMap, encode, eos_id, visible_text
 from cactus_cli.infer.runners.base import Runner, common_prefix
 
@@ -104,12 +104,7 @@ class CrossVocabDrafter(DrafterBase):
             logits = self.runner.forward(feed, keep=1)[-1]  # [V_draft]
             if self.method == INTERSECTION:
                 logits = logits.masked_fill(~self.shared, float("-inf"))  # only tokens the verifier spells alike
-            if sp.greedy or self.method == STRING:  # (string: its most likely text, below)
-                tok = logits.argmax(-1, keepdim=True)  # [1]
-            else:
-                p = probs_from_logits(logits, sp)  # [V_draft]
-                tok = sample(p.unsqueeze(0), generator)  # [1]
-                rows.append(p)
+            tok = draw(logits, sp, generator, rows, greedy=self.method == STRING)  # (string: its most likely text)
             drafted.append(tok)
             if i < steps - 1:
                 feed = tok  # the last drafted token is never fed: the verifier decides what follows

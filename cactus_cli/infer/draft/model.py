@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from cactus_cli.core.events import MODEL
-from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample
-from cactus_cli.infer.draft.base import DrafterBase, Item, Peek, Proposal
+from cactus_cli.core.sampling import SamplingParams
+from cactus_cli.infer.draft.base import DrafterBase, Item, Peek, Proposal, draw
 from cactus_cli.infer.runners.base import Runner, common_prefix
 
 
@@ -59,12 +59,7 @@ class ModelDrafter(DrafterBase):
                 d, seq, k, sp, gen = items[i]
                 logits = logits[-1]  # [V]
                 tokens, probs, _ = state[i]
-                if sp.greedy:
-                    tok = logits.argmax(-1, keepdim=True)  # [1]
-                else:
-                    p = probs_from_logits(logits, sp)  # [V]
-                    tok = sample(p.unsqueeze(0), gen)  # [1]
-                    probs.append(p)
+                tok = draw(logits, sp, gen, probs)  # [1]
                 tokens.append(tok)
                 feeds[i] = tok  # the last drafted token is never fed: the verifier decides what follows
         out = []

@@ -22,9 +22,10 @@ import shutil
 import struct
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 from cactus_cli.core.errors import ModelError, warn
 from cactus_cli.core.paths import cache_dir
@@ -234,15 +235,8 @@ def gguf_tokenizer(gguf: Path, key: str, reporter: Reporter | None = None) -> Pa
         from transformers import AutoTokenizer
 
         rep.task(f"reading the tokenizer of {gguf.name}")
-        try:
+        with _reading_gguf(f"read the tokenizer of {gguf}", "gguf"):
             tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        except ImportError as err:
-            raise ModelError(f"cannot read GGUF files: {err}; {DEMO_HINT} (it brings gguf)") from None
-        except (OSError, ValueError, KeyError, RuntimeError, struct.error, EOFError, IndexError, TypeError) as err:
-            detail = " ".join(str(err).split())[:300] or type(err).__name__
-            raise ModelError(
-                f"could not read the tokenizer of {gguf}: not a readable GGUF file, truncated or corrupt? ({detail})"
-            ) from None
         tok.save_pretrained(str(work / "model"))
         return {"source": str(gguf), "tokenizer_only": True}
 
@@ -339,16 +333,9 @@ def _convert(gguf: Path, out: Path, rep: Reporter, label: str) -> dict:
     t0 = time.perf_counter()
     bar = _silence_gguf_bar()
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
-    except ImportError as err:  # gguf / accelerate missing
-        raise ModelError(f"cannot read GGUF files: {err}; {DEMO_HINT} (it brings gguf and accelerate)") from None
-    except (OSError, ValueError, KeyError, RuntimeError, struct.error, EOFError, IndexError, TypeError) as err:
-        # a truncated file with valid magic bytes fails deep inside the reader (struct.error)
-        detail = " ".join(str(err).split())[:300] or type(err).__name__
-        raise ModelError(
-            f"could not convert {gguf}: not a readable GGUF file, truncated or corrupt? ({detail})"
-        ) from None
+        with _reading_gguf(f"convert {gguf}", "gguf and accelerate"):
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
     finally:
         bar()
     # transformers refuses to save a GGUF-loaded model while its quantizer is attached; the
@@ -361,6 +348,20 @@ def _convert(gguf: Path, out: Path, rep: Reporter, label: str) -> dict:
     seconds = time.perf_counter() - t0
     rep.done(f"{label}: {seconds:.0f}s")
     return {"convert_seconds": round(seconds, 1), "dtype": "bfloat16", "bytes": folder_size(out)}
+
+
+@contextmanager
+def _reading_gguf(doing: str, brings: str) -> Iterator[None]:
+    """transformers' GGUF reader failing, as one ModelError: its packages missing (``brings``:
+    what the demo extra brings for it), or a file it cannot read (a truncated file with valid magic
+    bytes fails deep inside the reader: struct.error)."""
+    try:
+        yield
+    except ImportError as err:
+        raise ModelError(f"cannot read GGUF files: {err}; {DEMO_HINT} (it brings {brings})") from None
+    except (OSError, ValueError, KeyError, RuntimeError, struct.error, EOFError, IndexError, TypeError) as err:
+        detail = " ".join(str(err).split())[:300] or type(err).__name__
+        raise ModelError(f"could not {doing}: not a readable GGUF file, truncated or corrupt? ({detail})") from None
 
 
 def _silence_gguf_bar() -> Callable[[], None]:

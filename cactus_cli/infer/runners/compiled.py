@@ -235,14 +235,7 @@ class CompiledLM(CachedLM):
         return pos, mask
 
     def _call(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, keep: int) -> torch.Tensor:
-        out = self.lm.model(
-            input_ids=ids,
-            position_ids=pos,
-            attention_mask=mask,
-            use_cache=True,
-            logits_to_keep=keep,
-            **{self._cache_arg: self.cache},
-        )
+        out = self._body(ids, keep, self.cache, position_ids=pos, attention_mask=mask)
         return out.logits
 
     @torch.inference_mode()  # as forward runs: a graph traced outside it would be traced again inside

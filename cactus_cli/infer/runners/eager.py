@@ -111,14 +111,7 @@ class CachedLM:
                     kv.append(padded)
                 layers.append(tuple(kv))
             cache = DynamicCache(ddp_cache_data=layers)
-        out = self.lm.model(
-            input_ids=batch_ids,
-            position_ids=pos,
-            attention_mask=mask,
-            use_cache=True,
-            logits_to_keep=W,
-            **{self._cache_arg: cache},
-        )
+        out = self._body(batch_ids, W, cache, position_ids=pos, attention_mask=mask)
         grown = out[self._cache_arg]
         result = []
         for b, (r, _, keep) in enumerate(rows):
@@ -147,11 +140,16 @@ class CachedLM:
     ) -> None:
         """Room for ``tokens`` cached tokens and steps of these widths: nothing to do for a dynamic cache."""
 
+    def _body(self, ids: torch.Tensor, keep: int, cache, **inputs):
+        """One call of the model with ``cache`` (under the name this transformers takes), keeping
+        the last ``keep`` positions' logits; ``inputs``: positions and mask where the caller makes them."""
+        return self.lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **inputs, **{self._cache_arg: cache})
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor | list[int], keep: int) -> torch.Tensor:
         """Append ``ids`` [L] to the cache; return the last ``keep`` logits rows [keep, V]."""
         ids = to_device(ids, self.lm.device).view(1, -1)
-        out = self.lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{self._cache_arg: self.cache})
+        out = self._body(ids, keep, self.cache)
         fresh, self.cache = self.cache is None, out[self._cache_arg]
         if fresh:
             self._watch_window()
