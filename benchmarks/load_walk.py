@@ -1,6 +1,7 @@
 """Walk one profile's load and count, for each loading module, how often control enters it from
 another module (a call whose caller sits in a different file), and the reads that cost time: each
-tokenizer loaded, each cost-store file read. The first load of a process pays for imports and
+tokenizer loaded, each JSON file read (the cost store, the GGUF layouts, the stored measurements).
+The first load of a process pays for imports and
 the machine's one-time measurements, so the walk is of a second load (what a server restart, a
 bench grid row or `cactus chat` pays):
 
@@ -44,6 +45,7 @@ def walk(profile: str | None) -> tuple[collections.Counter, collections.Counter,
                 caller_name = short(caller) or Path(caller).name
                 functions[(callee, frame.f_code.co_name, caller_name, frame.f_back.f_code.co_name)] += 1
 
+    descriptor = AutoTokenizer.__dict__["from_pretrained"]  # (the classmethod itself, put back after)
     tokenizer_load, read_text = AutoTokenizer.from_pretrained, Path.read_text
 
     def counted_tokenizer(name, *a, **k):
@@ -61,7 +63,7 @@ def walk(profile: str | None) -> tuple[collections.Counter, collections.Counter,
         Session.load(profile)
     finally:
         sys.setprofile(None)
-        AutoTokenizer.from_pretrained, Path.read_text = tokenizer_load, read_text
+        AutoTokenizer.from_pretrained, Path.read_text = descriptor, read_text
     return entries, reads, functions
 
 
