@@ -102,7 +102,8 @@ def replay(rows: list[dict], make, siblings: tuple[float, int] | None = None) ->
         seq, pos = list(prompt), 0
         while pos < len(out):
             draft = drafter.propose(seq, K, GREEDY, None).tokens.tolist()
-            conf = drafter.confidence(seq) if isinstance(drafter, S.SuffixDrafter) else None
+            peek = drafter.peek(seq) if isinstance(drafter, S.SuffixDrafter) else None
+            conf = peek.confidence if peek is not None else None
             if draft:
                 rates = cal.rates(conf[: len(draft)]) if conf else [a / t for a, t in zip(pos_acc, pos_tested)]
                 draft = draft[: best_k(rates[: len(draft)])]

@@ -18,7 +18,7 @@ from cactus_cli.app.config.profile_files import resolve_settings
 from cactus_cli.app.eval.tasks import load_tasks
 from cactus_cli.core.stats import SpecStats
 from cactus_cli.infer.decode.engine import SpeculativeEngine
-from cactus_cli.infer.draft import Free
+from cactus_cli.infer.draft import Free, Peek
 from cactus_cli.infer.draft.ngram import NGRAM
 from cactus_cli.infer.draft.suffix import SUFFIX
 
@@ -41,7 +41,7 @@ def main() -> None:
     for r in rows:
         e = SpeculativeEngine(pair, Free(NGRAM if r == "ngram" else SUFFIX))
         if r == "pos":  # the drafter offers no estimate: -k auto sizes it by its per-position rates
-            e.drafter.confidence = lambda seq: None
+            e.drafter.peek = lambda seq, peek=e.drafter.peek: (p := peek(seq)) and Peek(p.source)
         if r == "long":  # sized by the estimates, paths followed down to 0.05 and up to 16 tokens
             e.drafter.min_prob = 0.05
         engines[r] = e
