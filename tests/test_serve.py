@@ -102,17 +102,21 @@ def test_whole_and_streamed_answers_equal_the_session_greedy(served, session):
     server, url, client = served
     messages = [{"role": "user", "content": PROMPT}]
     whole = chat(client, messages=messages, max_tokens=12)
-    pieces, last = [], None
-    for chunk in chat(client, messages=messages, max_tokens=12, stream=True):
+    pieces, last, usage = [], None, []
+    stream = chat(client, messages=messages, max_tokens=12, stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
         if chunk.choices:
             pieces.append(chunk.choices[0].delta.content or "")
             last = chunk
+        else:  # (the usage chunk, asked for: every benchmark client asks; its absence once crashed the stream)
+            usage.append(chunk.usage)
     session.engine.reset()  # (a cold cache: the answer must not depend on what the last request left)
     expected = session.text(messages, max_tokens=12)
     assert whole.choices[0].message.content == "".join(pieces) == expected
     assert whole.choices[0].finish_reason == last.choices[0].finish_reason
     assert whole.choices[0].finish_reason in ("stop", "length")
     assert whole.usage.completion_tokens == session.stats.num_output_tokens
+    assert [u.completion_tokens for u in usage] == [whole.usage.completion_tokens]
     spec = whole.model_extra["speculative"]
     assert spec["rule"] == session.settings.rule and spec["drafted"] == session.stats.num_draft_tokens
     assert last.model_extra["speculative"]["accepted"] == spec["accepted"]

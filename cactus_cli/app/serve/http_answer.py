@@ -183,7 +183,7 @@ def _reason(finished: Finished, answer: Answer) -> str:
 
 
 async def stream(
-    server: Server, job: Job, inbox: asyncio.Queue, head: dict, answer: Answer, n_prompt: int, usage: bool
+    server: Server, job: Job, inbox: asyncio.Queue, head: dict, answer: Answer, n_prompt: int, include_usage: bool
 ):
     """One chunk per verification step's text (a tool call: one chunk when it is complete); the
     last carries the finish reason and what the speculation bought; ``data: [DONE]`` ends it. A
@@ -208,7 +208,7 @@ async def stream(
                 last = {**head, "object": kind, "choices": [end]}
                 last["speculative"] = server.speculative(job.settings, item.stats)
                 yield format_sse_event(data_str=json.dumps(last))
-                if usage:
+                if include_usage:  # (stream_options.include_usage: one more chunk, no choices)
                     tail = {**head, "object": kind, "choices": [], "usage": usage(n_prompt, item)}
                     yield format_sse_event(data_str=json.dumps(tail))
                 break
