@@ -27,9 +27,11 @@ Prints every row's decode tokens/s (after each prompt's prefill, as llama-bench'
 row, its mean acceptance length (tokens per verifier call, plain steps included) and end-to-end
 tokens/s; writes JSON with
 --out. Sampling is the profile's (T, top-k, top-p; min-p 0 on llama.cpp's side, as cactus has none),
-or greedy with -t 0. Where cactus runs llama.cpp with plain buffers (AMX builds: gguf.amx_in_use),
-llama.cpp's tools get --repack 0 / --no-repack, so both sides run the same kernels. One benchmark at
-a time: nothing else should run on the machine meanwhile.
+or greedy with -t 0. On AMX builds (gguf.amx_in_use) llama.cpp's tools get --repack 0 / --no-repack:
+their one switch turns every extra buffer type off, and with AMX's on a verify crashes; cactus puts
+the weights the CPU repack has kernels for in its buffers by name (gguf.repack_overrides), so there
+its kernels are the faster ones (the JSON's "buffers" says which each side ran). One benchmark at a
+time: nothing else should run on the machine meanwhile.
 """
 
 from __future__ import annotations
@@ -233,14 +235,18 @@ def main() -> None:
     verifier, threads = Path(plan.verifier_files[0].location), plan.threads
     plain = gguf.amx_in_use()
     log(f"verifier {verifier.name} ({plan.quantize_reason}); threads {threads}")
-    log("plain buffers (AMX build: no repacking on either side)" if plain else "extra buffers (repacked weights)")
+    log(
+        f"cactus: {gguf.buffer_layout()}; llama.cpp's tools: plain buffers (AMX build: --repack 0)"
+        if plain
+        else "extra buffers (repacked weights) on both sides"
+    )
     sampling = {"temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p}
     if a.temperature is not None:
         sampling["temperature"] = a.temperature
     result: dict = {
         "threads": threads,
         "verifier_file": str(verifier),
-        "plain_buffers": plain,
+        "buffers": {"cactus": gguf.buffer_layout(), "llama.cpp tools": "plain" if plain else "repacked"},
         "sampling": sampling,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "llama_cpp_python": version("llama-cpp-python"),

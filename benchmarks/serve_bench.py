@@ -29,6 +29,7 @@ time from the first request sent to the last answer) and time to first token (p5
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -81,6 +82,7 @@ def served(cmd: list[str], url_of, prompts, n, temperature) -> tuple[list[dict],
     from openai import OpenAI
 
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc.tail = collections.deque(maxlen=40)
     try:
         url = url_of(proc)
         time.sleep(2)
@@ -120,12 +122,18 @@ def served(cmd: list[str], url_of, prompts, n, temperature) -> tuple[list[dict],
         proc.wait(30)
 
 
+def drain(proc, lines: collections.deque) -> None:
+    """Keep a server's stderr pipe drained, its last lines in ``lines`` (said if it dies)."""
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+
+
 def cactus_url(proc) -> str:
     for line in proc.stderr:
+        proc.tail.append(line)
         if m := re.search(r"on (http://127\.0\.0\.1:\d+/v1)", line):
-            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # (keep the pipe drained)
+            drain(proc, proc.tail)
             return m.group(1)
-    raise SystemExit("cactus serve did not start")
+    raise SystemExit("cactus serve did not start: " + "".join(proc.tail)[-2000:])
 
 
 def llama_server_cmd(spec_type: str, parallel: int = 1) -> tuple[list[str], object]:
@@ -151,10 +159,12 @@ def llama_server_cmd(spec_type: str, parallel: int = 1) -> tuple[list[str], obje
     cmd = [str(bin_dir / "llama-server"), "-m", plan.verifier_files[0].location, "-t", str(plan.threads)]
     cmd += ["-c", str(4096 * parallel), "-np", str(parallel), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--spec-type", spec_type]
-    cmd += ["--no-repack"] if gguf.amx_in_use() else []
+    cmd += (
+        ["--no-repack"] if gguf.amx_in_use() else []
+    )  # (an AMX build: its only batch-safe choice, llama_cpp_anchor.py)
 
     def url_of(proc) -> str:
-        threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+        drain(proc, proc.tail)
         for _ in range(1200):
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
@@ -172,6 +182,7 @@ def concurrent(cmd: list[str], url_of, prompts: list[str], n: int, temperature: 
     from openai import OpenAI
 
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc.tail = collections.deque(maxlen=40)
     try:
         url = url_of(proc)
         client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=1200)
@@ -205,6 +216,12 @@ def concurrent(cmd: list[str], url_of, prompts: list[str], n: int, temperature: 
                 t.start()
             for t in threads:
                 t.join()
+            if None in results:  # (a request failed: say what the server said last, and its exit code)
+                time.sleep(1)
+                raise SystemExit(
+                    f"{' '.join(cmd[:6])}: a request failed (server exit code {proc.poll()}); its last lines:\n"
+                    + "".join(proc.tail)
+                )
             wall = max(x["done"] for x in results)
             out.append({"wall": wall, "tokens": sum(x["tokens"] for x in results), "requests": results})
         return {"rounds": out}

@@ -67,9 +67,11 @@ def write_tiny_gguf(
     layers: int = 2,
     architecture: str = "qwen2",
     dtype=np.float32,
+    q4_0: bool = False,
 ) -> Path:
     """A tiny Qwen2 GGUF. ``noise`` perturbs the same weights (a draft that agrees often);
-    ``architecture`` other than qwen2 writes a file llama.cpp does not know."""
+    ``architecture`` other than qwen2 writes a file llama.cpp does not know; ``q4_0``: the layers'
+    matmul weights in Q4_0 (what llama.cpp's CPU repack has kernels for)."""
     import gguf
 
     tokens, types = vocabulary()
@@ -107,6 +109,27 @@ def write_tiny_gguf(
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
     writer.add_tensor("token_embd.weight", w(vocab, hidden))
+    if q4_0:
+        plain_tensor = writer.add_tensor
+
+        def add_tensor(name: str, x: np.ndarray) -> None:
+            if name.endswith(
+                (
+                    "attn_q.weight",
+                    "attn_k.weight",
+                    "attn_v.weight",
+                    "_output.weight",
+                    "ffn_gate.weight",
+                    "ffn_up.weight",
+                    "ffn_down.weight",
+                )
+            ):
+                qtype = gguf.GGMLQuantizationType.Q4_0
+                plain_tensor(name, gguf.quants.quantize(x.astype(np.float32), qtype), raw_dtype=qtype)
+            else:
+                plain_tensor(name, x)
+
+        writer.add_tensor = add_tensor
     for i in range(layers):
         b = f"blk.{i}."
         writer.add_tensor(b + "attn_norm.weight", np.ones(hidden, np.float32))

@@ -405,3 +405,90 @@ def test_batched_greedy_speculation_on_llama_cpp_equals_each_run_alone(pairs):
         for entry, ev in batch.step():
             got[id(entry)] += ev.emitted
     assert [got[id(e)] for e in entries] == alone
+
+
+def test_repack_patterns_name_only_the_matmul_weights_the_x86_repack_has_kernels_for():
+    tensors = [
+        ("token_embd.weight", "Q4_K", 2, 151936),  # a lookup (GET_ROWS), never repacked
+        ("output.weight", "Q6_K", 2, 151936),  # no x86 kernel for Q6_K
+        ("blk.0.attn_q.weight", "Q4_K", 2, 1536),
+        ("blk.0.attn_v.weight", "Q6_K", 2, 256),
+        ("blk.0.attn_q.bias", "F32", 1, 1),
+        ("blk.0.ffn_down.weight", "Q4_0", 2, 1536),
+        ("blk.1.ffn_up.weight", "Q4_0", 2, 12),  # rows not a multiple of 8
+        ("blk.1.ffn_gate.weight", "Q2_K", 2, 64),  # AVX-512 only
+    ]
+    flags = {"avx2", "avx512f"}
+    assert gguf.repack_patterns(tensors, flags) == [
+        r"^blk\.0\.(attn_q|ffn_down)\.weight$",
+        r"^blk\.1\.(ffn_gate)\.weight$",
+    ]
+    assert gguf.repack_patterns(tensors, {"avx2"}) == [r"^blk\.0\.(attn_q|ffn_down)\.weight$"]
+    assert gguf.repack_patterns(tensors, {"neon"}) == []  # (the table is x86's)
+    assert gguf.repack_patterns([("output.weight", "Q4_0", 2, 64)], flags) == [r"^output\.weight$"]
+
+
+def test_on_an_amx_build_the_repackable_weights_run_on_the_repacked_kernels(tmp_path, monkeypatch):
+    """AMX's matmul crashes on batches, so on an AMX build the extra buffer types stay off; the Q4_0
+    weights still go to CPU_REPACK by name, and the logits are the plain buffers' up to rounding."""
+    from cactus_cli.infer.load.devices import cpu_flags
+    from cactus_cli.infer.load.sources import LoadedModel
+
+    if "avx2" not in cpu_flags():
+        pytest.skip("the repack table is x86's (AVX2)")
+    path = str(write_tiny_gguf(tmp_path / "q4_0.gguf", q4_0=True))
+    monkeypatch.setattr(gguf, "amx_in_use", lambda: True)
+    repacked = gguf.GGUFModel.load(path, 1)
+    monkeypatch.setattr(gguf, "repack_overrides", lambda p: None)
+    plain = gguf.GGUFModel.load(path, 1)
+    assert repacked.buffers == "repacked, AMX left out" and repacked.buffer_mib.get("CPU_REPACK", 0) > 0
+    assert plain.buffers == "plain" and "CPU_REPACK" not in plain.buffer_mib
+    ids = [(5 + 13 * i) % plain.n_vocab for i in range(24)]
+    logits = []
+    for model in (repacked, plain):
+        lm = LoadedModel(model, path, path, torch.device("cpu"), torch.float32, model.n_ctx_train, model.n_vocab)
+        runner = LlamaCppRunner(lm, model.n_vocab, 64)
+        logits.append(runner.forward(ids, keep=8).float().clone())
+        runner.close()
+        model.close()
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+    assert torch.allclose(logits[0], logits[1], atol=0.05), (logits[0] - logits[1]).abs().max()
+
+
+def test_a_server_makes_every_slots_room_at_start_so_requests_never_replay_the_caches(files, monkeypatch):
+    """A llama.cpp context grown mid-run replays every cached sequence (on the Xeon, 4 requests sent
+    together waited 36 s for their first tokens while the context grew twice); the server now makes
+    each slot's room when it starts, and requests that fit it never grow the context."""
+    pytest.importorskip("fastapi")
+    import threading
+
+    from cactus_cli.app.serve.serving import Finished, Server
+    from cactus_cli.app.session import Session
+
+    session = Session.load(
+        verifier=files["verifier"],
+        draft=files["close"],
+        device="cpu",
+        backend="llama.cpp",
+        num_draft_tokens=3,
+        max_tokens=16,
+        temperature=0.0,
+        seed=0,
+        sequences=4,
+    )
+    made = []
+    make = llama_cpp.Context.make
+    monkeypatch.setattr(llama_cpp.Context, "make", lambda self, *a: (made.append(a), make(self, *a))[1])
+    server = Server(session, parallel=4)
+    try:
+        started = len(made)
+        ids = session.tokenizer(PROMPT)["input_ids"]
+        done = [threading.Event() for _ in range(4)]
+        for i in range(4):
+            prompt = ids * (i + 1)  # (different lengths, the longest 4x the prompt)
+            deliver = lambda item, e=done[i]: e.set() if isinstance(item, (Finished, Exception)) else None  # noqa: E731
+            server.submit(server.job(prompt, {"max_tokens": 24, "temperature": 0}, deliver))
+        assert all(e.wait(120) for e in done)
+        assert len(made) == started, made[started:]
+    finally:
+        server.stop()

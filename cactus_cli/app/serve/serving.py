@@ -161,6 +161,13 @@ class Server:
         self.max_tokens = max_tokens
         self.parallel = max(1, min(parallel, len(session.engine.slots)))
         self.slots = session.engine.slots[: max(self.parallel, min(PREFIXES, len(session.engine.slots)))]
+        engine = session.engine
+        if (
+            not engine.compiled
+        ):  # (every slot's room now: a llama.cpp context grown mid-run replays every cached sequence)
+            k = session.params(session.settings).num_draft_tokens
+            for slot in self.slots:
+                engine.prepare(SLOT_TOKENS, engine.step_widths(k), slot=slot.index)
         # (the requests a slot will take at the next step wait here too: the bound is checked in submit)
         self.queue: queue.Queue[Job | None] = queue.Queue()
         self.max_queue = max_queue

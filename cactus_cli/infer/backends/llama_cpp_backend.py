@@ -136,10 +136,10 @@ class LlamaCppBackend(Backend):
         return 2 * ll.llama_model_n_layer(handle) * kv * head_dim * 2  # keys and values, float16 cells
 
     def cost_key(self, threads: int | None) -> dict[str, Any]:
-        return {"backend": self.name, "threads": threads, "extra_buffers": not gguf.amx_in_use()}
+        return {"backend": self.name, "threads": threads, "buffers": gguf.buffer_layout()}
 
     def environment(self, lm: LoadedModel) -> dict[str, Any]:
-        return {"llama_cpp_threads": lm.threads}
+        return {"llama_cpp_threads": lm.threads, "llama_cpp_buffers": lm.model.buffers}
 
     def dtype_reason(self, plan: Any, lm: LoadedModel) -> str:
         return f"{plan.dtype_reason} ({lm.quantize_note})"  # (the GGUF's weight types: what it computes in)

@@ -260,6 +260,7 @@ def _key(path: Path, name: str, what: str) -> dict[str, Any]:
         "cpu": device_name(torch.device("cpu")),
         "cpus": gguf.default_threads(),
         "llama_cpp_python": _bindings_version(),
+        "buffers": gguf.buffer_layout(),  # (the kernels the weights run on: what was timed)
         "schema": SCHEMA,
     }
 
