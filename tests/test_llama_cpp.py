@@ -492,3 +492,40 @@ def test_a_server_makes_every_slots_room_at_start_so_requests_never_replay_the_c
         assert len(made) == started, made[started:]
     finally:
         server.stop()
+
+
+def test_padding_comes_from_the_measured_curve():
+    xeon = {1: 0.0775, 2: 0.1091, 3: 0.1456, 4: 0.0972, 16: 0.2949}  # (Q4_0 repacked, AMX Xeon, 2 threads)
+    assert llama_cpp.padding(xeon) == {2: 4, 3: 4}
+    assert llama_cpp.padding({1: 0.029, 2: 0.046, 3: 0.055, 4: 0.066}) == {}  # (the EPYC: every width cheaper)
+    assert llama_cpp.padding({1: 0.03, 4: 0.06, 16: 0.2}) == {}  # (a curve without 2 and 3: nothing known)
+
+
+def test_a_padded_call_gives_the_rows_logits_and_leaves_no_cells_behind(files):
+    """Rows of a sequence no slot uses fill a call of 2 or 3 tokens to 4; the asked rows' logits are
+    the unpadded call's, and the padding's cells are gone after it (the next call sees only the slots)."""
+    lm = load_pair(files["verifier"], None, None, "cpu", dtype="auto", backend="llama.cpp").verifier
+    ids = [5, 17, 29, 41, 53, 65, 77, 89]
+    got = []
+    for pad in ({}, {2: 4, 3: 4}):
+        runner = LlamaCppRunner(lm, lm.model.n_vocab, 64, sequences=2)
+        runner.shared.pad = pad
+        other = runner.sequence(1)
+        runner.forward(ids[:4], keep=1)
+        other.forward(ids[2:5], keep=1)
+        a = runner.forward(ids[4:6], keep=2).clone()  # (2 tokens: padded to 4)
+        assert runner.shared.batch.n_tokens == (4 if pad else 2)
+        b = other.forward(ids[5:6], keep=1).clone()
+        pair = [x.clone() for x in runner.forward_rows([(runner, ids[6:7], 1), (other, ids[6:8], 2)])]  # (3 tokens)
+        assert runner.shared.batch.n_tokens == (4 if pad else 3)
+        scratch = runner.shared.sequences
+        assert bindings_pos_max(runner, scratch) == -1
+        assert (runner.cache_len, other.cache_len) == (7, 6)
+        got.append([a, b, *pair])
+        runner.close()
+    for plain, padded in zip(*got):
+        assert torch.allclose(plain, padded, atol=1e-4), (plain - padded).abs().max()
+
+
+def bindings_pos_max(runner, seq: int) -> int:
+    return gguf.bindings().llama_memory_seq_pos_max(runner.shared.memory, seq)

@@ -16,7 +16,7 @@ from cactus_cli.infer.load import embedded, gguf, gguf_layout
 from cactus_cli.infer.load.sources import GGUF_KINDS, LoadedModel, Source, load_tokenizer
 from cactus_cli.infer.quant.smooth import CALIBRATION_TEXT
 from cactus_cli.infer.runners.base import Runner
-from cactus_cli.infer.runners.llama_cpp import LlamaCppRunner
+from cactus_cli.infer.runners.llama_cpp import LlamaCppRunner, padding
 
 PROBE_TEXT = "def add(a, b):\n    return a + b  # sum: ünïcödé, 数字 42\n\tdone!"
 
@@ -127,6 +127,8 @@ class LlamaCppBackend(Backend):
         )  # (never compiled: --compile on chooses torch)
         if role == "verifier":  # (its verifies held against the measurement that chose its threads and type)
             runner.shared.watch = gguf_layout.watch_for(lm.model.path, lm.model.threads)
+            if runner.shared.watch is not None:  # (calls of 2 or 3 tokens run as 4 where 4 measured cheaper)
+                runner.shared.pad = padding(runner.shared.watch.curve)
         return runner
 
     def kv_bytes_per_token(self, lm: LoadedModel) -> int:

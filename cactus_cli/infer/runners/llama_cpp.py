@@ -28,6 +28,7 @@ from cactus_cli.infer.runners.base import MAX_STEP_WIDTH, Row, prefill
 
 FIRST_CONTEXT = 512  # tokens of KV cache made at least, when no reserve() said more; grown to what a request needs
 MAX_BATCH = 512  # tokens per llama_decode call (a longer prefill is split)
+PADDED_WIDTHS = (2, 3)  # calls of these many tokens run as 4 where 4 measured cheaper (padding)
 MAX_OUTPUTS = 17  # logits rows a call may ask for at least (the default k_max + 1); grown when asked for more
 
 
@@ -44,6 +45,7 @@ class Context:
         self.need = [0] * sequences  # the room each sequence's request reserved
         self.forward_passes = 0
         self.watch: Watch | None = None  # told the seconds of each call whose every token is an output
+        self.pad: dict[int, int] = {}  # a call of n tokens is padded to pad[n] (PADDED_WIDTHS, measured cheaper)
 
     def make(self, n_ctx: int, n_outputs: int) -> None:
         ll = bindings()
@@ -52,7 +54,7 @@ class Context:
         params.n_ctx = n_ctx
         # (one call holds every row of a step: its tokens and its outputs)
         params.n_batch = params.n_ubatch = max(min(MAX_BATCH, n_ctx), n_outputs)
-        params.n_seq_max = self.sequences
+        params.n_seq_max = self.sequences + 1  # (the last: padding rows, emptied after each call)
         params.kv_unified = True  # one pool of cells: a long sequence beside short ones, and seq_cp without a copy
         params.n_outputs_max = n_outputs
         params.n_threads = params.n_threads_batch = self.model.threads  # (the bindings' default: half the CPUs)
@@ -148,9 +150,15 @@ class Context:
                 b.seq_id[i][0] = seq
                 b.logits[i] = j >= len(ids) - keep
                 i += 1
+        scratch = self.sequences
+        for j in range(self.pad.get(i, i) - i):  # (rows of a sequence no slot has; their cells freed below)
+            b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = 0, j, 1, scratch, False
+            i += 1
         b.n_tokens = i
         t0 = time.perf_counter()
         code = ll.llama_decode(self.ctx, b)
+        if i > sum(len(ids) for _, ids, _ in rows):
+            ll.llama_memory_seq_rm(self.memory, scratch, -1, -1)
         if self.watch is not None and code == 0 and all(keep == len(ids) for _, ids, keep in rows):
             self.watch.add(i, time.perf_counter() - t0)  # (a verify: a prefill has tokens without outputs)
         if code != 0:
@@ -163,6 +171,16 @@ class Context:
         for seq, ids, _ in rows:
             self.ids[seq].extend(ids)
         self.forward_passes += 1
+
+
+def padding(curve: dict[int, float]) -> dict[int, int]:
+    """The widths to pad, from a measured verify curve (width -> seconds): a matmul kernel that
+    works on blocks of 4 rows (llama.cpp's CPU repack) does the rest of a call one row at a time,
+    so on some CPUs 2 or 3 tokens cost more than 4 (the AMX Xeon: 3 tokens 146 ms, 4 tokens 97).
+    Such a call gets rows of a sequence no slot uses, dropped after it; the outputs are the same
+    rows' (up to the kernels' rounding)."""
+    four = curve.get(4)
+    return {w: 4 for w in PADDED_WIDTHS if four is not None and w in curve and four < curve[w]}
 
 
 class LlamaCppRunner:
