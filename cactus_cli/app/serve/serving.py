@@ -162,9 +162,8 @@ class Server:
         self.parallel = max(1, min(parallel, len(session.engine.slots)))
         self.slots = session.engine.slots[: max(self.parallel, min(PREFIXES, len(session.engine.slots)))]
         engine = session.engine
-        if (
-            not engine.compiled
-        ):  # (every slot's room now: a llama.cpp context grown mid-run replays every cached sequence)
+        # (every slot's room now: a llama.cpp context grown mid-run replays every cached sequence)
+        if not engine.compiled:
             k = session.params(session.settings).num_draft_tokens
             for slot in self.slots:
                 engine.prepare(SLOT_TOKENS, engine.step_widths(k), slot=slot.index)

@@ -48,14 +48,8 @@ from cactus_cli.infer.runners.llama_cpp import LlamaCppRunner
 
 QUALITY_TOLERANCE = 0.02  # nats/token of mean NLL a requantized verifier may cost to be chosen
 TYPES = {"q4_0": 2}  # --quantize values of the llama.cpp backend -> llama.cpp's ftype (every tensor in it)
-WIDTHS = (
-    1,
-    2,
-    3,
-    4,
-    16,
-    64,
-)  # verify widths timed per candidate: plain, short drafts (and the runner's padding), a long one, the longest
+# verify widths timed per candidate: plain, short drafts (and the runner's padding), a long one, the longest
+WIDTHS = (1, 2, 3, 4, 16, 64)
 THREAD_WIDTHS = (1, 16)  # ... and per thread count (a plain step and a long draft rank them; 1 thread is slow)
 CONTEXT = 64  # tokens in the cache while timing (a synthetic prompt)
 PLAIN_SHARE, DRAFT_ACCEPT = 15, 0.97  # the edit profile score() prices (docs/llama-cpp.md)
