@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cactus_cli.core.errors import ModelError
+from cactus_cli.infer.load.devices import cpu_flags
 
 INSTALL_HINT = 'install it with: pip install -e ".[demo]" (it builds llama.cpp with cmake and a C++ compiler)'
 
@@ -203,8 +204,6 @@ def repack_overrides(path: str) -> tuple[Any, int] | None:
     tensors = gguf_tensors(path) if buft is not None else None
     if not tensors:
         return None
-    from cactus_cli.infer.load.devices import cpu_flags
-
     patterns = repack_patterns(tensors, cpu_flags())
     if not patterns:
         return None
