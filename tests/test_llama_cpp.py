@@ -494,6 +494,30 @@ def test_a_server_makes_every_slots_room_at_start_so_requests_never_replay_the_c
         server.stop()
 
 
+def test_bench_concurrency_makes_every_slots_room_before_its_rows(files, monkeypatch):
+    """bench --concurrency: every slot's room is made when the engines are prepared, so no row
+    grows a context mid-run (on the EPYC a row of 4 requests waited 36 s for its first tokens
+    where one at a time took 14 s: the context grew as each slot joined, replaying the others)."""
+    from tests.helpers import invoke
+
+    made, grown = [], []  # (grown: made again while its sequences held tokens, which it replays)
+    make = llama_cpp.Context.make
+
+    def counting(self, *a):
+        made.append(a)
+        if any(self.ids):
+            grown.append((a, [len(ids) for ids in self.ids]))
+        return make(self, *a)
+
+    monkeypatch.setattr(llama_cpp.Context, "make", counting)
+    r = invoke(
+        "bench", "--verifier", files["verifier"], "--draft", files["close"], "--backend", "llama.cpp",
+        "--rules", "sps", "-k", "2", "--limit", "3", "-n", "200", "--concurrency", "3", "--json",
+    )  # fmt: skip  (3 slots of 200 tokens and more: past the 512 cells a first context has)
+    assert r.exit_code == 0, r.output
+    assert made and not grown, grown
+
+
 def test_padding_comes_from_the_measured_curve():
     xeon = {1: 0.0775, 2: 0.1091, 3: 0.1456, 4: 0.0972, 16: 0.2949}  # (Q4_0 repacked, AMX Xeon, 2 threads)
     assert llama_cpp.padding(xeon) == {2: 4, 3: 4}

@@ -85,8 +85,9 @@ def load_engines(
                         )
     encoded = runtime.encode_prompts(engines[0][1], prompts, settings.chat_template)
     longest = max(len(ids) for _, ids in encoded)
-    for _, e in engines:
-        runtime.prepare(e, settings, reporter, longest, ks)
+    for _, e in engines:  # every slot's room now: a context grown mid-row replays every cached sequence
+        for slot in range(1 if e.compiled else len(e.slots)):
+            runtime.prepare(e, settings, reporter, longest, ks, slot=slot, probe=slot == 0)
     ready: dict[tuple[str, str, bool, str, str], SpeculativeEngine] = {}
     for (draft, cross), e in engines:
         ready.setdefault((e.pair.verifier.backend, e.pair.verifier.quantize, e.compiled, draft, cross), e)
