@@ -510,10 +510,9 @@ def test_bench_concurrency_makes_every_slots_room_before_its_rows(files, monkeyp
         return make(self, *a)
 
     monkeypatch.setattr(llama_cpp.Context, "make", counting)
-    r = invoke(
-        "bench", "--verifier", files["verifier"], "--draft", files["close"], "--backend", "llama.cpp",
-        "--rules", "sps", "-k", "2", "--limit", "3", "-n", "200", "--concurrency", "3", "--json",
-    )  # fmt: skip  (3 slots of 200 tokens and more: past the 512 cells a first context has)
+    # (3 slots of 200 tokens and more: past the 512 cells a first context has)
+    args = "bench --backend llama.cpp --rules sps -k 2 --limit 3 -n 200 --concurrency 3 --json".split()
+    r = invoke(*args, "--verifier", files["verifier"], "--draft", files["close"])
     assert r.exit_code == 0, r.output
     assert made and not grown, grown
 
