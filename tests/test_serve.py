@@ -32,7 +32,7 @@ except ImportError as err:
         raise RuntimeError('the serve tests need the serve and test extras: install ".[demo,test,eval,serve]"') from err
     pytest.skip(f"the serve extra is not installed ({err.name})", allow_module_level=True)
 
-from cactus_cli.app.serve.serving import Server  # noqa: E402
+from cactus_cli.app.serve.serving import Finished, Server  # noqa: E402
 from cactus_cli.app.session import Session  # noqa: E402
 
 PROMPT = "the cat sat on the mat and the dog"
@@ -641,3 +641,35 @@ def test_a_request_asking_for_auto_on_a_fixed_k_profile_gets_the_cost_probe(tiny
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
     assert session.engine.costs.costs.source.startswith("probe")
+
+
+def test_one_at_a_time_two_conversations_keep_their_own_cached_prefixes(batched):
+    """--parallel 1 keeps PREFIXES cached prompts: conversations that share only a chat header
+    each keep their slot, so coming back to one skips its whole prefill (the request used to take
+    the slot holding the longest common prefix, the header, and overwrite the other's cache:
+    serve_bench's edits were prefilled again on every round)."""
+    server = Server(batched, parallel=1)
+
+    def ask(text: str) -> tuple[Finished, int]:
+        ids = batched.encode([{"role": "user", "content": text}])
+        box: list = []
+        done = threading.Event()
+
+        def deliver(item):
+            if isinstance(item, (Finished, Exception)):
+                box.append(item)
+                done.set()
+
+        server.submit(server.job(ids, {"max_tokens": 4, "temperature": 0}, deliver))
+        assert done.wait(120)
+        assert isinstance(box[0], Finished), box[0]
+        return box[0], len(ids)
+
+    try:
+        a, b = PROMPT + " and then the cat sat down on the mat", "blue sky and the sun over the hills far away"
+        ask(a)
+        ask(b)
+        again, n = ask(a)
+        assert again.stats.reused_prefix_tokens >= n - 1, (again.stats.reused_prefix_tokens, n)
+    finally:
+        server.stop()

@@ -7,8 +7,9 @@ session's with the request's overrides, checked as flags are), and a ``deliver``
 worker hands each step event, then the end (``Finished``) or the error. A job whose client went
 away is cancelled between two steps, its slot free at once. Each slot's KV caches keep what its
 last request left, and a request takes the free slot holding the longest prefix of its prompt
-(or adopts that prefix from another slot), so a conversation's next turn, or a file an agent sends
-again, skips that prefix's prefill; the server keeps max(parallel, PREFIXES) such prefixes.
+among those whose cache it mostly shares, else the least recently used one (a chat header in
+common does not overwrite another conversation), and adopts a longer prefix another slot holds,
+so a conversation's next turn, or a file an agent sends again, skips that prefix's prefill; the server keeps max(parallel, PREFIXES) such prefixes.
 
 The HTTP side (app/serve/http_api.py) parses and answers; this module owns the queue, the worker, the
 per-request settings and the counters /metrics reports."""
@@ -37,6 +38,7 @@ from cactus_cli.infer.runners.base import common_prefix
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # ours -> OpenAI's
 PREFIXES = 4  # cached sequences the server keeps at least (aider alternates two conversations)
+SIMILAR = 0.5  # a request takes a slot whose cache it shares at least this share of; else the least recently used
 ADOPT_MIN = 16  # a prefix another slot holds is adopted when it is this many tokens longer than the chosen slot's
 MAX_PARALLEL = 16  # --parallel at most (and the widest a measured default goes)
 
@@ -314,12 +316,16 @@ class Server:
 
     def _admit(self, job: Job) -> None:
         """``job`` joins the batch (prefilled at the next step) in the free slot holding the longest
-        prefix of its prompt (ties: the least recently used), adopting a longer one another slot
-        holds."""
+        prefix of its prompt among those whose cache it shares at least SIMILAR of (an empty one
+        does), else the least recently used free slot; a longer prefix another slot holds is adopted."""
         busy = {entry.run.slot.index for entry in self.running}
         shared = {s.index: common_prefix(s.tokens[: s.verifier.cache_len], job.ids) for s in self.slots}
         free = [s for s in self.slots if s.index not in busy]
-        slot = max(free, key=lambda s: (shared[s.index], -s.used))
+        similar = [s for s in free if shared[s.index] >= SIMILAR * s.verifier.cache_len]
+        if similar:
+            slot = max(similar, key=lambda s: (shared[s.index], -s.used))
+        else:
+            slot = min(free, key=lambda s: s.used)
         donor = max(self.slots, key=lambda s: shared[s.index])
         donor = donor if shared[donor.index] >= shared[slot.index] + ADOPT_MIN else None
         if self.log is not None and job.label:
