@@ -9,7 +9,8 @@ away is cancelled between two steps, its slot free at once. Each slot's KV cache
 last request left, and a request takes the free slot holding the longest prefix of its prompt
 among those whose cache it mostly shares, else the least recently used one (a chat header in
 common does not overwrite another conversation), and adopts a longer prefix another slot holds,
-so a conversation's next turn, or a file an agent sends again, skips that prefix's prefill; the server keeps max(parallel, PREFIXES) such prefixes.
+so a conversation's next turn, or a file an agent sends again, skips that prefix's prefill; the
+server keeps max(parallel, PREFIXES) such prefixes.
 
 The HTTP side (app/serve/http_api.py) parses and answers; this module owns the queue, the worker, the
 per-request settings and the counters /metrics reports."""
