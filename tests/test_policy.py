@@ -78,7 +78,8 @@ def test_a_convex_cost_curve_is_read_per_width_not_through_a_line():
     verify = {1: 0.100, 2: 0.100, 3: 0.100, 5: 0.400, 9: 1.000}
     cm = cost_model(verify, draft=0.01)
     assert [cm.t_v(w) for w in (1, 2, 3)] == pytest.approx([0.1, 0.1, 0.1])  # what was measured
-    assert cm.t_v(4) == pytest.approx(0.25)  # between measured widths: linear
+    assert cm.t_v(4) == pytest.approx(0.2)  # between measured widths: linear (0.25), at most its split (3 + 1)
+    assert cm.t_v(7) == pytest.approx(0.3)  # three verifies of 3, 3 and 1 (linear: 0.55), until 7 is timed
     assert best_k(cm, 0.8, 8) == 2
     # the straight line through every width (the model before) halves t_v(1) and picks 0
     pts = [(w, t, 1) for w, t in verify.items()]
@@ -288,6 +289,114 @@ def test_cache_round_trip(tmp_path):
     assert not CostStore(path).costs.knows("model")  # a broken cache is ignored, not fatal
 
 
+# ---------------------------------------------------------------------- stale or contended costs (issue 68)
+
+
+def cached_model(verify: dict[int, float], draft: float | None = None) -> CostModel:
+    """A cost model as read from a cache file (three timings a width)."""
+    doc = {"verify": {str(w): [t] * 3 for w, t in verify.items()}}
+    if draft is not None:
+        doc["draft"] = {"model": [draft] * 3}
+    return CostModel.from_json(doc, "cache")[0]
+
+
+def numpy_interp(width: int, curve: dict[int, float]) -> float:
+    """The curve's cost of ``width`` tokens, linear between its widths."""
+    ws = sorted(curve)
+    lo = max(w for w in ws if w <= width)
+    hi = min((w for w in ws if w >= width), default=lo)
+    return curve[lo] if hi == lo else curve[lo] + (curve[hi] - curve[lo]) * (width - lo) / (hi - lo)
+
+
+def test_this_runs_first_timing_of_a_width_replaces_the_cached_ones():
+    cm = cached_model({1: 0.1, 2: 0.5, 4: 0.9}, draft=0.05)
+    assert cm.cached == {1, 2, 4} and not cm.fresh(2)
+    cm.add_verify(2, 0.12)  # one timing of this run outweighs every cached one of the width
+    assert cm.fresh(2) and cm.t_v(2) == pytest.approx(0.12) and list(cm.verify[2]) == [0.12]
+    cm.add_draft(0.01)
+    assert cm.t_d() == pytest.approx(0.01)
+    assert cm.describe(4)["cached_widths"] == [1, 4]
+
+
+def test_a_width_this_run_has_not_timed_costs_no_more_than_its_split():
+    # a cache written beside a busy process: widths 3 and up at 5x (the AVX2 EPYC's curve)
+    true = {1: 0.0436, 2: 0.0791, 4: 0.110, 8: 0.204, 16: 0.286}
+    cm = cached_model({w: t * (5 if w >= 3 else 1) for w, t in true.items()})
+    assert cm.t_v(16) == pytest.approx(5 * 0.286)  # nothing timed yet: the cache as it is
+    assert best_k(cm, [0.97] * 16, 15, source="suffix") == 1  # (why the default drafted one token at a time)
+    cm.add_verify(1, 0.0436)
+    cm.add_verify(2, 0.0791)
+    assert cm.t_v(3) <= 0.0436 + 0.0791  # at most split into 1 + 2
+    assert cm.t_v(16) == pytest.approx(8 * 0.0791)  # eight verifies of 2
+    cm.add_verify(16, 0.286)  # timed: as measured, not pooled up with the cached 8 (at 5x)
+    assert cm.t_v(16) == pytest.approx(0.286) and cm.t_v(8) <= 4 * 0.0791
+    assert cm.t_v(32) <= 2 * 0.286  # the cached 32 (at 5x) at most two verifies of 16
+
+
+def test_auto_k_times_the_widths_a_contended_cache_overprices():
+    true = {1: 0.0436, 2: 0.0791, 4: 0.110, 8: 0.204, 16: 0.286}
+    policy = AdaptiveK(CostStore())
+    policy.store.costs = cached_model({w: t * (5 if w >= 3 else 1) for w, t in true.items()})
+    sure = [0.97] * 15
+    for _ in range(40):  # a copied stretch: the suffix tree offers 15 tokens, the rule keeps them all
+        k = policy.choose("greedy", 15, "suffix", sure)
+        seconds = numpy_interp(k + 1, true)
+        policy.observe(Step("greedy", k, k, 0.0, seconds, source="suffix", confidence=sure[:k]))
+    assert policy.choose("greedy", 15, "suffix", sure) >= 12  # k 1 before: the wide widths were never timed
+    assert all(policy.costs.fresh(w) for w in range(3, 17))
+
+
+def test_wider_steps_are_spaced_by_what_they_lose():
+    """Every width timed: a wider step is tried RETIME_EVERY steps apart at the least, twice as
+    far each time it does not win; it never replaces the plain refresh or a k = 0 choice."""
+    from cactus_cli.infer.kpolicy.policy import RETIME_EVERY
+
+    steep = cost_model({w: 0.1 + 0.02 * (w - 1) for w in range(1, 10)}, draft=0.0)  # k = 2 wins on these estimates
+    policy = AdaptiveK()
+    policy.store.costs = steep
+    picks = [policy.choose("greedy", 8, "suffix", [0.9, 0.5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]) for _ in range(400)]
+    common = max(set(picks), key=picks.count)
+    wider = [i for i, k in enumerate(picks) if k > common]
+    assert common > 0 and wider and len(wider) <= 400 / RETIME_EVERY
+    gaps = [b - a for a, b in zip(wider, wider[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # backing off
+
+
+def test_a_probe_beside_a_busy_process_is_taken_again_at_the_next_start(tmp_path):
+    from cactus_cli.infer.kpolicy import store as store_mod
+
+    path = tmp_path / "costs.json"
+    busy = CostStore(path, {"pair": "x"})
+    busy.costs = cached_model({1: 0.1, 2: 0.2})
+    busy.probed({"taken": "2026-12-07T04:00:00+00:00", "quiet": False, "load": 2.1, "cpu_share": {"probe": 0.48}})
+    store_mod._PROBED.discard(str(path))  # (a new process)
+    again = CostStore(path)
+    assert again.provisional and again.needs_probe("suffix")
+    store_mod._PROBED.add(str(path))  # probed again in this process: not a third time
+    assert not again.needs_probe("suffix")
+    quiet = CostStore(tmp_path / "quiet.json")
+    quiet.costs = cached_model({1: 0.1, 2: 0.2})
+    quiet.probed({"taken": "2026-12-07T04:00:00+00:00", "quiet": True, "load": 0.1, "cpu_share": {"probe": 0.97}})
+    store_mod._PROBED.clear()
+    assert not CostStore(tmp_path / "quiet.json").needs_probe("suffix")
+    write_costs(tmp_path / "old.json", {"verify": {"1": [0.1]}}, {})  # before conditions were recorded
+    assert CostStore(tmp_path / "old.json").needs_probe("suffix")
+
+
+def test_a_cache_that_live_verifies_beat_is_marked_provisional(tmp_path, capsys):
+    from cactus_cli.core.conditions import WATCH_STEPS
+
+    path = tmp_path / "costs.json"
+    write_costs(path, {"verify": {"1": [0.2] * 3, "2": [0.3] * 3}}, {})
+    store = CostStore(path)
+    assert store.watch is not None
+    for _ in range(WATCH_STEPS):
+        store.observe_verify(1, 0.1)  # twice as fast as the cache said
+    assert store.conditions["quiet"] is False and store.conditions["drift"] == pytest.approx(0.5)
+    assert "faster than the measurement" in capsys.readouterr().err
+    assert CostStore(path).provisional  # saved: the next start probes again
+
+
 # ---------------------------------------------------------------------- the engine
 
 
@@ -365,8 +474,12 @@ def test_adaptive_k_learns_and_reports(close_pair):
     summary = engine.cost_summary(params)
     assert summary["adaptive_k"] and summary["source"] == "probe+online"
     assert 0 < summary["acceptance_estimate"] < 1 and summary["best_k"] in range(5)
-    # a second engine on the same pair starts from the cache the first one saved
-    assert SpeculativeEngine(close_pair).costs.costs.source == "cache"
+    # a second engine on the same pair starts from the cache the first one saved, with the
+    # probe's conditions (a quiet probe is not taken again)
+    again = SpeculativeEngine(close_pair).costs
+    assert again.costs.source == "cache" and set(again.conditions) >= {"taken", "quiet", "cpu_share"}
+    assert "probe" in again.conditions["cpu_share"]
+    assert not again.needs_probe("model")  # (quiet, or if not, probed in this process already)
 
 
 # ---------------------------------------------------------------------- dtype

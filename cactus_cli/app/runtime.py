@@ -11,6 +11,7 @@ from cactus_cli.app import follower
 from cactus_cli.app.config.parsing import parse_draft
 from cactus_cli.app.config.settings import Settings, draft_limit
 from cactus_cli.app.prompts import builtin_prompts
+from cactus_cli.core.conditions import taken
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.once import one_load
 from cactus_cli.core.sampling import SamplingParams
@@ -18,6 +19,7 @@ from cactus_cli.infer import draft
 from cactus_cli.infer.backends import backend_of
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
+from cactus_cli.infer.load.devices import device_name
 from cactus_cli.infer.load.loader import load_plan
 from cactus_cli.infer.load.plan import LoadRequest, plan_load, with_compile
 from cactus_cli.infer.load.sources import ModelPair
@@ -80,7 +82,24 @@ def load_engine(
         )
     for line in engine.costs.notes if reporter is not None else ():
         reporter.warn(line)
+    if (moved := calibrated_elsewhere(settings, pair)) and reporter is not None:
+        reporter.warn(moved)
     return engine
+
+
+def calibrated_elsewhere(settings: Settings, pair: ModelPair) -> str | None:
+    """A fixed k that `cactus calibrate --save` timed on another machine, in one line (None: it
+    was timed here, or the profile was not calibrated, or k is chosen per step)."""
+    machine = (settings.calibration or {}).get("machine")
+    if not machine or settings.num_draft_tokens == "auto":
+        return None
+    here = device_name(pair.verifier.device)
+    if machine == here:
+        return None
+    return (
+        f"this profile's k = {settings.num_draft_tokens} was calibrated on {machine}, not on this {here}; "
+        "run `cactus calibrate --save` here, or use -k auto"
+    )
 
 
 def free_drafting(kind: str | None, settings: Settings, pair: ModelPair, reporter=None) -> Free | None:
@@ -126,9 +145,14 @@ def prepare(
     engine.prepare(prompt_tokens + settings.max_tokens + 1, widths, report, slot=slot)
     if engine.compile_note and reporter is not None:
         reporter.warn(engine.compile_note)
-    if probe and engine.drafter is not None and "auto" in ks and not engine.costs.costs.knows(engine.cost_source):
+    if probe and engine.drafter is not None and "auto" in ks and engine.costs.needs_probe(engine.cost_source):
         if reporter is not None:
-            reporter.task("measuring step costs on this machine (once per pair, device and dtype)")
+            again = engine.costs.costs.knows(engine.cost_source)  # (known, but provisional)
+            reporter.task(
+                f"measuring step costs on this machine again ({taken(engine.costs.conditions or {})})"
+                if again
+                else "measuring step costs on this machine (once per pair, device and dtype)"
+            )
         engine.probe_costs(settings.max_draft_tokens)
 
 

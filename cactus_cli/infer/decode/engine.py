@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from cactus_cli.core.conditions import Conditions
 from cactus_cli.core.errors import ContextLimitError
 from cactus_cli.core.events import MODEL, StepEvent
 from cactus_cli.core.verify import verify_rows
@@ -217,7 +218,8 @@ class SpeculativeEngine:
 
             if d is not None:
                 d.forward(dids[:length], keep=1)
-            try:
+
+            def timed() -> None:
                 probe(
                     self.costs.costs,
                     verify_forward,
@@ -225,10 +227,16 @@ class SpeculativeEngine:
                     probe_widths(k_max),
                     lambda: sync(self.pair.verifier.device),
                 )
+
+            conditions = Conditions.start()
+            try:
+                if self.pair.verifier.device.type == "cpu":  # (the share of the CPU its threads got)
+                    conditions.measure(self.pair.verifier.threads or torch.get_num_threads(), timed, "probe")
+                else:
+                    timed()
             finally:
                 self.slots[0].reset()
-        self.costs.dirty = True
-        self.costs.save()
+        self.costs.probed(conditions.finish())
         return True
 
     def cost_summary(self, params: GenerationParams) -> dict[str, Any]:

@@ -8,7 +8,10 @@ costs about what 1 token costs on a GPU or an AVX-512 BF16 CPU, and 4.5x more on
 - ``CostModel``: the draft's seconds per drafted token ``t_d`` and the verifier's seconds per
   forward of width ``w``, ``t_v(w)``: medians over the last few timings per width (robust to a
   stray slow step), made non-decreasing in width. Seeded by a short probe (``probe``) when
-  nothing is known.
+  nothing is known. Timings read from the cache are marked as such: this run's first timing of
+  a width replaces them, and a width this run has not timed is priced at no more than splitting
+  its verify into verifies this run did time (``cap``), so a cache written while another process
+  loaded the machine cannot price wide verifies out of reach for good.
 - how often drafts are accepted: rates.py (``Acceptance`` per position, ``Calibration`` per
   drafter estimate); ``Step``: one finished step, as the policy and the store learn from it.
 - the costs and the acceptance estimates, loaded from and saved to ``$CACTUS_HOME/costs`` per
@@ -37,18 +40,38 @@ class CostModel:
     draft: dict[str, deque] = field(default_factory=dict)  # source -> seconds per drafted token
     verify: dict[int, deque] = field(default_factory=dict)  # width -> seconds per forward
     source: str = "none"  # "none", "probe", "cache", plus "+online" once the run has added timings
-    _curve: tuple[list[int], list[float], float] | None = field(
+    cached: set[int] = field(default_factory=set)  # widths whose timings all come from the cache
+    cached_draft: set[str] = field(default_factory=set)  # draft sources likewise
+    _curve: tuple[list[int], list[float], float, list[float]] | None = field(
         default=None, repr=False
     )  # the fit, until a timing arrives
 
     def add_draft(self, seconds_per_token: float, source: str = MODEL) -> None:
         if seconds_per_token > 0 and math.isfinite(seconds_per_token):
+            if source in self.cached_draft:  # this run's first timing replaces the cached ones
+                self.cached_draft.discard(source)
+                self.draft.pop(source, None)
             self.draft.setdefault(source, deque(maxlen=WINDOW)).append(seconds_per_token)
 
     def add_verify(self, width: int, seconds: float) -> None:
         if seconds > 0 and math.isfinite(seconds):
+            if width in self.cached:  # this run's first timing of the width replaces the cached ones
+                self.cached.discard(width)
+                self.verify.pop(width, None)
             self.verify.setdefault(width, deque(maxlen=WINDOW)).append(seconds)
             self._curve = None
+
+    def fresh(self, width: int) -> bool:
+        """Whether this run has timed a verify of ``width`` tokens (the probe included)."""
+        return width in self.verify and width not in self.cached
+
+    def forget(self) -> None:
+        """Drop every timing (a probe measures them all again)."""
+        self.verify.clear()
+        self.draft.clear()
+        self.cached.clear()
+        self.cached_draft.clear()
+        self._curve = None
 
     def knows(self, source: str) -> bool:
         """Enough to choose k for drafts from ``source`` (a lookup needs only the verifier's costs)."""
@@ -73,25 +96,60 @@ class CostModel:
         curve = self._fit()
         if curve is None:
             return 0.0
-        widths, costs, slope = curve
+        widths, costs, slope, cap = curve
         if width <= widths[0]:
-            return costs[0]
-        if width >= widths[-1]:
-            return costs[-1] + slope * (width - widths[-1])
-        i = bisect.bisect_right(widths, width)  # widths[i - 1] < width < widths[i] (or equal to the former)
-        w0, w1, c0, c1 = widths[i - 1], widths[i], costs[i - 1], costs[i]
-        return c0 + (c1 - c0) * (width - w0) / (w1 - w0)
+            fit = costs[0]
+        elif width >= widths[-1]:
+            fit = costs[-1] + slope * (width - widths[-1])
+        else:
+            i = bisect.bisect_right(widths, width)  # widths[i - 1] < width < widths[i] (or equal to the former)
+            w0, w1, c0, c1 = widths[i - 1], widths[i], costs[i - 1], costs[i]
+            fit = c0 + (c1 - c0) * (width - w0) / (w1 - w0)
+        if self.fresh(width) or width >= len(cap):
+            return fit
+        return min(fit, cap[width])
 
-    def _fit(self) -> tuple[list[int], list[float], float] | None:
+    def _fit(self) -> tuple[list[int], list[float], float, list[float]] | None:
         """Fitted once per new timing: each step asks t_v for every candidate k."""
         if self._curve is None and self.verify:
             self._curve = self._fit_curve()
         return self._curve
 
-    def _fit_curve(self) -> tuple[list[int], list[float], float] | None:
-        pts = sorted((w, statistics.median(v), len(v)) for w, v in self.verify.items() if v)
-        if not pts:
+    def cap(self) -> list[float]:
+        """``[w]``: the least a verify of ``w`` tokens can cost when split into verifies of widths
+        this run timed (the sum of their medians; inf where no split reaches it). No width this
+        run has not timed is priced above it: a cache written beside another busy process (wide
+        verifies at 5-7x) or a slope extrapolated from a few widths cannot make a wide verify
+        look dearer than two narrower ones, so the policy tries it and times it."""
+        base = {w: statistics.median(v) for w, v in self.verify.items() if v and w not in self.cached}
+        cap = [math.inf] * (CAP_WIDTH + 1)
+        parts = sorted(base.items())
+        for w in range(1, CAP_WIDTH + 1):  # (fewest-cost sum of timed widths: an unbounded knapsack)
+            best = base.get(w, math.inf)
+            for a, t in parts:
+                if a >= w:
+                    break
+                rest = cap[w - a]
+                if t + rest < best:
+                    best = t + rest
+            cap[w] = best
+        return cap
+
+    def _fit_curve(self) -> tuple[list[int], list[float], float, list[float]] | None:
+        cap = self.cap()
+        medians = {w: statistics.median(v) for w, v in self.verify.items() if v}
+        if not medians:
             return None
+        # a cached width is believed at most at its split and at what this run timed for a wider
+        # one, and counts as one timing: a contended cache must not pool this run's own timings up
+        ceiling, pts = math.inf, []
+        for w in sorted(medians, reverse=True):
+            if w in self.cached:
+                pts.append((w, min(medians[w], ceiling, cap[w] if w < len(cap) else math.inf), 1))
+            else:
+                pts.append((w, medians[w], len(self.verify[w])))
+                ceiling = min(ceiling, medians[w])
+        pts.reverse()
         # pool adjacent violators: blocks of (weighted mean, weight, widths)
         blocks: list[list[float]] = []
         for w, t, c in pts:
@@ -101,7 +159,7 @@ class CostModel:
                 t1, c1, n1 = blocks[-1]
                 blocks[-1] = [(t1 * c1 + t2 * c2) / (c1 + c2), c1 + c2, n1 + n2]
         costs = [max(t, 1e-9) for t, _, n in blocks for _ in range(int(n))]
-        return [w for w, _, _ in pts], costs, slope(pts)
+        return [w for w, _, _ in pts], costs, slope(pts), cap
 
     def describe(self, widths: int) -> dict[str, Any]:
         return {
@@ -110,6 +168,7 @@ class CostModel:
             **{f"{name}_seconds_per_token": self.t_d(name) if self.draft.get(name) else None for name in KINDS},
             "verify_seconds_by_width": {str(w): self.t_v(w) for w in range(1, widths + 1)} if self.verify else {},
             "measured_widths": sorted(self.verify),
+            "cached_widths": sorted(self.cached),  # (not timed by this run yet: its first timing replaces them)
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -131,13 +190,16 @@ class CostModel:
                     dropped += 1
         for w, values in doc.get("verify", {}).items():
             width = int(w) if str(w).isdigit() else -1
-            # only the newest few per width: this run's own timings outweigh an old cache within
-            # a few steps (a cache learned while another process loaded the machine ages out)
+            # only the newest few per width; they are marked cached (below), and this run's first
+            # timing of the width replaces them; a width this run never times is priced at most
+            # at its split (cap), so the policy tries it; store.py's Watch holds this run's
+            # timings against them and, beaten persistently, has the next start probe again
             for s in values[-CACHED_PER_WIDTH:] if isinstance(values, list) else [None]:
                 if 1 <= width <= MAX_WIDTH and _valid_seconds(s):
                     cm.add_verify(width, float(s))
                 else:
                     dropped += 1
+        cm.cached, cm.cached_draft = set(cm.verify), set(cm.draft)
         return cm, dropped
 
 
@@ -161,6 +223,7 @@ def slope(pts: list[tuple[int, float, int]]) -> float:
 
 
 MAX_WIDTH = 65  # k_max (64) + 1
+CAP_WIDTH = 2 * MAX_WIDTH  # the widest step cap() prices (a step of several requests: up to 128 tokens)
 CACHED_PER_WIDTH = 5  # of a width's WINDOW timings, the newest this many are taken from the cache
 MAX_SECONDS = 3600.0  # no forward takes an hour: a larger timing is corrupt
 
@@ -226,7 +289,9 @@ def probe(
     repeats: int = DROP_TIMINGS,
 ) -> None:
     """Seed the cost model: time verifier forwards at ``widths`` and one-token draft forwards,
-    after one untimed warm-up of each. The callables run a forward and restore the caches."""
+    after one untimed warm-up of each. The callables run a forward and restore the caches.
+    Every earlier timing is dropped first: a probe measures the machine again."""
+    costs.forget()
     verify_forward(1)
     if draft_forward is not None:
         draft_forward()

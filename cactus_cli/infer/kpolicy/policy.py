@@ -7,9 +7,12 @@
   wins, an occasional ``k = 1`` step keeps ``a`` fresh, so the engine notices when the text
   becomes easy to draft (each probe that leaves ``k = 0`` winning doubles the spacing, up to
   MAX_BACKOFF times, so a draft that does not pay costs less and less); while drafting wins,
-  an occasional plain step keeps ``t_v(1)``, the yardstick of every choice, fresh. The choice
-  depends only on past steps, never on the current step's random draws, so SpS stays exactly
-  lossless.
+  an occasional plain step keeps ``t_v(1)``, the yardstick of every choice, fresh, and while
+  the drafter offers more than k, an occasional wider step (the next width of the ladder above)
+  times a width this run has not timed, paced by what the wider step is expected to lose
+  (``explore_up``), so a wide verify that a stale or contended cache overprices is timed and,
+  if it pays, taken. The choice depends only on past steps, never on the current step's random
+  draws, so SpS stays exactly lossless.
 - A drafting step costs more than k t_d when the draft first catches up on the tokens verified
   since it last drafted (a draft model after plain steps; a cross-vocabulary draft also
   re-encodes the text and drafts one token more): ``Overhead`` learns that extra as a line in
@@ -29,14 +32,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cactus_cli.core.events import MODEL
-from cactus_cli.infer.kpolicy.costs import WINDOW, CostModel, Step, best_k, slope
+from cactus_cli.infer.kpolicy.costs import WINDOW, CostModel, Step, best_k, probe_widths, slope, tokens_per_second
 from cactus_cli.infer.kpolicy.rates import Calibration, expected_by_k
 from cactus_cli.infer.kpolicy.store import CostStore
 
 EXPLORE_BUDGET = 0.03  # while k = 0 wins, spend at most ~3% of the time re-testing k = 1 ...
 MAX_BACKOFF = 8  # ... and, as probes keep confirming it, down to 3% / 8 (a probe every 64+ steps) ...
 MAX_SPACING = 64  # ... but never fewer than one probe in 8 * 64 steps (a catch-up that grows with the gap)
-REFRESH_EVERY = 64  # while drafting wins, one plain step in this many keeps t_v(1) fresh (~1% cost)
+REFRESH_EVERY = 64  # while drafting wins, one plain step in this many keeps t_v(1) fresh (~1% cost) ...
+REFRESH_FIRST = 8  # ... the first after this many when this run has not timed t_v(1) yet
+RETIME_EVERY = 16  # widths all timed: a wider step at least this many steps apart (times the back-off)
 
 
 def acceptance_key(rule: str, rule_kwargs: dict[str, Any], temperature: float, top_k: int, top_p: float) -> str:
@@ -202,6 +207,9 @@ class AdaptiveK(FixedK):
         self.behind = (
             0  # tokens the draft has not read: the prompt's it deferred, plus one per plain step since it drafted
         )
+        self.since_up = 0  # drafting steps since the last wider step (explore_up)
+        self.up_from: int | None = None  # the k the last step widened (None: it did not)
+        self.up_backoff = 1  # the spacing's multiplier for re-timing widths: doubled while wider steps do not win
 
     @property
     def costs(self) -> CostModel:
@@ -244,11 +252,12 @@ class AdaptiveK(FixedK):
             self.plain_steps, self.probed = 0, False
             self.backoff = 1 if k > 0 else self.backoff
             self.draft_steps += 1
-            if self.draft_steps >= REFRESH_EVERY and self.costs.knows(source):
+            refresh = REFRESH_EVERY if self.costs.fresh(1) else REFRESH_FIRST
+            if self.draft_steps >= refresh and self.costs.knows(source):
                 self.draft_steps = 0
                 return 0
-            return k
-        self.draft_steps = 0
+            return self.explore_up(want, k) if k > 0 else k
+        self.draft_steps, self.up_from = 0, None
         # k = 0 wins: now and then draft one token anyway, so a stays fresh. A probe step costs
         # about t_d + t_v(2) - t_v(1) extra (more for a draft that first catches up on the text
         # verified since it last drafted); spacing probes by that over EXPLORE_BUDGET * t_v(1)
@@ -264,3 +273,33 @@ class AdaptiveK(FixedK):
             self.plain_steps, self.probed = 0, True
             return 1
         return 0
+
+    def explore_up(self, want: Want, k: int) -> int:
+        """Drafting wins at ``k`` and the drafter offers more: now and then a wider step instead, so
+        the widths the policy avoids are timed too (a cache written beside another busy process
+        prices wide verifies at 5-7x; without timing them again, k = 1 would win for good). The
+        width tried is the next one of the probe's ladder above k + 1 that this run has not timed;
+        such steps are spaced by the share of a step's speed the wider one is expected to lose
+        over EXPLORE_BUDGET (a wide step the split cap prices near k's costs nearly nothing: it is
+        tried at once). Once every width up to the draft is timed, the next width above is timed
+        again at least RETIME_EVERY steps apart, spaced twice as far each time it does not win."""
+        if self.up_from is not None:  # the last step was wider: did its timing move the choice up?
+            self.up_backoff = 1 if k > self.up_from else min(2 * self.up_backoff, MAX_BACKOFF)
+            self.up_from = None
+        if not self.costs.knows(want.source) or want.k_max <= k:
+            return k
+        ladder = [w for w in probe_widths(want.k_max) if w > k + 1]
+        new = next((w for w in ladder if not self.costs.fresh(w)), None)
+        width = new if new is not None else ladder[0]
+        rates = want.rates or []
+        now = tokens_per_second(self.costs, rates, k, want.source, want.overhead)
+        wider = tokens_per_second(self.costs, rates, width - 1, want.source, want.overhead)
+        loss = max(1 - wider / now, 0.0) if now > 0 else 1.0
+        every = max(1, math.ceil(loss / EXPLORE_BUDGET))
+        if new is None:
+            every = max(every, RETIME_EVERY) * self.up_backoff
+        self.since_up += 1
+        if self.since_up < every:
+            return k
+        self.since_up, self.up_from = 0, k
+        return width - 1

@@ -1,18 +1,25 @@
 """The cost store: what steps cost (costs.py's ``CostModel``) and how often drafts are accepted
 (rates.py), kept per (pair, device, dtype, threads, torch, backend, quantization) in
 ``$CACTUS_HOME/costs``, so the next run starts informed. ``cost_key`` names a loaded pair's entry,
-``key_of`` a load plan's before anything is loaded."""
+``key_of`` a load plan's before anything is loaded.
+
+The probe's conditions are stored with it (core/conditions.py): a probe taken beside another
+busy process, or before conditions were recorded, is provisional and taken again at the next
+start (``needs_probe``); this run's verifies are held against the cached curve (``Watch``), and a
+cache they beat persistently is marked provisional the same way."""
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from cactus_cli.core.conditions import Watch
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.once import once
@@ -24,6 +31,7 @@ from cactus_cli.infer.load.devices import device_name
 from cactus_cli.infer.load.sources import ModelPair
 
 SCHEMA = 3
+_PROBED: set[str] = set()  # the stores this process probed (a provisional probe is taken again once per start)
 
 
 def valid_counts(acc: Any, tested: Any) -> bool:
@@ -102,8 +110,39 @@ class CostStore:
         self.calibrations: dict[str, Calibration] = {}  # (akey, source, run or fresh) -> acceptance by estimate
         self.dirty = False
         self.notes: list[str] = []  # what loading the cache had to drop, for the user (one line)
+        self.conditions: dict[str, Any] | None = None  # the probe's (Conditions.finish); None: not recorded
+        self.watch: Watch | None = None  # this run's verifies against the cached curve
         if path is not None and path.is_file():
             self._load(path)
+        if self.costs.cached:
+            curve = {w: statistics.median(self.costs.verify[w]) for w in sorted(self.costs.cached)}
+            self.watch = Watch("verifies", curve, self.conditions or {}, self._drifted)
+
+    @property
+    def provisional(self) -> bool:
+        """The stored timings are not to be trusted as they are: the probe ran beside another busy
+        process, later runs beat it (Watch), or it was taken before conditions were recorded."""
+        return bool(self.costs.verify) and (self.conditions is None or self.conditions.get("quiet") is False)
+
+    def needs_probe(self, source: str = MODEL) -> bool:
+        """Whether a -k auto start should probe: nothing known for ``source`` yet, or a provisional
+        probe this process has not taken again."""
+        return not self.costs.knows(source) or (self.provisional and str(self.path) not in _PROBED)
+
+    def probed(self, conditions: dict[str, Any]) -> None:
+        """A probe just measured every width under ``conditions``; saved now."""
+        self.conditions = conditions
+        self.watch = None  # (nothing cached is left to hold live timings against)
+        _PROBED.add(str(self.path))
+        self.dirty = True
+        self.save()
+
+    def _drifted(self, ratio: float) -> None:
+        """The Watch's mark: this run's verifies beat the cached ones persistently (``ratio``: live
+        over stored), so the cache was taken beside another busy process; saved as provisional."""
+        self.conditions = {**(self.conditions or {}), "quiet": False, "drift": round(ratio, 3)}
+        self.dirty = True
+        self.save()
 
     @classmethod
     def read(cls, key: dict[str, Any]) -> CostStore:
@@ -119,6 +158,8 @@ class CostStore:
             if doc.get("schema") != SCHEMA:
                 return
             self.costs, dropped = CostModel.from_json(doc.get("costs", {}), "cache")
+            conditions = doc.get("conditions")
+            self.conditions = conditions if isinstance(conditions, dict) else None
             for name, pair in doc.get("acceptance", {}).items():
                 acc, tested = pair if isinstance(pair, list) and len(pair) == 2 else (None, None)
                 if isinstance(name, str) and valid_counts(acc, tested):
@@ -165,6 +206,8 @@ class CostStore:
 
     def observe_verify(self, width: int, seconds: float) -> None:
         """One verifier call of ``width`` tokens (several runs' rows, stepped together, count as one)."""
+        if self.watch is not None:  # (held against the cached curve, at the widths it has)
+            self.watch.add(width, seconds)
         self.costs.add_verify(width, seconds)
         if not self.costs.source.endswith("+online"):
             self.costs.source += "+online"
@@ -198,6 +241,7 @@ class CostStore:
             "schema": SCHEMA,
             "key": self.key,
             "saved": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "conditions": self.conditions,  # the probe's: when, under what load, whether quiet
             "costs": self.costs.to_json(),
             "acceptance": {k: [v.accepted, v.tested] for k, v in self.acceptance.items()},
             "calibration": {k: [v.accepted, v.tested] for k, v in self.calibrations.items()},
