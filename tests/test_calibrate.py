@@ -214,9 +214,27 @@ def test_a_fixed_k_replaces_the_profiles_k_auto_bound(tiny, tmp_path):
             "verifier_alone_tokens_per_second": 7.0,
         },
     }
+    doc["environment"] = {"device_name": "Other CPU [avx2] AVX2", "cpu_threads": 2}
     save_profile(target, None, resolve_settings(str(target), {}), doc)
     data, _ = load_profile(str(target))  # loads: no error
     assert data["num_draft_tokens"] == 2 and "max_draft_tokens" not in data
+    # the machine its k was timed on is kept, and a start on another one says so
+    from types import SimpleNamespace
+
+    import torch
+
+    from cactus_cli.app.runtime import calibrated_elsewhere
+    from cactus_cli.infer.load.devices import device_name
+
+    assert data["calibration"]["machine"] == "Other CPU [avx2] AVX2" and data["calibration"]["threads"] == 2
+    pair = SimpleNamespace(verifier=SimpleNamespace(device=torch.device("cpu")))
+    line = calibrated_elsewhere(resolve_settings(str(target), {}), pair)
+    assert line and "k = 2 was calibrated on Other CPU" in line and "cactus calibrate --save" in line
+    here = {**data["calibration"], "machine": device_name(torch.device("cpu"))}
+    assert (
+        calibrated_elsewhere(resolve_settings(str(target), {}).__class__(calibration=here, num_draft_tokens=2), pair)
+        is None
+    )
 
 
 @pytest.mark.parametrize(

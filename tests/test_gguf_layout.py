@@ -108,6 +108,32 @@ def test_threads_are_measured_once_and_the_fastest_kept(tiny_gguf, monkeypatch):
     assert choose(tiny_gguf, "tiny", "none", 1, False, no_texts).threads == 1  # --threads wins
 
 
+@pytest.mark.parametrize("bad", [0, -1.0, "nan"])
+def test_a_corrupt_stored_choice_is_measured_again(tiny_gguf, isolated_home, monkeypatch, bad):
+    """A stored score or speed-up that is not a positive number (a hand edit, a bad disk): measured
+    again, never trusted (a zero score won every thread count; a string speed-up crashed the start)."""
+    monkeypatch.setattr(gguf_layout, "thread_candidates", lambda: [1, 2])
+    timed = []
+
+    def fake_measure(path, threads, widths=gguf_layout.WIDTHS, texts=()):
+        timed.append(threads)
+        return {"curve": {w: 0.05 / threads * (1 + w / 16) for w in widths}, "nll": None}
+
+    monkeypatch.setattr(gguf_layout, "measure", fake_measure)
+    assert choose(tiny_gguf, "tiny", "auto", None, False, no_texts).threads == 2
+    n = len(timed)
+    for path in (isolated_home / "costs").glob("gguf-layout-*.json"):
+        doc = json.loads(path.read_text())
+        result = doc["result"]
+        if "scores" in result:
+            result["scores"]["1"] = float(bad) if bad != "nan" else float("nan")
+        if "speedup" in result:
+            result["speedup"] = bad if bad != "nan" else "fast"
+        path.write_text(json.dumps(doc))
+    assert choose(tiny_gguf, "tiny", "auto", None, False, no_texts).threads == 2
+    assert len(timed) > n  # measured again
+
+
 @pytest.mark.parametrize(
     "q4_speed, drift, expected",
     [

@@ -116,5 +116,9 @@ def save_profile(target: Path, base_profile: str | None, settings: Settings, doc
         "top_k": settings.top_k,
         "top_p": settings.top_p,
     }
+    env = doc.get("environment") or {}
+    if env.get("device_name"):  # the machine its timings are true of (a start elsewhere says so: runtime.py)
+        data["calibration"]["machine"] = env["device_name"]
+        data["calibration"]["threads"] = env.get("llama_cpp_threads") or env.get("cpu_threads")
     text = "# written by `cactus calibrate`; other keys kept as they were\n" + yaml.safe_dump(data, sort_keys=False)
     return write_or_fail(target, text, "--save")

@@ -99,9 +99,12 @@ def device_name(device: torch.device) -> str:
     return f"{model} [{' '.join(flags)}] {isa}"
 
 
-def _median_seconds(fn, x: torch.Tensor, reps: int = 9, watch: Conditions | None = None) -> float:
+def _median_seconds(
+    fn, x: torch.Tensor, reps: int = 9, watch: Conditions | None = None, label: str = "timings"
+) -> float:
     """Median seconds of ``fn(x)`` over ``reps`` calls, after one untimed warm-up call (the
-    first call picks kernels); the timed calls' CPU share counted by ``watch``."""
+    first call picks kernels); the timed calls' CPU share counted by ``watch`` under ``label``
+    (each candidate its own: a busy spell during one of them is not averaged away by the other)."""
 
     def timed() -> list[float]:
         times = []
@@ -113,17 +116,19 @@ def _median_seconds(fn, x: torch.Tensor, reps: int = 9, watch: Conditions | None
 
     with torch.inference_mode():
         fn(x)
-        times = watch.measure(torch.get_num_threads(), timed, "timings") if watch is not None else timed()
+        times = watch.measure(torch.get_num_threads(), timed, label) if watch is not None else timed()
     return statistics.median(times)
 
 
 def _median_linear_seconds(
     dtype: torch.dtype, hidden: int, inter: int, rows: int, reps: int = 9, watch: Conditions | None = None
-) -> float:
+) -> float:  # (its CPU share counted under the dtype's name)
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(inter, hidden, generator=gen).to(dtype)  # [out, in], like an MLP up-projection
     x = torch.randn(rows, hidden, generator=gen).to(dtype)  # [rows, in]
-    return _median_seconds(lambda x: torch.nn.functional.linear(x, w), x, reps, watch)
+    return _median_seconds(
+        lambda x: torch.nn.functional.linear(x, w), x, reps, watch, str(dtype).removeprefix("torch.")
+    )
 
 
 def _timed_once(prefix: str, shape: list[int], names: tuple[str, ...], seconds) -> tuple[dict[str, float], str]:
@@ -179,7 +184,7 @@ def fastest_cpu_quantization(hidden: int, inter: int, rows: int = 9) -> tuple[st
     def seconds(name: str, watch: Conditions) -> float:
         layer = (Int8DynamicLinear if name == "w8a8" else Int8Linear)(*weights(), None, torch.bfloat16)
         return sum(
-            _median_seconds(layer, torch.randn(n, hidden, generator=gen).to(torch.bfloat16), 7, watch)
+            _median_seconds(layer, torch.randn(n, hidden, generator=gen).to(torch.bfloat16), 7, watch, name)
             for n in (1, rows)
         )
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import math
 import os
 import tempfile
 import time
@@ -301,6 +302,8 @@ def _threads(path: Path, name: str, threads: int | None, reporter=None) -> tuple
         scores = {int(t): float(s) for t, s in result["scores"].items()} if result else None
     except (KeyError, TypeError, ValueError, AttributeError):
         scores = None
+    if scores and not all(0 < s < math.inf for s in scores.values()):  # (0, negative, NaN: corrupt)
+        scores = None
     again = result is not None and result.get("quiet") is False  # (provisional: taken while the machine was busy)
     if not scores or set(scores) != set(candidates) or again:
         if reporter is not None:
@@ -330,7 +333,7 @@ def _auto(path: Path, name: str, threads: int | None, texts: Callable[[], list[l
     n, twhy, records = _threads(path, name, threads, reporter)
     key = {**_key(path, name, "type"), "threads": n}
     result = _cached(key)
-    if result is None or not {"quantize", "speedup", "nll_drift"} <= set(result) or result.get("quiet") is False:
+    if result is None or not _valid_type(result) or result.get("quiet") is False:
         made = requantize(path, "q4_0", name, reporter)
         if reporter is not None:
             why = "again: the last timing ran beside another busy process" if result else "once on this CPU"
@@ -361,6 +364,18 @@ def _auto(path: Path, name: str, threads: int | None, texts: Callable[[], list[l
         return Layout(str(made), n, "q4_0", f"quantize auto: Q4_0, requantized once; {_measured(result)}", twhy)
     _watch(path, n, records)
     return Layout(str(path), n, "gguf", f"quantize auto: the shipped weight types; {_measured(result)}", twhy)
+
+
+def _valid_type(result: dict) -> bool:
+    """A stored weight-type choice that can be used: its keys, a known type, a positive speed-up,
+    a finite drift or none (a corrupt one is measured again, never crashes a start)."""
+    speedup, drift = result.get("speedup"), result.get("nll_drift")
+    return (
+        result.get("quantize") in ("q4_0", "gguf")
+        and isinstance(speedup, (int, float))
+        and 0 < speedup < math.inf
+        and (drift is None or (isinstance(drift, (int, float)) and math.isfinite(drift)))
+    )
 
 
 def _measured(result: dict) -> str:
