@@ -39,7 +39,15 @@ def make_tokenizer(folder: Path, extra_words: tuple[str, ...] = (), chat_templat
 
 
 def make_model(
-    folder: Path, family: str, seed: int, vocab: int, layers: int = 2, max_pos: int = 512, noise: float = 0.0
+    folder: Path,
+    family: str,
+    seed: int,
+    vocab: int,
+    layers: int = 2,
+    max_pos: int = 512,
+    noise: float = 0.0,
+    hidden: int = 64,
+    heads: int = 4,
 ) -> Path:
     from transformers import (
         LlamaConfig,
@@ -51,11 +59,11 @@ def make_model(
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
         max_position_embeddings=max_pos,
         bos_token_id=1,
         eos_token_id=2,

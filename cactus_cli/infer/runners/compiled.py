@@ -90,8 +90,13 @@ def compile_problem(device: torch.device) -> str | None:
         return "torch.compile does not support MPS well enough yet"
     try:
         from transformers import StaticCache  # noqa: F401
+        from transformers.cache_utils import StaticLayer
     except ImportError:
         return "this transformers has no StaticCache"
+    if not hasattr(StaticLayer, "crop"):  # (5.24: the rewind after rejected drafts; vLLM's CPU build pins < 5.20)
+        import transformers
+
+        return f"transformers {transformers.__version__} cannot rewind a static cache (StaticLayer.crop, 5.24 or newer)"
     return None
 
 
