@@ -75,7 +75,7 @@ def test_a_crop_rewinds_every_layer_in_one_foreach_call(pair, monkeypatch):
     calls = []
     real = torch._foreach_sub_
     monkeypatch.setattr(torch, "_foreach_sub_", lambda ts, n: (calls.append(len(ts)), real(ts, n)))
-    monkeypatch.setattr(StaticLayer, "crop", lambda *a: pytest.fail("a per-layer crop ran"))
+    monkeypatch.setattr(StaticLayer, "crop", lambda *a: pytest.fail("a per-layer crop ran"), raising=False)  # (5.24+)
     r.crop(2)
     assert calls == [len(r.cache.layers)]
 

