@@ -115,13 +115,16 @@ class CostModel:
             self._curve = self._fit_curve()
         return self._curve
 
-    def cap(self) -> list[float]:
+    def cap(self, medians: dict[int, float] | None = None) -> list[float]:
         """``[w]``: the least a verify of ``w`` tokens can cost when split into verifies of widths
         this run timed (the sum of their medians; inf where no split reaches it). No width this
         run has not timed is priced above it: a cache written beside another busy process (wide
         verifies at 5-7x) or a slope extrapolated from a few widths cannot make a wide verify
-        look dearer than two narrower ones, so the policy tries it and times it."""
-        base = {w: statistics.median(v) for w, v in self.verify.items() if v and w not in self.cached}
+        look dearer than two narrower ones, so the policy tries it and times it. ``medians``: each
+        width's median timing, where the caller has them already."""
+        if medians is None:
+            medians = {w: statistics.median(v) for w, v in self.verify.items() if v}
+        base = {w: t for w, t in medians.items() if w not in self.cached}
         cap = [math.inf] * (CAP_WIDTH + 1)
         parts = sorted(base.items())
         for w in range(1, CAP_WIDTH + 1):  # (fewest-cost sum of timed widths: an unbounded knapsack)
@@ -136,10 +139,10 @@ class CostModel:
         return cap
 
     def _fit_curve(self) -> tuple[list[int], list[float], float, list[float]] | None:
-        cap = self.cap()
         medians = {w: statistics.median(v) for w, v in self.verify.items() if v}
         if not medians:
             return None
+        cap = self.cap(medians)
         # a cached width is believed at most at its split and at what this run timed for a wider
         # one, and counts as one timing: a contended cache must not pool this run's own timings up
         ceiling, pts = math.inf, []
