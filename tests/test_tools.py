@@ -310,3 +310,42 @@ def test_each_tokens_logprob_is_the_verifiers_drafted_or_not(served, draft):
     lp = plain.json()["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
     assert all(len(t) <= 2 for t in lp["top_logprobs"]) and lp["text_offset"][0] == 0
+
+
+def test_an_answer_that_ends_by_itself_has_one_logprob_per_counted_token(served, monkeypatch):
+    """The end token is counted in usage (as vLLM counts it), so it has its entry too (as vLLM
+    gives it): one entry per completion token, whole and streamed, chat and completions."""
+    session, server, url, client = served
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 10, "temperature": 0}
+    first = httpx.post(f"{url}/v1/chat/completions", json=body | {"logprobs": True}, timeout=60).json()
+    fourth = first["choices"][0]["logprobs"]["content"][3]["token"]
+    end = session.tokenizer.convert_tokens_to_ids(fourth)
+    monkeypatch.setattr(session.engine, "eos", {*session.engine.eos, end})  # the greedy answer's 4th token ends it
+    body |= {"logprobs": True, "top_logprobs": 3}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 4
+    entries = r["choices"][0]["logprobs"]["content"]
+    assert len(entries) == 4 and entries[-1]["token"] == fourth and len(entries[-1]["top_logprobs"]) == 3
+    streamed = httpx.post(
+        f"{url}/v1/chat/completions",
+        json=body | {"stream": True, "stream_options": {"include_usage": True}},
+        timeout=60,
+    ).text
+    lines = [json.loads(x[6:]) for x in streamed.splitlines() if x.startswith("data: {")]
+    got = [e for c in lines for ch in c["choices"] for e in ((ch.get("logprobs") or {}).get("content") or [])]
+    assert [e["token"] for e in got] == [e["token"] for e in entries] and lines[-1]["usage"]["completion_tokens"] == 4
+    plain = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "logprobs": 2}
+    third = httpx.post(f"{url}/v1/completions", json=plain, timeout=60).json()["choices"][0]["logprobs"]["tokens"][2]
+    monkeypatch.setattr(session.engine, "eos", {*session.engine.eos, session.tokenizer.convert_tokens_to_ids(third)})
+    for stream in (False, True):
+        r = httpx.post(f"{url}/v1/completions", json=plain | {"stream": stream}, timeout=60)
+        if stream:
+            chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+            tokens = [
+                t for c in chunks for ch in c["choices"] for t in ((ch.get("logprobs") or {}).get("tokens") or [])
+            ]
+        else:
+            lp = r.json()["choices"][0]["logprobs"]
+            assert len(lp["tokens"]) == len(lp["token_logprobs"]) == r.json()["usage"]["completion_tokens"] == 3
+            tokens = lp["tokens"]
+        assert len(tokens) == 3 and tokens[-1] == third

@@ -73,12 +73,11 @@ class Answer:
         return text, calls, entries
 
     def _logprobs(self, ev: Any) -> list[tuple[int, float, tuple]]:
+        """One entry per emitted token, the end token included: usage counts it (as vLLM does, which
+        gives it its entry too), so the entries and ``completion_tokens`` agree."""
         if self.logprobs is None:
             return []
-        pairs = list(zip(ev.emitted, ev.logprobs))
-        if ev.finish_reason == "eos":
-            pairs = pairs[:-1]  # (the EOS token adds no text)
-        return [(token, lp, top) for token, (lp, top) in pairs]
+        return [(token, lp, top) for token, (lp, top) in zip(ev.emitted, ev.logprobs)]
 
     def logprob_block(self, entries: list) -> dict[str, Any] | None:
         """OpenAI's logprobs object for ``entries``: chat's ``content`` list, or completions'
