@@ -163,6 +163,32 @@ def test_the_embedded_models_template_renders_tools_calls_and_results(tiny):
     assert "<tool_response>\nrain\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
 
 
+def test_the_embedded_templates_tool_call_example_is_single_braced_json(tiny, tmp_path):
+    """Rendered with tools, the embedded Qwen2.5's template (as its GGUF carries it) taught the call
+    format as ``{{"name": <function-name>, "arguments": <args-json-object>}}``, and the model wrote
+    its calls that way: the tokenizer is loaded with that example corrected; other templates are
+    loaded as they are."""
+    from transformers import AutoTokenizer
+
+    from cactus_cli.infer.load.sources import Source, load_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["verifier"])
+    tok.chat_template = (Path(__file__).parent / "data" / "qwen2.5_chat_template.jinja").read_text()
+    tok.save_pretrained(tmp_path / "qwen")
+    loaded = load_tokenizer(Source("folder", str(tmp_path / "qwen")))
+    messages = [{"role": "user", "content": "weather?"}]
+    text = loaded.apply_chat_template(messages, tools=[WEATHER], add_generation_prompt=True, tokenize=False)
+    example = text.split("XML tags:\n<tool_call>\n", 1)[1].split("\n</tool_call>", 1)[0]
+    filled = example.replace("<function-name>", '"get_weather"').replace("<args-json-object>", '{"city": "Paris"}')
+    assert json.loads(filled) == {"name": "get_weather", "arguments": {"city": "Paris"}}, example
+    assert loaded.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    )  # (without tools: the same prompt)
+    tok.chat_template = TOOLS_TEMPLATE
+    tok.save_pretrained(tmp_path / "other")
+    assert load_tokenizer(Source("folder", str(tmp_path / "other"))).chat_template == TOOLS_TEMPLATE
+
+
 # --- through the server --------------------------------------------------------------------------------
 
 

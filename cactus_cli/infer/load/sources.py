@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,4 +226,23 @@ def load_tokenizer(src: Source):
     backend sizes the vocabulary, the loader hands it to the engine: one read)."""
     from transformers import AutoTokenizer
 
-    return once(("tokenizer", src), lambda: _from_pretrained(AutoTokenizer, src, "tokenizer"))
+    return once(("tokenizer", src), lambda: corrected(_from_pretrained(AutoTokenizer, src, "tokenizer")))
+
+
+# Qwen2's and Qwen2.5's chat templates (the embedded pair's among them) show the tool-call format inside
+# a string, where Jinja's braces are not special, as {{"name": <function-name>, ...}}: rendered with
+# tools, the example is not JSON, and models write their calls the same broken way. (Ollama ships
+# these templates corrected; Qwen3's is right.)
+_DOUBLED_EXAMPLE = re.compile(r'\{\{(\\?"name\\?": <function-name>, \\?"arguments\\?": <args-json-object>)\}\}')
+
+
+def corrected(tok: Any) -> Any:
+    """``tok`` with a chat template known to be broken corrected (any other template as it is)."""
+    templates = fixed = getattr(tok, "chat_template", None)
+    if isinstance(templates, str):
+        fixed = _DOUBLED_EXAMPLE.sub(r"{\1}", templates)
+    elif isinstance(templates, dict):  # (named templates: "default", "tool_use")
+        fixed = {name: _DOUBLED_EXAMPLE.sub(r"{\1}", t) for name, t in templates.items()}
+    if fixed != templates:
+        tok.chat_template = fixed
+    return tok
