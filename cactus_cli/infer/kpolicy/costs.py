@@ -177,13 +177,13 @@ class CostModel:
     def to_json(self) -> dict[str, Any]:
         return {
             "draft": {src: list(v) for src, v in self.draft.items()},
-            "verify": {str(w): list(v) for w, v in self.verify.items()},
+            "verify": {str(w): list(v) for w, v in self.verify.items() if w <= MAX_STEP_WIDTH},  # (what loads)
         }
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], source: str) -> tuple[CostModel, int]:
         """The model a cache file holds, and how many entries were dropped as invalid (a width
-        outside 1..MAX_WIDTH, a time that is not a positive number of seconds below an hour)."""
+        outside 1..MAX_STEP_WIDTH, a time that is not a positive number of seconds below an hour)."""
         cm, dropped = cls(source=source), 0
         for src, values in doc.get("draft", {}).items():
             for s in values:
@@ -198,7 +198,7 @@ class CostModel:
             # at its split (cap), so the policy tries it; store.py's Watch holds this run's
             # timings against them and, beaten persistently, has the next start probe again
             for s in values[-CACHED_PER_WIDTH:] if isinstance(values, list) else [None]:
-                if 1 <= width <= MAX_WIDTH and _valid_seconds(s):
+                if 1 <= width <= MAX_STEP_WIDTH and _valid_seconds(s):
                     cm.add_verify(width, float(s))
                 else:
                     dropped += 1
@@ -226,6 +226,7 @@ def slope(pts: list[tuple[int, float, int]]) -> float:
 
 
 MAX_WIDTH = 65  # k_max (64) + 1
+MAX_STEP_WIDTH = 16 * MAX_WIDTH  # a batched step's verify: up to 16 requests (serve --parallel) of MAX_WIDTH
 CAP_WIDTH = 2 * MAX_WIDTH  # the widest step cap() prices (a step of several requests: up to 128 tokens)
 CACHED_PER_WIDTH = 5  # of a width's WINDOW timings, the newest this many are taken from the cache
 MAX_SECONDS = 3600.0  # no forward takes an hour: a larger timing is corrupt
