@@ -112,11 +112,16 @@ class CostStore:
         self.notes: list[str] = []  # what loading the cache had to drop, for the user (one line)
         self.conditions: dict[str, Any] | None = None  # the probe's (Conditions.finish); None: not recorded
         self.watch: Watch | None = None  # this run's verifies against the cached curve
+        self.stamp = file_stamp(path)  # the file as this store last read or wrote it (None: no file)
         if path is not None and path.is_file():
             self._load(path)
-        if self.costs.cached:
-            curve = {w: statistics.median(self.costs.verify[w]) for w in sorted(self.costs.cached)}
-            self.watch = Watch("verifies", curve, self.conditions or {}, self._drifted)
+        self.watch = self._watching()
+
+    def _watching(self) -> Watch | None:
+        if not self.costs.cached:
+            return None
+        curve = {w: statistics.median(self.costs.verify[w]) for w in sorted(self.costs.cached)}
+        return Watch("verifies", curve, self.conditions or {}, self._drifted)
 
     @property
     def provisional(self) -> bool:
@@ -134,6 +139,7 @@ class CostStore:
         self.conditions = conditions
         self.watch = None  # (nothing cached is left to hold live timings against)
         _PROBED.add(str(self.path))
+        self.stamp = file_stamp(self.path)  # (a fresh probe replaces whatever the file holds now)
         self.dirty = True
         self.save()
 
@@ -237,6 +243,9 @@ class CostStore:
         folder only costs the next run its head start)."""
         if self.path is None or not self.dirty:
             return
+        if file_stamp(self.path) != self.stamp:
+            self._changed_under()
+            return
         doc = {
             "schema": SCHEMA,
             "key": self.key,
@@ -249,6 +258,28 @@ class CostStore:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(self.path, json.dumps(doc, indent=1))
-            self.dirty = False
+            self.dirty, self.stamp = False, file_stamp(self.path)
         except OSError:
             pass
+
+    def _changed_under(self) -> None:
+        """The file was removed (`cactus models remeasure`) or rewritten by another process since
+        this store read or wrote it: what it holds now replaces what this store held (nothing, when
+        removed), never the other way round. The timings are then learned again from the next
+        steps; saved without a probe's conditions, they are provisional, so the next start probes."""
+        now = CostStore(self.path, self.key)
+        vars(self.costs).update(vars(now.costs))  # (in place: the policies hold this CostModel)
+        for mine, theirs in ((self.acceptance, now.acceptance), (self.calibrations, now.calibrations)):
+            mine.clear()
+            mine.update(theirs)
+        self.conditions, self.stamp, self.dirty = now.conditions, now.stamp, False
+        self.watch = self._watching()
+
+
+def file_stamp(path: Path | None) -> tuple[int, int, int] | None:
+    """What tells one version of a file from another: inode, modification time, size."""
+    try:
+        st = path.stat() if path is not None else None
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size) if st is not None else None
