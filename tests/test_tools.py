@@ -131,6 +131,46 @@ def test_a_call_that_does_not_check_out_stays_text(body):
     assert read(T.Calls(tools()), [answer]) == (answer, [])
 
 
+DOUBLED = '{{"name": "get_weather", "arguments": {"city": "Paris"}}}'
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "<tool_call>\n" + DOUBLED + "\n</tool_call>",  # as the broken template example taught
+        "<tool_call>\n" + DOUBLED[:-1] + "\n</tool_call>",  # (its last brace not doubled)
+        DOUBLED,  # no tags: the whole answer is the call
+        "\n" + DOUBLED[1:-1] + "\n",
+        DOUBLED[:-1],
+    ],
+)
+@pytest.mark.parametrize("cut", [1, 3, 1000])
+def test_a_call_in_the_doubled_brace_form_or_without_tags_is_read(answer, cut):
+    text, calls = read(T.Calls(tools()), [answer[i : i + cut] for i in range(0, len(answer), cut)])
+    assert text.strip() == "" and [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        '{"name": "Bob", "age": 3}',  # JSON, not a call
+        '{"name": "get_weather", "arguments": {"city": "Paris"}} and more',  # a call's JSON, then text
+        'It is {"name": "get_weather", "arguments": {"city": "Paris"}}',  # text, then a call's JSON
+        "{{ not json",
+    ],
+)
+def test_json_that_is_not_a_whole_call_stays_text(answer):
+    assert read(T.Calls(tools()), [answer[i : i + 2] for i in range(0, len(answer), 2)]) == (answer, [])
+
+
+def test_text_that_cannot_be_a_call_is_shown_at_once():
+    parser = T.Calls(tools())
+    assert parser.feed("\n") == ("", [])  # (undecided)
+    assert parser.feed("{") == ("", [])
+    assert parser.feed('"city"') == ('\n{"city"', [])
+    assert T.Calls(tools()).feed("Sunny") == ("Sunny", [])
+
+
 def test_one_call_when_parallel_calls_are_off_and_a_forced_opening_is_read_back():
     parser = T.Calls(tools(parallel=False))
     text, calls = parser.feed(CALL + CALL)

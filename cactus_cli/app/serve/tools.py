@@ -9,8 +9,9 @@ Hermes and many others are trained on::
 
 ``tool_choice`` ``required`` or a named function starts the answer with the call's opening (the
 tokens go after the prompt, as the assistant's first words), so the model can only continue a
-call; ``none`` renders no tools. What the model writes is checked before it is passed on as a
-call: valid JSON, a declared name, an object of arguments holding the schema's required keys. A
+call; ``none`` renders no tools. A call is also read in the forms a broken template example taught
+(Qwen2.5's: ``{{"name": ..., "arguments": {...}}}``) and, where it is the whole answer, without its
+tags. What the model writes is checked before it is passed on as a call: valid JSON, a declared name, an object of arguments holding the schema's required keys. A
 call that fails the check is left in the answer's text (finish_reason ``stop``), never passed on
 as a broken call. Errors in a request are a ``FieldError`` naming the field (a 400)."""
 
@@ -28,6 +29,7 @@ from cactus_cli.infer.decode.grammar import JSON_OPTIONS, Grammar
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CALL_HEAD, CALL_REST = '\n{"name": "', '", "arguments": '  # a call: OPEN CALL_HEAD name CALL_REST arguments }\n CLOSE
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+BARE = ('{"name"', '{{"name"')  # how a whole answer that is a call without its tags starts (spaces aside)
 
 
 @dataclass(frozen=True)
@@ -202,15 +204,20 @@ class Calls:
     held: str = ""
     inside: bool = False
     done: bool = False  # parallel_tool_calls false: the first call ends the answer
+    bare: bool | None = None  # the whole answer may be a call without its tags (None: not known yet)
 
     def __post_init__(self) -> None:
         opening = self.tools.opening()
         if opening:
-            self.inside, self.held = True, opening[len(OPEN) :]
+            self.inside, self.held, self.bare = True, opening[len(OPEN) :], False
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         shown, new = [], []
         self.held += text
+        if self.bare is not False:
+            self.bare = _bare(self.held)
+            if self.bare is not False:  # (held to the end, where it is read as a call or shown)
+                return "", []
         while self.held and not self.done:
             if not self.inside:
                 at = self.held.find(OPEN)
@@ -241,20 +248,17 @@ class Calls:
         if self.done:
             return "", []
         held, self.held = self.held, ""
-        if self.inside:
+        if self.inside or self.bare:
             self.inside = False
             call = self._check(held, len(self.calls))
             if call is not None:
                 self.calls.append(call)
                 return "", [call]
-            return OPEN + held, []
+            return ("" if self.bare else OPEN) + held, []
         return held, []
 
     def _check(self, body: str, index: int) -> dict[str, Any] | None:
-        try:
-            doc = json.loads(body.strip())
-        except ValueError:
-            return None
+        doc = _json(body.strip())
         if not isinstance(doc, dict) or doc.get("name") not in self.tools.names:
             return None
         if self.tools.choice not in ("auto", "required") and doc["name"] != self.tools.choice:
@@ -276,3 +280,23 @@ class Calls:
             "type": "function",
             "function": {"name": doc["name"], "arguments": json.dumps(args, ensure_ascii=False)},
         }
+
+
+def _bare(text: str) -> bool | None:
+    """Whether an answer that starts with ``text`` is a call without its tags: True where it starts
+    like one, False where it cannot, None while it is too short to say."""
+    start = "".join(text.split())[:8]
+    if any(start.startswith(form) for form in BARE):
+        return True
+    return None if any(form.startswith(start) for form in BARE) else False
+
+
+def _json(body: str) -> Any:
+    """A call's JSON as written, or in the doubled-brace form a broken template example taught
+    (``{{"name": ..., "arguments": {...}}}``, its last brace doubled or not); None if neither."""
+    for text in (body, body[1:-1], body[1:]) if body.startswith("{{") else (body,):
+        try:
+            return json.loads(text)
+        except ValueError:
+            continue
+    return None
