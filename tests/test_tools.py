@@ -307,6 +307,31 @@ def test_a_call_comes_back_as_tool_calls_whole_and_streamed(served, scripted):
 
 
 @pytest.mark.parametrize(
+    "said, content",
+    [
+        ("\n" + CALL + "\n", None),  # (the Qwen2.5 template puts a newline before each call)
+        ("Let me look.\n" + CALL, "Let me look."),
+        (" Sunny.\n\n", " Sunny.\n\n"),  # no call: the text as written
+    ],
+)
+def test_the_streamed_text_of_an_answer_with_tools_is_the_whole_answers(served, scripted, said, content):
+    session, server, url, client = served
+    scripted["text"] = said
+    body = {
+        "model": server.model_id,
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [WEATHER],
+        "max_tokens": 4,
+    }
+    whole = client.chat.completions.create(**body).choices[0].message
+    assert whole.content == content and bool(whole.tool_calls) == (CALL in said)
+    scripted["sent"] = False
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**body, stream=True) if c.choices]
+    assert "".join(d.content or "" for d in deltas) == (content or "")
+    assert all(d.content != "\n" for d in deltas)
+
+
+@pytest.mark.parametrize(
     "body, param, words",
     [
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}, "tools", "parameters"),

@@ -47,16 +47,34 @@ class Answer:
         self.tool_calls: list[dict[str, Any]] = []
         self.entries: list[tuple[int, float, tuple]] = []
         self.offset = 0  # (completions' text_offset)
+        self.space = ""  # (tools declared) whitespace held back: an answer that makes calls ends without it
 
     def add(self, ev: Any) -> tuple[str, list[dict[str, Any]], list]:
         """An event's text to show, the calls it completed and its tokens' log-probabilities."""
-        text, calls = self.calls.feed(ev.text) if self.calls is not None else (ev.text, [])
-        return self._keep(text, calls, self._logprobs(ev))
+        if self.calls is None:
+            return self._keep(ev.text, [], self._logprobs(ev))
+        text, calls = self.calls.feed(ev.text)
+        return self._keep(self._unspaced(text), calls, self._logprobs(ev))
 
     def close(self) -> tuple[str, list[dict[str, Any]]]:
-        text, calls = self.calls.close() if self.calls is not None else ("", [])
+        """The rest of the answer: streamed and whole, the same text (the whitespace around calls
+        left out, as the newline the template puts before each call)."""
+        if self.calls is None:
+            return "", []
+        text, calls = self.calls.close()
+        text = self._unspaced(text)
+        if not (calls or self.tool_calls):
+            text, self.space = text + self.space, ""
         self._keep(text, calls, [])
         return text, calls
+
+    def _unspaced(self, text: str) -> str:
+        """``text`` after the whitespace held back, less its own trailing whitespace (held back
+        until more text follows it)."""
+        text = self.space + text
+        kept = text.rstrip()
+        self.space = text[len(kept) :]
+        return kept
 
     @property
     def done(self) -> bool:
@@ -118,7 +136,7 @@ class Answer:
             return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.tool_calls:
-            message["content"] = text.strip() or None
+            message["content"] = text or None
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in self.tool_calls]
         return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": self.finish_reason(finish)}
 
