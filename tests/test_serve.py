@@ -194,9 +194,9 @@ def test_malformed_and_oversized_bodies(served, monkeypatch):
     assert r.status_code == 405 and r.json()["error"]["message"] == "GET is not allowed on /v1/completions"
     r = httpx.get(f"{url}/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    from cactus_cli.app.serve import http_api as http
+    from cactus_cli.app.serve import http_guard
 
-    monkeypatch.setattr(http, "MAX_BODY_BYTES", 1000)
+    monkeypatch.setattr(http_guard, "MAX_BODY_BYTES", 1000)
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "the " * 500})
     assert r.status_code == 413 and "over the 1000-byte limit" in r.json()["error"]["message"]
     chunked = httpx.post(f"{url}/v1/completions", content=iter([b'{"prompt": "the"}']))  # (no Content-Length)

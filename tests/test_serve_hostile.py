@@ -7,14 +7,21 @@ headers, lone surrogates and deep nesting outside message text (500s with traceb
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import threading
+import time
 
 import pytest
 
+from cactus_cli.app.serve import http_guard
 from cactus_cli.core.paths import cache_path
 from cactus_cli.infer.kpolicy.costs import Step
 from cactus_cli.infer.kpolicy.store import CostStore
 from tests.helpers import invoke
+
+pytest.importorskip("fastapi")  # (the serve extra; test_serve says so on CI)
 
 # --- the cost store ------------------------------------------------------------------------------
 
@@ -73,3 +80,83 @@ def test_a_store_another_process_rewrote_is_read_again_not_overwritten(tmp_path)
     mine.save()
     assert json.loads(path.read_text())["costs"]["verify"] == {"1": [0.1]}  # (theirs, kept)
     assert mine.costs.t_v(1) == pytest.approx(0.1) and mine.conditions == {"quiet": True}
+
+
+# --- the body, at the transport -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    """The app on a free port behind uvicorn with `cactus serve`'s own protocol: (server, port)."""
+    import uvicorn
+
+    from cactus_cli.app.serve.http_api import build_app
+    from cactus_cli.app.serve.serving import Server
+    from cactus_cli.app.session import Session
+
+    session = Session.load(
+        verifier=tiny["verifier"], draft=tiny["draft_close"], device="cpu", dtype="float32", max_tokens=4, seed=0
+    )
+    server = Server(session, max_queue=4)
+    config = uvicorn.Config(
+        build_app(server), host="127.0.0.1", port=0, log_level="error", http=http_guard.guarded_http()
+    )
+    http = uvicorn.Server(config)
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    while not http.started:
+        assert thread.is_alive()
+        time.sleep(0.02)
+    yield server, http.servers[0].sockets[0].getsockname()[1]
+    http.should_exit = True
+    thread.join(10)
+    server.stop()
+
+
+def exchange(port: int, head: bytes, body: bytes = b"", wait: float = 10) -> tuple[bytes, float]:
+    """Send a request's head and ``body`` on a fresh connection; (all the server sent before it
+    closed the connection, seconds it took)."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.settimeout(wait)
+    started = time.monotonic()
+    sock.sendall(head + body)
+    got = b""
+    while chunk := sock.recv(65536):
+        got += chunk
+    sock.close()
+    return got, time.monotonic() - started
+
+
+def test_a_chunked_body_sent_with_a_small_content_length_is_refused(served):
+    """The 8 MiB limit read the Content-Length header while h11 read the chunks: a 20 MiB body took
+    the server from 0.5 GB to 3.4 GB. Both framings together are refused (RFC 9112), connection closed."""
+    server, port = served
+    chunk = b'{"prompt": "the cat", "max_tokens": 2}'
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += b"Content-Length: 10\r\nTransfer-Encoding: chunked\r\n\r\n"
+    got, _ = exchange(port, head, b"%x\r\n%s\r\n0\r\n\r\n" % (len(chunk), chunk))
+    assert got.startswith(b"HTTP/1.1 400"), got
+    assert b"Content-Length or Transfer-Encoding, not both" in got and b"connection: close" in got.lower()
+
+
+def test_the_body_limit_counts_the_bytes_that_arrive(monkeypatch):
+    """Whatever the headers say, a body is refused (413) once more than the limit has arrived, and
+    the app never sees it."""
+    monkeypatch.setattr(http_guard, "MAX_BODY_BYTES", 1000)
+    seen, sent = [], []
+
+    async def app(scope, receive, send):
+        seen.append(await receive())
+
+    async def send(message):
+        sent.append(message)
+
+    chunks = [{"type": "http.request", "body": b"x" * 400, "more_body": True} for _ in range(5)]
+
+    async def receive():
+        return chunks.pop(0)
+
+    scope = {"type": "http", "method": "POST", "headers": [(b"content-length", b"10")]}
+    asyncio.run(http_guard.BodyGuard(app)(scope, receive, send))
+    assert seen == [] and sent[0]["status"] == 413 and b"over the 1000-byte limit" in sent[1]["body"]
+    assert len(chunks) == 2  # (it stopped reading at 1,200 bytes)

@@ -22,12 +22,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cactus_cli.app.serve.http_answer import Answer, ApiError, error_body, whole
 from cactus_cli.app.serve.http_answer import stream as answer_stream
+from cactus_cli.app.serve.http_guard import BodyGuard
 from cactus_cli.app.serve.serving import Busy, FieldError, Server
 from cactus_cli.app.serve.tools import Calls, Tools, parse_tools, supports_tools, template_messages
 from cactus_cli.core.errors import CactusError, ConfigError
 from cactus_cli.infer.decode.grammar import Grammar
 
-MAX_BODY_BYTES = 8 * 1024 * 1024  # a request larger than this is refused (413) before it is parsed
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap
 UNSUPPORTED = {  # OpenAI fields cactus cannot honour, and what it does instead (a 400, never a silent ignore)
     "functions": "the deprecated function calls are not supported; use tools",
@@ -296,18 +296,12 @@ def _answer_errors(app: FastAPI) -> None:
 
 
 def _guard_requests(app: FastAPI, api_key: str | None) -> None:
-    """Before any route: the body's size (413; 411 without a length) and the API key (401)."""
+    """Before any route: the API key (401), then the body (http_guard.BodyGuard: its size, framing
+    and time; read only once the key is right)."""
+    app.add_middleware(BodyGuard)
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is None and request.method == "POST":  # (a body of unknown length could be any size)
-            body = error_body("a request body needs a Content-Length header", None, "invalid_request_error")
-            return JSONResponse(body, 411)
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            limit = f"{MAX_BODY_BYTES >> 20} MiB" if MAX_BODY_BYTES >= 1 << 20 else f"{MAX_BODY_BYTES}-byte"
-            body = error_body(f"the body is over the {limit} limit", None, "invalid_request_error")
-            return JSONResponse(body, 413)
         if api_key is not None and request.url.path != "/health":
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):

@@ -1,11 +1,15 @@
-"""The connection guard of `cactus serve`: uvicorn's HTTP protocol with a header timeout (a
-transport concern, beside app/serve/http_api.py, which shapes requests and answers)."""
+"""The connection guard of `cactus serve`: uvicorn's HTTP protocol with a header timeout, and the
+request body's guard (its size as received, its framing), transport concerns beside
+app/serve/http_api.py, which shapes requests and answers."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from typing import Any
 
 HEADER_TIMEOUT = 30.0  # seconds a connection may take to send a request's headers before it is closed
+MAX_BODY_BYTES = 8 * 1024 * 1024  # a request larger than this is refused (413) before it is parsed
 
 
 def guarded_http():
@@ -51,3 +55,54 @@ def guarded_http():
             super().connection_lost(exc)
 
     return GuardedH11
+
+
+class BodyGuard:
+    """ASGI middleware: a request's whole body, read before the app sees it, or one clear error and
+    the connection closed: 411 for a POST without Content-Length, 400 for Transfer-Encoding sent
+    with Content-Length (RFC 9112: the framing is in doubt), 413 once more than MAX_BODY_BYTES
+    arrive (counted as received, whatever the headers said)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if b"content-length" in headers and b"transfer-encoding" in headers:
+            return await _refuse(send, 400, "send a body with Content-Length or Transfer-Encoding, not both")
+        length = headers.get(b"content-length", b"")
+        if scope["method"] == "POST" and not length:  # (a body of unknown length could be any size)
+            return await _refuse(send, 411, "a request body needs a Content-Length header")
+        if length and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            return await _refuse(send, 413, _over())
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > MAX_BODY_BYTES:
+                return await _refuse(send, 413, _over())
+        read = [{"type": "http.request", "body": bytes(body), "more_body": False}]
+
+        async def replay() -> dict[str, Any]:  # the body once, then what the connection says (a disconnect)
+            return read.pop() if read else await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def _over() -> str:
+    limit = f"{MAX_BODY_BYTES >> 20} MiB" if MAX_BODY_BYTES >= 1 << 20 else f"{MAX_BODY_BYTES}-byte"
+    return f"the body is over the {limit} limit"
+
+
+async def _refuse(send: Any, status: int, message: str) -> None:
+    """One error in OpenAI's shape, and the connection closed (what is left of the body is not read)."""
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": None}  # (OpenAI's shape)
+    body = json.dumps({"error": error}).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": [*head, (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
