@@ -160,3 +160,15 @@ def test_the_body_limit_counts_the_bytes_that_arrive(monkeypatch):
     asyncio.run(http_guard.BodyGuard(app)(scope, receive, send))
     assert seen == [] and sent[0]["status"] == 413 and b"over the 1000-byte limit" in sent[1]["body"]
     assert len(chunks) == 2  # (it stopped reading at 1,200 bytes)
+
+
+def test_a_body_that_stalls_after_its_headers_is_timed_out(served, monkeypatch):
+    """Headers were timed out, a body never: a request that sent its headers and part of its body
+    held its socket for good. Now a 408 and the connection closed, BODY_TIMEOUT after the headers;
+    a slow body that arrives in time is answered."""
+    server, port = served
+    monkeypatch.setattr(http_guard, "BODY_TIMEOUT", 1.0, raising=False)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    got, took = exchange(port, head, b'{"prompt": ')
+    assert got.startswith(b"HTTP/1.1 408"), got
+    assert b"did not arrive within 1 s" in got and 0.9 < took < 5

@@ -1,5 +1,5 @@
 """The connection guard of `cactus serve`: uvicorn's HTTP protocol with a header timeout, and the
-request body's guard (its size as received, its framing), transport concerns beside
+request body's guard (its size as received, its framing, its time), transport concerns beside
 app/serve/http_api.py, which shapes requests and answers."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any
 
 HEADER_TIMEOUT = 30.0  # seconds a connection may take to send a request's headers before it is closed
 MAX_BODY_BYTES = 8 * 1024 * 1024  # a request larger than this is refused (413) before it is parsed
+BODY_TIMEOUT = 60.0  # seconds a request's body may take to arrive in full after its headers (then 408)
 
 
 def guarded_http():
@@ -61,7 +62,8 @@ class BodyGuard:
     """ASGI middleware: a request's whole body, read before the app sees it, or one clear error and
     the connection closed: 411 for a POST without Content-Length, 400 for Transfer-Encoding sent
     with Content-Length (RFC 9112: the framing is in doubt), 413 once more than MAX_BODY_BYTES
-    arrive (counted as received, whatever the headers said)."""
+    arrive (counted as received, whatever the headers said), 408 when it has not all arrived
+    BODY_TIMEOUT seconds after the headers (a body that stalls held its socket for good)."""
 
     def __init__(self, app: Any):
         self.app = app
@@ -78,8 +80,13 @@ class BodyGuard:
         if length and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
             return await _refuse(send, 413, _over())
         body, more = bytearray(), True
+        deadline = asyncio.get_running_loop().time() + BODY_TIMEOUT
         while more:
-            message = await receive()
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                message = await asyncio.wait_for(receive(), max(left, 0.0))
+            except asyncio.TimeoutError:
+                return await _refuse(send, 408, f"the body did not arrive within {BODY_TIMEOUT:g} s of the headers")
             if message["type"] == "http.disconnect":
                 return None
             body += message.get("body", b"")
