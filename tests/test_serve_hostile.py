@@ -23,6 +23,14 @@ from tests.helpers import invoke
 
 pytest.importorskip("fastapi")  # (the serve extra; test_serve says so on CI)
 
+from .test_serve import httpx  # noqa: E402
+from .test_tools import TOOLS_TEMPLATE  # noqa: E402
+
+# the tiny tokenizer's template with the tools section Qwen2.5's has (the tools as transformers' tojson writes them)
+TEMPLATE = TOOLS_TEMPLATE.replace(
+    "{% for t in tools %}{{ t['function']['name'] }} {% endfor %}", "{{ tools | tojson }}"
+)
+
 # --- the cost store ------------------------------------------------------------------------------
 
 
@@ -97,6 +105,7 @@ def served(tiny):
     session = Session.load(
         verifier=tiny["verifier"], draft=tiny["draft_close"], device="cpu", dtype="float32", max_tokens=4, seed=0
     )
+    session.tokenizer.chat_template = TEMPLATE
     server = Server(session, max_queue=4)
     config = uvicorn.Config(
         build_app(server), host="127.0.0.1", port=0, log_level="error", http=http_guard.guarded_http()
@@ -172,3 +181,104 @@ def test_a_body_that_stalls_after_its_headers_is_timed_out(served, monkeypatch):
     got, took = exchange(port, head, b'{"prompt": ')
     assert got.startswith(b"HTTP/1.1 408"), got
     assert b"did not arrive within 1 s" in got and 0.9 < took < 5
+
+
+# --- the request's JSON -------------------------------------------------------------------------
+
+
+def deep(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+CALLED = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}
+
+
+def with_call(name: str = "get_weather", arguments: str = '{"city": "Paris"}') -> list[dict]:
+    call = {**CALLED["tool_calls"][0], "function": {"name": name, "arguments": arguments}}
+    return [{"role": "user", "content": "the cat"}, {**CALLED, "tool_calls": [call]}]
+
+
+JSON = {"content-type": "application/json"}
+
+
+def raw_post(port: int, path: str, text: str) -> tuple[int, dict]:
+    """POST ``text`` as it is (JSON that json.dumps would not write: lone surrogates kept as escapes)."""
+    r = httpx.post(f"http://127.0.0.1:{port}{path}", content=text.encode(), headers=JSON, timeout=60)
+    return r.status_code, r.json()
+
+
+def surrogate(value: dict, where: list) -> str:
+    """``value`` as JSON with the string at ``where`` (keys and indices) given a lone surrogate."""
+    doc = json.loads(json.dumps(value))
+    target = doc
+    for key in where[:-1]:
+        target = target[key]
+    target[where[-1]] = "MARK"
+    return json.dumps(doc).replace("MARK", "a \\ud800 b")
+
+
+@pytest.mark.parametrize(
+    "body, where, field",
+    [
+        ({"tools": [WEATHER]}, ["tools", 0, "function", "description"], "tools[0].function.description"),
+        (
+            {"messages": with_call()},
+            ["messages", 1, "tool_calls", 0, "function", "name"],
+            "messages[1].tool_calls[0].function.name",
+        ),
+        ({"messages": [{"role": "user", "content": "the cat"}]}, ["messages", 0, "content"], "messages[0].content"),
+        ({"stop": ["x"]}, ["stop", 0], "stop[0]"),
+    ],
+)
+def test_a_lone_surrogate_anywhere_is_a_400_naming_where(served, body, where, field):
+    """A lone surrogate in a tool's description or an assistant call's name reached the chat
+    template (TypeError, a 500 with a traceback); in message text it was already a 400, still is."""
+    server, port = served
+    payload = {"messages": [{"role": "user", "content": "the cat"}], "max_tokens": 2} | body
+    status, doc = raw_post(port, "/v1/chat/completions", surrogate(payload, where))
+    assert status == 400, doc
+    assert doc["error"]["param"] == where[0] and doc["error"]["message"].startswith(f"{field}: "), doc
+    assert "unpaired surrogate (\\ud800)" in doc["error"]["message"]
+
+
+def test_lone_surrogates_in_keys_and_in_call_arguments_are_400s(served):
+    server, port = served
+    tool = json.loads(json.dumps(WEATHER))
+    tool["function"]["parameters"]["properties"] = {"MARK": {"type": "string"}}
+    text = json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": [tool]}).replace("MARK", "\\udc00")
+    status, doc = raw_post(port, "/v1/chat/completions", text)
+    assert status == 400 and doc["error"]["message"].startswith("tools[0].function.parameters.properties: a key"), doc
+    arguments = json.dumps({"city": "MARK"}).replace("MARK", "\\ud800")  # (JSON text in a string: the escape inside)
+    status, doc = raw_post(port, "/v1/chat/completions", json.dumps({"messages": with_call(arguments=arguments)}))
+    assert status == 400, doc
+    assert doc["error"]["message"].startswith("messages[1].tool_calls[0].function.arguments.city: the text holds")
+
+
+@pytest.mark.parametrize("levels", [400, 900])
+def test_json_nested_deep_inside_a_request_is_a_400_not_a_recursion_error(served, levels):
+    """Tool-call arguments or tool parameters nested 400-900 levels raised RecursionError (a 500)."""
+    server, port = served
+    tool = json.loads(json.dumps(WEATHER))
+    tool["function"]["parameters"]["properties"]["city"]["default"] = json.loads(deep(levels))
+    for path, body, field in (
+        ("/v1/chat/completions", {"messages": with_call(arguments=deep(levels))}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "tool_choice": "auto"},
+            "tools",
+        ),
+        ("/v1/completions", {"prompt": "the cat", "stop": json.loads(deep(levels))}, "stop"),
+    ):
+        status, doc = raw_post(port, path, json.dumps(body))
+        assert status == 400 and doc["error"]["param"] == field, (path, doc)
+        assert f"nested deeper than {http_guard.MAX_DEPTH} levels" in doc["error"]["message"], doc
+    status, doc = raw_post(port, "/v1/chat/completions", json.dumps({"messages": with_call(), "max_tokens": 2}))
+    assert status == 200, doc  # (a call's arguments as they should be are taken)

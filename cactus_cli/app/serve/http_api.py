@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cactus_cli.app.serve.http_answer import Answer, ApiError, error_body, whole
 from cactus_cli.app.serve.http_answer import stream as answer_stream
-from cactus_cli.app.serve.http_guard import BodyGuard
+from cactus_cli.app.serve.http_guard import BodyGuard, json_problem
 from cactus_cli.app.serve.serving import Busy, FieldError, Server
 from cactus_cli.app.serve.tools import Calls, Tools, parse_tools, supports_tools, template_messages
 from cactus_cli.core.errors import CactusError, ConfigError
@@ -168,6 +168,8 @@ class _Common(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
+        if (problem := json_problem(data)) is not None:  # (first: nothing below may meet either)
+            raise ApiError(400, problem[1], problem[0])
         if isinstance(data, dict):
             for key, why in UNSUPPORTED.items():
                 if data.get(key) not in (None, [], {}) and not _default(key, data.get(key)):
@@ -241,15 +243,6 @@ class CompletionRequest(_Common):
 def _default(key: str, value: Any) -> bool:
     """A value that asks for nothing beyond plain text (what clients send when they set nothing)."""
     return {"response_format": {"type": "text"}, "best_of": 1, "echo": False}.get(key, ...) == value
-
-
-def check_text(value: Any, field: str) -> None:
-    """Text must be valid Unicode: JSON can carry a lone surrogate ("\\ud800") that no tokenizer takes."""
-    for text in value if isinstance(value, list) else [value]:
-        try:
-            text.encode("utf-8") if isinstance(text, str) else None
-        except UnicodeEncodeError:
-            raise ApiError(400, f"{field}: the text holds an unpaired surrogate; send valid Unicode", field) from None
 
 
 def _field_of(err: dict[str, Any]) -> str:
@@ -352,8 +345,6 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
         return await _serve(body, request, body.prompt, chat=False)
 
     async def _serve(body: _Common, request: Request, prompt: Any, chat: bool, tools: Tools | None = None):
-        check_text([m["content"] for m in prompt] if chat else prompt, "messages" if chat else "prompt")
-        check_text(body.stop, "stop")
         check_model(body, server)
         logprobs = body.wants_logprobs()
         grammar = answer_grammar(body, tools, server.session.tokenizer)

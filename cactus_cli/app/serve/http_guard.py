@@ -1,6 +1,7 @@
-"""The connection guard of `cactus serve`: uvicorn's HTTP protocol with a header timeout, and the
-request body's guard (its size as received, its framing, its time), transport concerns beside
-app/serve/http_api.py, which shapes requests and answers."""
+"""The connection guard of `cactus serve`: uvicorn's HTTP protocol with a header timeout, the
+request body's guard (its size as received, its framing, its time) and its JSON's (no lone
+surrogate, no deep nesting): what any request must pass, beside app/serve/http_api.py, which shapes
+requests and answers. Nothing here needs the serve extra (the CLI imports it at its start)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 HEADER_TIMEOUT = 30.0  # seconds a connection may take to send a request's headers before it is closed
 MAX_BODY_BYTES = 8 * 1024 * 1024  # a request larger than this is refused (413) before it is parsed
 BODY_TIMEOUT = 60.0  # seconds a request's body may take to arrive in full after its headers (then 408)
+MAX_DEPTH = 64  # JSON nested deeper than this in a request is refused (chat templates' tojson recurses)
+NAMED = 8  # levels of a path an error names (deeper ones: "...")
 
 
 def guarded_http():
@@ -113,3 +116,51 @@ async def _refuse(send: Any, status: int, message: str) -> None:
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": [*head, (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
+
+
+def json_problem(doc: Any) -> tuple[str | None, str] | None:
+    """What no model can take in a request's JSON, as (top-level field, message naming the place):
+    a lone surrogate ("\\ud800": valid JSON, but no text a tokenizer or a chat template takes) in
+    any string or key, or nesting deeper than MAX_DEPTH (templates and the tool-call reader
+    recurse). A tool call's arguments, JSON in a string, are looked into too. None: fine."""
+    stack: list[tuple[Any, str, int]] = [(doc, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        field = where.split(".")[0].split("[")[0]
+        if depth > MAX_DEPTH:
+            return field, f"{where}: nested deeper than {MAX_DEPTH} levels; send flatter JSON"
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and (bad := _lone_surrogate(key)):
+                    return (
+                        field or None,
+                        f"{where or 'the body'}: a key holds an unpaired surrogate ({bad}); send valid Unicode",
+                    )
+                stack.append((item, _path(where, f".{key}" if where else str(key), depth), depth + 1))
+        elif isinstance(value, list):
+            nested = ((i, item) for i, item in enumerate(value) if isinstance(item, (dict, list, str)))
+            stack.extend((item, _path(where, f"[{i}]", depth), depth + 1) for i, item in nested)
+        elif isinstance(value, str):
+            if bad := _lone_surrogate(value):
+                return field, f"{where}: the text holds an unpaired surrogate ({bad}); send valid Unicode"
+            if where.startswith("messages[") and where.endswith(".function.arguments"):
+                try:
+                    stack.append((json.loads(value), where, depth))
+                except RecursionError:
+                    return field, f"{where}: nested deeper than {MAX_DEPTH} levels; send flatter JSON"
+                except ValueError:
+                    pass  # (not JSON: the tool-call reader says so)
+    return None
+
+
+def _path(where: str, step: str, depth: int) -> str:
+    return where + step if depth < NAMED else where if where.endswith("...") else where + "..."
+
+
+def _lone_surrogate(text: str) -> str | None:
+    """The first lone surrogate in ``text``, escaped as JSON writes it (None: valid Unicode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"\\u{ord(text[err.start]):04x}"
+    return None
