@@ -308,3 +308,102 @@ def test_concurrency_rows_serve_requests_together(tiny):
 @pytest.mark.parametrize("value", ["0", "1,x", "65"])
 def test_bad_concurrency(tiny, value):
     assert_one_line_error(invoke(*bench_args(tiny), "--concurrency", value), "--concurrency")
+
+
+QUESTIONS = [  # Spec-Bench's question.jsonl format: its MT-Bench rows have two turns, the others one
+    {"question_id": 81, "category": "writing", "turns": ["the cat sat on the mat", "then the dog ran fast"]},
+    {"question_id": 1001, "category": "translation", "turns": ["one two three four"]},
+    {"question_id": 1002, "category": "qa", "turns": ["the sun and the moon"], "reference": ["the sky"]},
+]
+
+
+def question_file(tmp_path):
+    f = tmp_path / "question.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in QUESTIONS))
+    return f
+
+
+def record_turns(monkeypatch):
+    """Every turn the runner decodes: (config, question id, its token ids, its output tokens, its answer)."""
+    real, turns = bench_mod._turn, []
+
+    def turn(engine, cfg, i, ids, base, *rest, **kw):
+        stats, text = real(engine, cfg, i, ids, base, *rest, **kw)
+        turns.append((cfg.label, QUESTIONS[i]["question_id"], ids, stats.num_output_tokens, text))
+        return stats, text
+
+    monkeypatch.setattr(bench_mod, "_turn", turn)
+    return turns
+
+
+def test_a_spec_bench_question_file_is_reported_per_category_with_every_turn(tiny, tmp_path, monkeypatch):
+    turns = record_turns(monkeypatch)
+    r = bench(tiny, "--prompts", question_file(tmp_path), "--limit", "3", "--rules", "sps", "-k", "2", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["prompts"] == [81, 1001, 1002]
+    for row in doc["results"]:
+        assert set(row["by_category"]) == {"writing", "translation", "qa"} and row["prompts"] == 3
+        mine = [t for t in turns if t[0] == row["config"]]
+        assert [t[1] for t in mine] == [81, 81, 1001, 1002]  # both of the MT-Bench row's turns
+        writing = row["by_category"]["writing"]  # (the question's turns together, as Spec-Bench counts)
+        assert writing["num_output_tokens"] == sum(t[3] for t in mine[:2])
+        assert row["num_output_tokens"] == sum(t[3] for t in mine)
+
+
+def test_the_second_turn_is_asked_after_the_models_own_first_answer(tiny, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    turns = record_turns(monkeypatch)
+    r = bench(tiny, "--prompts", question_file(tmp_path), "--limit", "2", "--rules", "sps", "-k", "2")
+    assert r.exit_code == 0, r.output
+    assert "by category" in r.output and "writing" in r.output and "translation" in r.output  # (the table)
+    tok = AutoTokenizer.from_pretrained(tiny["verifier"])
+    for label in ("verifier alone", "sps k=2"):
+        (_, _, first_ids, _, answer), (_, _, second_ids, _, _) = [t for t in turns if t[:2] == (label, 81)]
+        assert answer.strip()  # (the tiny model says something: -n 8)
+        conversation = [
+            {"role": "user", "content": QUESTIONS[0]["turns"][0]},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": QUESTIONS[0]["turns"][1]},
+        ]
+        rendered = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        assert f"<s> assistant {answer} </s> <s> user then the dog ran fast </s>" in rendered
+        assert second_ids == tok(rendered, add_special_tokens=False)["input_ids"]
+        assert second_ids[: len(first_ids) - 2] == first_ids[:-2]  # (the first turn, less "<s> assistant")
+
+
+def test_a_multi_turn_question_keeps_its_slot_with_concurrency(tiny, tmp_path, monkeypatch):
+    from cactus_cli.app.grid import runner as grid
+
+    real, asked = grid.next_turn, []
+    monkeypatch.setattr(grid, "next_turn", lambda e, p, answers: asked.append(p.id) or real(e, p, answers))
+    f = question_file(tmp_path)
+    r = bench(tiny, "--prompts", f, "--limit", "3", "--rules", "sps", "-k", "2", "--concurrency", "2", "--json")
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)["results"]
+    together = [row for row in rows if row["concurrency"] == 2]
+    assert together and all(set(row["by_category"]) == {"writing", "translation", "qa"} for row in together)
+    assert asked.count(81) == len(rows)  # the second turn, once per row, batched rows included
+
+
+def test_a_malformed_question_row_is_one_line_naming_file_line_and_field(tiny, tmp_path):
+    f = tmp_path / "question.jsonl"
+    f.write_text(json.dumps(QUESTIONS[0]) + "\n" + json.dumps({"question_id": 2, "turns": ["ok", ""]}) + "\n")
+    assert_one_line_error(bench(tiny, "--prompts", f), f"{f}:2: 'turns'[1] must be a non-empty string")
+    f.write_text(json.dumps({"question_id": [2], "turns": ["ok"]}) + "\n")
+    assert_one_line_error(bench(tiny, "--prompts", f), f"{f}:1: 'question_id' must be a string or an integer")
+
+
+def test_calibrate_and_eval_take_the_question_file(tiny, tmp_path, monkeypatch):
+    from cactus_cli.app.grid import runner as grid
+    from tests.helpers import calibrate_args
+
+    real, asked = grid.next_turn, []
+    monkeypatch.setattr(grid, "next_turn", lambda e, p, answers: asked.append(p.id) or real(e, p, answers))
+    f = question_file(tmp_path)
+    r = invoke(*calibrate_args(tiny), "--prompts", f, "--json")  # (--limit 1: the two-turn question)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["prompts"] == [81] and asked and set(asked) == {81}
+    r = invoke("eval", *tiny_args(tiny), "--tasks", f, "--limit", "1")  # (no answers to grade)
+    assert_one_line_error(r, "bench --prompts")

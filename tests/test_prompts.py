@@ -100,3 +100,63 @@ def test_prompt_files_split_on_newlines_only_keep_ids_and_read_fifos(tmp_path):
     writer.start()
     assert [p.prompt for p in load_prompts(str(fifo), None)] == ["from a pipe"]
     writer.join(10)
+
+
+SPEC_BENCH_ROWS = [  # MT-Bench / Spec-Bench question.jsonl rows, as those files have them
+    {"question_id": 81, "category": "writing", "turns": ["the cat sat on the mat", "then the dog ran fast"]},
+    {"question_id": 101, "category": "translation", "turns": ["one two three"]},
+    {"question_id": 102, "category": "qa", "turns": ["the sun and the moon"], "reference": ["the sky"]},
+]
+
+
+def test_spec_bench_question_rows_are_read_as_they_are(tmp_path):
+    f = tmp_path / "question.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in SPEC_BENCH_ROWS))
+    got = load_prompts(str(f), None)
+    assert [(p.id, p.category, p.prompt, p.turns) for p in got] == [
+        (81, "writing", "the cat sat on the mat", ("then the dog ran fast",)),
+        (101, "translation", "one two three", ()),
+        (102, "qa", "the sun and the moon", ()),
+    ]
+    assert [p.id for p in load_prompts(str(f), None, ["writing"])] == [81]
+    asked = got[0].protocol(True)
+    assert asked.chat is True and asked.conversation(["it was happy"]) == [
+        {"role": "user", "content": "the cat sat on the mat"},
+        {"role": "assistant", "content": "it was happy"},
+        {"role": "user", "content": "then the dog ran fast"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "row, needle",
+    [
+        ({"question_id": 1, "category": "qa"}, "non-empty string 'prompt' or MT-Bench / Spec-Bench 'turns'"),
+        ({"question_id": 1, "turns": "just one"}, "'turns' must be a non-empty list"),
+        ({"question_id": 1, "turns": []}, "'turns' must be a non-empty list"),
+        ({"question_id": 1, "turns": ["fine", ""]}, "'turns'[1] must be a non-empty string"),
+        ({"question_id": 1, "turns": ["fine", 7]}, "'turns'[1] must be a non-empty string"),
+        ({"question_id": 1.5, "turns": ["fine"]}, "'question_id' must be a string or an integer"),
+        ({"question_id": None, "turns": ["fine"]}, "'question_id' must be a string or an integer"),
+        ({"question_id": 1, "category": 3, "turns": ["fine"]}, "'category' must be a non-empty string"),
+        ({"question_id": 1, "prompt": "a", "turns": ["b"]}, "give 'prompt' or 'turns', not both"),
+    ],
+)
+def test_a_malformed_question_row_is_one_error_naming_file_line_and_field(tmp_path, row, needle):
+    f = tmp_path / "question.jsonl"
+    f.write_text(json.dumps(SPEC_BENCH_ROWS[1]) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(f'{f}:2: ')}.*{re.escape(needle)}") as err:
+        load_prompts(str(f), None)
+    assert "\n" not in str(err.value)
+
+
+def test_eval_reads_multi_turn_answer_tasks_and_says_where_unanswered_questions_go(tmp_path):
+    from cactus_cli.app.eval.tasks import load_tasks
+
+    f = tmp_path / "tasks.jsonl"
+    f.write_text(json.dumps({"question_id": 5, "category": "math", "turns": ["one", "and two"], "answer": 3}) + "\n")
+    (task,) = load_tasks(str(f), None)
+    assert (task.id, task.prompt, task.turns, task.answer) == (5, "one", ("and two",), "3")
+    assert task.protocol(True).chat is True
+    f.write_text(json.dumps(SPEC_BENCH_ROWS[0]) + "\n")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(f))}:1: each task needs an 'answer'.*bench --prompts"):
+        load_tasks(str(f), None)

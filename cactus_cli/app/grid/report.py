@@ -130,6 +130,7 @@ def document(
             base_cat = base.by_category.get(cat) if base else None
             btps = base_cat.tokens_per_second if base_cat else None
             row["by_category"][cat] = {
+                "num_output_tokens": cm["num_output_tokens"],  # (every turn of a multi-turn question)
                 "tokens_per_second": cm["tokens_per_second"],
                 "mean_accepted_tokens_per_step": cm["mean_accepted_tokens_per_step"],
                 "draft_acceptance_rate": cm["draft_acceptance_rate"],

@@ -16,6 +16,7 @@ from cactus_cli.app.config.parsing import parse_list
 from cactus_cli.app.config.settings import check_each
 from cactus_cli.app.grid.configs import BenchConfig
 from cactus_cli.app.prompts import Prompt
+from cactus_cli.app.runtime import encode
 from cactus_cli.core.acceptance import LOSSLESS
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.stats import SpecStats, summarize
@@ -132,19 +133,71 @@ def run_one(
     i: int,
     ids: list[int],
     base: GenerationParams,
-    stop: tuple[str, ...] = (),
+    prompt: Prompt | None = None,
     sample: int = 0,
 ) -> tuple[SpecStats, str]:
     """One configuration on prompt ``i`` (seed = base seed + i, + SAMPLE_STRIDE per further
-    sample, so every configuration sees the same seeds): its stats and the text it generated;
-    ``stop``: where this prompt's answer ends."""
+    sample, so every configuration sees the same seeds): its stats and the text it generated
+    (``prompt.stop``: where its answer ends). A multi-turn question (``prompt.turns``, MT-Bench)
+    asks each later turn after the model's own answer to the one before, through the chat
+    template, the caches keeping the conversation so far; its stats count every turn's tokens
+    and time together, as Spec-Bench does (its time to first token is the first turn's), and the
+    text is the last answer."""
+    stop = prompt.stop if prompt is not None else ()
+    stats, text = _turn(engine, cfg, i, ids, base, stop, sample)
+    if prompt is None or not prompt.turns:
+        return stats, text
+    first, answers = stats.time_to_first_token, [text]
+    for _ in prompt.turns:
+        more, text = _turn(engine, cfg, i, next_turn(engine, prompt, answers), base, stop, sample, reuse=True)
+        stats.merge(more)
+        answers.append(text)
+    stats.time_to_first_token = first
+    return stats, text
+
+
+def _turn(
+    engine: SpeculativeEngine,
+    cfg: BenchConfig,
+    i: int,
+    ids: list[int],
+    base: GenerationParams,
+    stop: tuple[str, ...],
+    sample: int,
+    reuse: bool = False,
+) -> tuple[SpecStats, str]:
     if cfg.kind == "hf-assisted":
         return _one_hf(engine, cfg, i, ids, base)
     s, text = SpecStats(), []
-    for ev in engine.generate(ids, _params(cfg, base, i, stop, sample)):
+    for ev in engine.generate(ids, _params(cfg, base, i, stop, sample), reuse_cache=reuse):
         s.update(ev)
         text.append(ev.text)
     return s, "".join(text)
+
+
+def next_turn(engine: SpeculativeEngine, prompt: Prompt, answers: list[str]) -> list[int]:
+    """The token ids of ``prompt``'s next user turn after the model's ``answers`` (with or without
+    the chat template, as its first turn was encoded), checked to fit the context window."""
+    ids = encode(engine.pair.tokenizer, prompt.conversation(answers), prompt.chat)
+    if len(ids) >= engine.context_length:
+        where = f"{prompt.where}: " if prompt.where else ""
+        raise ConfigError(
+            f"{where}turn {len(answers) + 1} of question {prompt.id!r} is {len(ids)} tokens with the answers "
+            f"before it, but the context window is {engine.context_length}; lower --max-tokens or shorten it"
+        )
+    return ids
+
+
+def longest_prompt(engine: SpeculativeEngine, encoded: list[tuple[Prompt, list[int]]], max_tokens: int) -> int:
+    """The most prompt tokens a run will hold: a multi-turn question's last turn counts its
+    turns with an answer of ``max_tokens`` before each (empty answers, plus those tokens)."""
+    longest = 0
+    for prompt, ids in encoded:
+        if prompt.turns:
+            empty = encode(engine.pair.tokenizer, prompt.conversation([""] * len(prompt.turns)), prompt.chat)
+            longest = max(longest, len(empty) + max_tokens * len(prompt.turns))
+        longest = max(longest, len(ids))
+    return longest
 
 
 def _params(cfg: BenchConfig, base: GenerationParams, i: int, stop: tuple[str, ...], sample: int = 0):
@@ -161,6 +214,20 @@ def _params(cfg: BenchConfig, base: GenerationParams, i: int, stop: tuple[str, .
     )  # (a drafter with memory learns from this row's own answers only: labels are unique, build_grid)
 
 
+@dataclass
+class _Asked:
+    """A question in flight (bench --concurrency): the turns it finished, the one it is on."""
+
+    prompt: Prompt
+    i: int
+    slot: int
+    stats: SpecStats = field(default_factory=SpecStats)  # the turns finished, together
+    turn: SpecStats = field(default_factory=SpecStats)
+    text: list[str] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)
+    first: float | None = None  # seconds from the submission to its first token
+
+
 def run_concurrent(
     engine: SpeculativeEngine,
     result: ConfigResult,
@@ -171,34 +238,48 @@ def run_concurrent(
     """``result``'s configuration over every prompt as a server with ``concurrency`` slots serves
     them: all submitted together, ``concurrency`` stepped in one batch (continuous batching: the
     next prompt joins when one finishes), each with the seed it has alone. Each request's time to
-    first token counts from the submission."""
+    first token counts from the submission. A multi-turn question keeps its slot: its next turn
+    joins when its answer ends (``run_one``)."""
     cfg = result.config
     batch = Batch(engine)
     waiting = list(enumerate(prompts))
-    live: dict[Any, list] = {}
+    live: dict[Any, _Asked] = {}
     t0 = time.perf_counter()
     try:
         while waiting or live:
             while waiting and len(live) < cfg.concurrency:
                 i, (prompt, ids) = waiting.pop(0)
-                used = {rec[3] for rec in live.values()}
+                used = {q.slot for q in live.values()}
                 slot = next(s for s in range(len(engine.slots)) if s not in used)
                 entry = batch.add(engine.start(ids, _params(cfg, base, i, prompt.stop), slot=slot))
-                live[entry] = [prompt, SpecStats(), None, slot]
+                live[entry] = _Asked(prompt, i, slot)
             for entry, ev in batch.step():
                 if isinstance(ev, BaseException):
                     raise ev
-                rec = live[entry]
-                rec[1].update(ev)
-                if rec[2] is None and ev.emitted:
-                    rec[2] = time.perf_counter() - t0
-                if entry.done:
-                    prompt, stats, first, _ = live.pop(entry)
-                    result.ttfts.append(first if first is not None else time.perf_counter() - t0)
-                    if stats.decode_tokens_per_second:
-                        result.request_rates.append(stats.decode_tokens_per_second)
-                    result.add(prompt, stats)
-                    on_run(cfg)
+                q = live[entry]
+                q.turn.update(ev)
+                q.text.append(ev.text)
+                if q.first is None and ev.emitted:
+                    q.first = time.perf_counter() - t0
+                if not entry.done:
+                    continue
+                del live[entry]
+                first_ttft = q.stats.time_to_first_token if q.answers else q.turn.time_to_first_token
+                q.stats.merge(q.turn)
+                q.stats.time_to_first_token = first_ttft
+                q.answers.append("".join(q.text))
+                if len(q.answers) <= len(q.prompt.turns):  # its next turn, in the same slot and caches
+                    q.turn, q.text = SpecStats(), []
+                    run = engine.start(
+                        next_turn(engine, q.prompt, q.answers), _params(cfg, base, q.i, q.prompt.stop), slot=q.slot
+                    )
+                    live[batch.add(run, reuse=True)] = q
+                    continue
+                result.ttfts.append(q.first if q.first is not None else time.perf_counter() - t0)
+                if q.stats.decode_tokens_per_second:
+                    result.request_rates.append(q.stats.decode_tokens_per_second)
+                result.add(q.prompt, q.stats)
+                on_run(cfg)
     finally:
         for entry in list(live):
             batch.cancel(entry)
@@ -219,7 +300,7 @@ def run_speculative(
     result = ConfigResult(cfg, SpecStats(), {}, 0)
     sink.append(result)
     for i, (prompt, ids) in enumerate(prompts):
-        stats, text = run_one(engine, cfg, i, ids, base, prompt.stop)
+        stats, text = run_one(engine, cfg, i, ids, base, prompt)
         result.add(prompt, stats, grade(prompt, [text])[0] if grade is not None else None)
         on_prompt()
 
@@ -268,7 +349,7 @@ def run_grid(
         made: list[tuple[ConfigResult, Generated]] = []
         for result in results:
             for sample in range(samples):
-                stats, text = run_one(engines[result.config.variant], result.config, i, ids, base, prompt.stop, sample)
+                stats, text = run_one(engines[result.config.variant], result.config, i, ids, base, prompt, sample)
                 made.append((result, Generated(result.config.label, stats, text)))
                 if grade is None:  # (bench: kept at once, so Ctrl-C keeps it; eval keeps whole graded problems)
                     result.add(prompt, stats)

@@ -10,6 +10,7 @@ from typing import Any
 from cactus_cli.app import runtime
 from cactus_cli.app.config.parsing import parse_draft
 from cactus_cli.app.config.settings import Settings
+from cactus_cli.app.grid.runner import longest_prompt
 from cactus_cli.app.prompts import Prompt
 from cactus_cli.core.errors import ModelError
 from cactus_cli.core.once import one_load
@@ -84,7 +85,7 @@ def load_engines(
                             )
                         )
     encoded = runtime.encode_prompts(engines[0][1], prompts, settings.chat_template)
-    longest = max(len(ids) for _, ids in encoded)
+    longest = longest_prompt(engines[0][1], encoded, settings.max_tokens)  # (a multi-turn question's last turn)
     for _, e in engines:  # every slot's room now: a context grown mid-row replays every cached sequence
         for slot in range(1 if e.compiled else len(e.slots)):
             runtime.prepare(e, settings, reporter, longest, ks, slot=slot, probe=slot == 0)

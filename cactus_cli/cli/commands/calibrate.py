@@ -127,7 +127,8 @@ def calibrate(
         with ui.LoadProgress(err) as progress:
             session = Session.load(settings=settings, reporter=progress)
             encoded = session.encode_prompts(prompts)
-            session.prepare(max(len(ids) for _, ids in encoded), progress, k_values=[*k_list, "auto"])
+            longest = b.longest_prompt(session.engine, encoded, settings.max_tokens)
+            session.prepare(longest, progress, k_values=[*k_list, "auto"])
             engine = session.engine  # (the grid runner that bench and eval share takes the engine)
         base = session.params()
         runs = (len(set(delta_list) | {0.0}) + 2 + min(cal_mod.KEEP_K + 1, len(set(k_list)))) * len(prompts)
