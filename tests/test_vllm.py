@@ -242,46 +242,6 @@ def test_vllms_rejection_step_with_greedy_drafts_emits_the_target(rejection):
 # ---------------------------------------------------------------------- vLLM's engine, with the plugin
 
 
-@pytest.fixture(scope="module")
-def tiny_vllm_pair(tmp_path_factory) -> dict[str, str]:
-    """A tiny Llama verifier and a close draft (the verifier with noise) that vLLM's CPU attention
-    takes: head_dim 64 (it refuses 16)."""
-    from tests.conftest import SPECIALS, WORDS, make_model, make_tokenizer
-
-    root = tmp_path_factory.mktemp("tiny_vllm")
-    vocab = len(SPECIALS) + len(WORDS)
-    out = {}
-    for name, noise in (("verifier", 0.0), ("draft", 0.05)):
-        folder = root / name
-        make_model(folder, "llama", 0, vocab, noise=noise, hidden=128, heads=2)
-        make_tokenizer(folder)
-        out[name] = str(folder)
-    return out
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_vllm_pair):
-    """One vLLM engine for the module (a start takes ~60 s on 2 cores): in this process, so the plugin
-    loaded here is the one its worker runs."""
-    pytest.importorskip("vllm", reason="vLLM is not installed (the vllm extra)")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        from vllm import LLM
-
-        yield LLM(
-            model=tiny_vllm_pair["verifier"],
-            speculative_config={"method": "draft_model", "model": tiny_vllm_pair["draft"], "num_speculative_tokens": 4},
-            max_model_len=256,
-            dtype="float32",
-            enforce_eager=True,
-            disable_log_stats=False,
-            seed=0,
-            gpu_memory_utilization=0.1,
-            enable_prefix_caching=False,  # (a cached prefix changes the steps, so a seed's draws, between calls)
-        )
-
-
 PROMPTS = ["the cat sat on the", "a dog ran fast and", "one two three four", "the sun and the moon"]
 
 
@@ -320,9 +280,9 @@ def test_each_request_of_a_mixed_batch_is_verified_under_its_own_rule(llm, monke
     seen: list[list] = []
     real = plugin.transform
 
-    def spy(logits, drafts, probs, specs):
+    def spy(logits, drafts, probs, specs, spent=None):
         seen.append(list(specs))
-        return real(logits, drafts, probs, specs)
+        return real(logits, drafts, probs, specs, spent)
 
     monkeypatch.setattr(plugin, "transform", spy)
     specs = [{"rule": "cactus", "delta": 0.5}, {"rule": "sps"}, {"rule": "cactus", "delta": 1.0}, "greedy"]

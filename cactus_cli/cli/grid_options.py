@@ -119,6 +119,10 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
         from cactus_cli.app.runtime import generation_params
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
+        from cactus_cli.infer.backends import drives
+
+        if any(drives(b) for b in lists["backend"]):
+            return _on_vllm(kind, settings, lists, prompts, flags, output, shared, err)
         if remembered := settings.draft_params.get("remember"):
             err.print(
                 f"{kind} does not use the profile's remember: {remembered} (each row's history starts "
@@ -189,6 +193,61 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
         if interrupted:
             err.print("interrupted: the results above cover what finished", style="yellow")
             raise typer.Exit(130)
+
+
+def _on_vllm(
+    kind: str, settings, lists: dict, prompts: list, flags: GridFlags, output: GridOutput, shared, err
+) -> None:
+    """bench --backend vllm: the same grid and report, its rows run by vLLM's engine (app/on_vllm.py)."""
+    from cactus_cli.app import on_vllm
+    from cactus_cli.app.grid import configs, report
+    from cactus_cli.infer.backends import backend_of
+
+    backend = lists["backend"][0]
+    if kind not in backend_of(backend).commands or len(lists["backend"]) > 1:
+        raise ConfigError(f"--backend {backend} runs bench alone (one backend); {kind} runs on cactus's engine")
+    if flags.compare_hf:
+        raise ConfigError("--compare-hf times transformers' generate; it does not apply to --backend vllm")
+    if len(lists["draft"]) > 1 or len(lists["cross"]) > 1 or lists["quantize"] != [settings.quantize]:
+        raise ConfigError("--backend vllm runs one --draft, one --cross-vocab and the profile's --quantize")
+    ks = list(dict.fromkeys(on_vllm.AUTO_K if k == "auto" else k for k in lists["k"]))
+    if "auto" in lists["k"]:
+        err.print(
+            f"-k auto: vLLM drafts a fixed k per engine; running k {on_vllm.AUTO_K} (give -k N to choose)", style="dim"
+        )
+    variant = [(backend, "none", False, lists["draft"][0], "")]
+    grid = configs.build_grid(
+        lists["rules"],
+        lists["delta"],
+        ks,
+        settings.rule_params,
+        False,
+        settings.max_draft_tokens,
+        variant,
+        lists["concurrency"],
+    )
+    results: list = []
+    interrupted = False
+    env: dict = {}
+    with ui.bench_progress(err, len(grid) * len(prompts)) as advance:
+        try:
+            env = on_vllm.run_grid(
+                settings,
+                grid,
+                prompts,
+                lists["concurrency"],
+                results,
+                lambda cfg: advance(1, cfg.label),
+                lambda line: err.print(line, style="dim", highlight=False),
+            )
+        except KeyboardInterrupt:
+            interrupted = True
+    env = {**report.environment_here(), **env, "verifier": settings.verifier, "draft": settings.draft}
+    doc = report.document(results, env, settings.to_dict(), prompts, interrupted, None)
+    _report(kind, doc, env, output, shared.no_color, err)
+    if interrupted:
+        err.print("interrupted: the results above cover what finished", style="yellow")
+        raise typer.Exit(130)
 
 
 def _checkpoint(kind: str, settings, grid: list, prompts: list, flags: GridFlags, output: GridOutput):

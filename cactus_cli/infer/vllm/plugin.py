@@ -35,6 +35,49 @@ _batch = threading.local()  # .specs: the running step's rule per batch row (set
 _default: list[RowRule] = [RowRule("sps")]  # the engine-wide default in this process
 
 
+class Ledger:
+    """The divergence each sampled request actually spent, kept when ``on`` (``cactus generate`` and
+    ``bench --backend vllm`` turn it on; a server does not pay for it): per request (vLLM's
+    engine-core id), one value per token its rejection steps emitted from a drafted position, the
+    KL(h || q) of the target that token was drawn against (0 under SpS, at most the rule's budget
+    under Cactus). With greedy drafts (vLLM's default) each such position emits exactly h, so this
+    is the divergence of what was emitted from the verifier, position by position (the engine's
+    --meter). Bonus tokens come from q itself and spend nothing; greedy requests are not kept."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.spent: dict[str, list[float]] = {}
+
+    def record(self, req_ids, num_draft_tokens: list[int], sampling_metadata, spent, out) -> None:
+        if req_ids is None:
+            return
+        temperature = sampling_metadata.temperature
+        greedy = (
+            [True] * len(num_draft_tokens)
+            if sampling_metadata.all_greedy
+            else (temperature == 0).tolist()
+            if temperature is not None
+            else [False] * len(num_draft_tokens)
+        )
+        emitted = (out != -1).sum(dim=1).tolist()  # (vLLM's PLACEHOLDER_TOKEN_ID: -1)
+        values = spent.tolist()
+        start = 0
+        for rid, n, m, g in zip(req_ids, num_draft_tokens, emitted, greedy):
+            if not g:
+                self.spent.setdefault(rid, []).extend(values[start : start + min(m, n)])
+            start += n
+
+    def take(self, request_id: str) -> list[float]:
+        """What ``request_id`` (the id vLLM's front end returned) spent, forgotten here."""
+        out: list[float] = []
+        for rid in [r for r in self.spent if r == request_id or r.rsplit("-", 1)[0] == request_id]:
+            out += self.spent.pop(rid)
+        return out
+
+
+LEDGER = Ledger()
+
+
 def version_problem(version: str) -> str | None:
     """Why this vLLM cannot take the plugin (None: it can)."""
     try:
@@ -107,15 +150,20 @@ def _patch_rejection(rs) -> None:
     if original is None:
         raise _missing("vllm.v1.sample.rejection_sampler.rejection_sample")
 
+    import torch
+
     @functools.wraps(original)
     def rejection_sample(
         draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits, *args, **kw
     ):
         sampling_metadata = args[1] if len(args) > 1 else kw["sampling_metadata"]
         specs = token_specs(getattr(_batch, "specs", None), num_draft_tokens, sampling_metadata)
+        spent = None
+        if LEDGER.on:
+            spent = target_logits.new_zeros(target_logits.shape[0], dtype=torch.float64)
         if specs is not None:
-            target_logits = transform(target_logits, draft_token_ids, draft_probs, specs)
-        return original(
+            target_logits = transform(target_logits, draft_token_ids, draft_probs, specs, spent)
+        out = original(
             draft_token_ids,
             num_draft_tokens,
             max_spec_len,
@@ -125,6 +173,9 @@ def _patch_rejection(rs) -> None:
             *args,
             **kw,
         )
+        if spent is not None:
+            LEDGER.record(getattr(_batch, "req_ids", None), num_draft_tokens, sampling_metadata, spent, out)
+        return out
 
     rs.rejection_sample = rejection_sample
 
@@ -190,10 +241,11 @@ def _patch_runner(runner_cls) -> None:
                 except ValueError:  # (checked when the request was made: not reached)
                     rows.append(default)
             _batch.specs = rows
+            _batch.req_ids = list(self.input_batch.req_ids)
         try:
             return original(self, logits, spec_decode_metadata, *args, **kw)
         finally:
-            _batch.specs = None
+            _batch.specs = _batch.req_ids = None
 
     runner_cls._sample = _sample
 

@@ -93,10 +93,14 @@ def transform(
     draft_ids: torch.Tensor,  # [T] the drafted token at each position
     draft_probs: torch.Tensor | None,  # [T, V] the draft's distribution, None: one-hot at draft_ids
     specs: list[RowRule | None],  # [T] each position's rule; None: leave the row (greedy, SpS)
+    spent: torch.Tensor | None = None,  # [T] float, filled with KL(h || q) of each changed row (0 elsewhere)
 ) -> torch.Tensor:
     """``target_logits`` with every row whose rule is not the identity replaced by ``log h``
     (``-inf`` where h is 0), rows grouped by rule so each rule runs once, batched. A new tensor;
-    the input is not written."""
+    the input is not written. ``spent``: where to write the divergence each changed row's target
+    takes from the verifier, the budget a token drawn against it spends (the ledger, plugin.py)."""
+    if spent is not None:
+        spent.zero_()
     groups: dict[RowRule, list[int]] = {}
     for i, spec in enumerate(specs):
         if spec is not None and not spec.identity:
@@ -112,5 +116,9 @@ def transform(
         p = draft_probs[idx].to(dtype) if draft_probs is not None else torch.zeros_like(q).scatter_(-1, n[:, None], 1.0)
         h = RULES[spec.rule].target(dict(spec.params), p[:, None], q[:, None], n[:, None])[:, 0]  # [R, V]
         h = h.clamp(min=0.0)
-        out[idx] = torch.where(h > 0, torch.log(h), torch.full_like(h, float("-inf"))).to(out.dtype)
+        log_h = torch.where(h > 0, torch.log(h), torch.full_like(h, float("-inf")))
+        out[idx] = log_h.to(out.dtype)
+        if spent is not None:
+            terms = torch.where(h > 0, h * (log_h - torch.log(q)), torch.zeros_like(h))
+            spent[idx] = terms.sum(-1).clamp(min=0.0).to(spent.dtype)
     return out
