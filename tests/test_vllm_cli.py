@@ -176,3 +176,49 @@ def test_generate_on_vllm_starts_an_engine_and_says_what_it_spent(tiny_vllm_pair
     # (one value per accepted token and per rejection: the exact count is checked on the engine above)
     assert s["num_accepted_tokens"] <= doc["vllm"]["positions_spent"] <= s["num_draft_tokens"]
     assert doc["vllm"]["positions_spent"] > 0
+
+
+def test_serve_on_vllm_hands_vllm_serve_the_pair_the_rule_and_the_engine_arguments(tiny_vllm_pair, monkeypatch):
+    """``cactus serve --backend vllm`` becomes ``vllm serve`` (exec): the converted pair, the
+    profile's rule as the engine's default, the drafts, and CACTUS_VLLM_ARGS as vLLM's flags."""
+    import os as os_mod
+
+    pytest.importorskip("vllm")
+    ran = []
+    monkeypatch.setattr(os_mod, "execve", lambda path, argv, env: ran.append(argv))
+    monkeypatch.setenv("CACTUS_VLLM_ARGS", '{"enforce_eager": true, "enable_chunked_prefill": false}')
+    args = ["serve", "--verifier", tiny_vllm_pair["verifier"], "--draft", tiny_vllm_pair["draft"], "--backend"]
+    r = CliRunner().invoke(
+        app, args + ["vllm", "-k", "3", "--rule", "cactus", "--delta", "0.5", "--port", "8123", "--parallel", "4"]
+    )
+    assert r.exit_code == 0, r.output
+    (argv,) = ran
+    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", tiny_vllm_pair["verifier"]]
+    flags = {flag: argv[i + 1] for i, flag in enumerate(argv) if flag.startswith("--") and i + 1 < len(argv)}
+    assert flags["--port"] == "8123" and flags["--max-num-seqs"] == "4"
+    assert json.loads(flags["--additional-config"]) == {"cactus": {"rule": "cactus", "delta": 0.5}}
+    spec = json.loads(flags["--speculative-config"])
+    assert spec["method"] == "draft_model" and spec["num_speculative_tokens"] == 3
+    assert "--enforce-eager" in argv and "--no-enable-chunked-prefill" in argv and "--no-enable-prefix-caching" in argv
+
+
+def test_a_servers_request_takes_the_rule_fields_cactus_serve_takes(tiny_vllm_pair):
+    """In vLLM's OpenAI server, top-level ``rule`` and ``delta`` (as ``cactus serve`` takes them) reach
+    the request's extra_args (vLLM's own vllm_xargs win); a bad one is the request's one-line error."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    from cactus_cli.infer.vllm import plugin
+
+    plugin.register()  # (the checks of a request's rule fields)
+    plugin._patch_requests()  # (the server's modules imported now: in `vllm serve` they are before register)
+    user = [{"role": "user", "content": "hi"}]
+    made = ChatCompletionRequest(model="m", messages=user, rule="cactus", delta=0.5).to_sampling_params(8, {})
+    assert made.extra_args == {"rule": "cactus", "delta": 0.5}
+    both = ChatCompletionRequest(model="m", messages=user, delta=0.5, vllm_xargs={"delta": 1.0})
+    assert both.to_sampling_params(8, {}).extra_args == {"delta": 1.0}
+    assert ChatCompletionRequest(model="m", messages=user).to_sampling_params(8, {}).extra_args is None
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="extra_args.delta: rule 'cactus'"):
+        ChatCompletionRequest(model="m", messages=user, delta=-1).to_sampling_params(8, {})

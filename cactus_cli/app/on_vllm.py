@@ -20,6 +20,8 @@ from cactus_cli.infer.vllm import offline
 from cactus_cli.infer.vllm.offline import AUTO_K, Plan, unavailable, user_args
 from cactus_cli.infer.vllm.rows import RowRule
 
+SERVE_PARALLEL = 8  # serve --backend vllm: requests in one batch (vLLM's max_num_seqs) unless --parallel says
+
 
 def _tokenizer(verifier: str):
     src = resolve_source(verifier) if not verifier.startswith("/") else Source("folder", verifier)
@@ -76,6 +78,25 @@ def vllm_plan(settings: Any, reporter: Any = None) -> Plan:
     method = "draft_model" if draft else proposer["method"] if proposer else None
     rule_default = {"rule": rule.rule, **dict(rule.params)}
     return Plan(folder, draft, method, int(k), rule_default, options=options, notes=tuple(notes))
+
+
+def serve(settings: Any, host: str, port: int, api_key: str | None, parallel: int | None, note) -> None:
+    """``cactus serve --backend vllm``: this process becomes vLLM's OpenAI server (``vllm serve``) on
+    the settings' pair, with the plugin, the profile's rule as the engine's default and each
+    request's own ``rule`` and ``delta`` (the fields ``cactus serve`` takes) over it. Returns only
+    if vLLM could not be started."""
+    import os
+    import sys
+
+    plan = vllm_plan(settings)
+    for line in plan.notes:
+        note(line)
+    argv = offline.server_argv(plan, host, port, api_key, parallel or SERVE_PARALLEL, settings.seed)
+    env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
+    note(f"starting vLLM's server (k {plan.k}, {plan.method or 'no drafts'}): vllm {' '.join(argv)}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "vllm.entrypoints.cli.main", *argv], env)
 
 
 def describe(plan: Any, s: SpecStats) -> dict[str, Any]:

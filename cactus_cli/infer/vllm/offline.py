@@ -83,6 +83,23 @@ def engine_args(p: Plan, *, max_model_len: int | None, max_num_seqs: int, seed: 
     return args
 
 
+def server_argv(p: Plan, host: str, port: int, api_key: str | None, max_num_seqs: int, seed: int) -> list[str]:
+    """``vllm serve`` for ``p`` with cactus's engine arguments (and CACTUS_VLLM_ARGS over them) as
+    its flags: a dict as JSON, True as the flag, False as ``--no-`` the flag."""
+    import json
+
+    args = engine_args(p, max_model_len=None, max_num_seqs=max_num_seqs, seed=seed) | user_args()
+    argv = ["serve", str(args.pop("model")), "--host", host, "--port", str(port)]
+    argv += ["--api-key", api_key] if api_key else []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            argv += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return argv
+
+
 @dataclass
 class Request:
     ids: list[int]

@@ -26,7 +26,7 @@ import threading
 from typing import Any
 
 from cactus_cli.core.companions import hide_broken_companions
-from cactus_cli.infer.vllm.rows import RowRule, transform
+from cactus_cli.infer.vllm.rows import FIELDS, RowRule, transform
 
 SUPPORTED = ((0, 32), (0, 33))  # vLLM versions [from, to): the rejection step's signatures as read (0.32.x)
 KEY = "cactus"  # additional_config's key for the engine-wide default
@@ -136,6 +136,7 @@ def register() -> None:
     _patch_validation(sampling_params.SamplingParams)
     _refuse_runner_v2(vllm.__version__)
     _patch_config()
+    _patch_requests()
     rs._cactus = True
 
 
@@ -267,6 +268,41 @@ def _patch_validation(params_cls) -> None:
                 raise VLLMValidationError(str(err), parameter="extra_args") from None
 
     params_cls._verify_args = _verify_args
+
+
+REQUESTS = (  # vLLM's OpenAI request models (in an API server's process, where they are imported)
+    "vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionRequest",
+    "vllm.entrypoints.openai.completion.protocol.CompletionRequest",
+)
+
+
+def _patch_requests() -> None:
+    """In vLLM's OpenAI server, a request's top-level ``rule``, ``delta`` (and the rules' other
+    fields: rows.FIELDS) as ``cactus serve`` takes them go into its ``extra_args`` beside vLLM's own
+    ``vllm_xargs``, which win; the request models take unknown fields, so without this they would
+    be dropped in silence. Where the server's modules are not imported (an engine core, a worker,
+    the offline engine) nothing is patched."""
+    import sys
+
+    for path in REQUESTS:
+        module, name = path.rsplit(".", 1)
+        if module not in sys.modules:
+            continue
+        cls = getattr(sys.modules[module], name, None)
+        if cls is None or not hasattr(cls, "to_sampling_params"):
+            raise _missing(f"{path}.to_sampling_params")
+        if getattr(cls, "_cactus", False):
+            continue
+        original = cls.to_sampling_params
+
+        def to_sampling_params(self, *args, _original=original, **kw):
+            mine = {k: v for k, v in (self.model_extra or {}).items() if k in FIELDS}
+            if mine:
+                self.vllm_xargs = {**mine, **(self.vllm_xargs or {})}
+            return _original(self, *args, **kw)
+
+        cls.to_sampling_params = functools.wraps(original)(to_sampling_params)
+        cls._cactus = True
 
 
 def _patch_config() -> None:
