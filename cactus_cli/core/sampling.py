@@ -1,5 +1,7 @@
-"""Logits -> probabilities (temperature, top-k, top-p), applied identically to draft and
-verifier, and a fast exact sampler for one token per row of a [B, V] distribution."""
+"""Logits -> probabilities (logit bias, temperature, top-k, top-p, min-p), applied identically to
+draft and verifier, and a fast exact sampler for one token per row of a [B, V] distribution. Each
+step is a per-row transform of the verifier's logits, so the rules target the warped ``q`` and
+stay exact whatever the draft does."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ class SamplingParams:
     temperature: float = defaults.TEMPERATURE  # 0 means greedy
     top_k: int = defaults.TOP_K  # 0 means off
     top_p: float = defaults.TOP_P  # 1 means off
+    min_p: float = 0.0  # keep tokens at least min_p times the most likely one's probability; 0 means off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs, before all else
 
     @property
     def greedy(self) -> bool:
@@ -22,25 +26,39 @@ class SamplingParams:
 
 
 def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k, then top-p
-    (the order transformers' warpers use). Not for greedy: the engine takes the argmax there."""
+    """[..., V] logits -> [..., V] float32 probabilities after the logit bias, temperature, top-k,
+    top-p, then min-p (the order transformers' warpers use). Not for greedy: the engine takes the
+    argmax of ``biased`` logits there."""
     V = logits.shape[-1]
     if 0 < sp.top_k < V:
-        small, idx = top_probs(logits, sp)
+        small, idx = top_probs(logits, sp)  # (biased there)
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, idx, small)
-    probs = torch.softmax(logits.float() / sp.temperature, -1)
+    probs = torch.softmax(biased(logits, sp).float() / sp.temperature, -1)
     if sp.top_p < 1.0:
         sorted_probs, idx = probs.sort(-1, descending=True)
         probs = torch.zeros_like(probs).scatter_(-1, idx, _top_p_sorted(sorted_probs, sp.top_p))
-    return probs
+    return _min_p(probs, sp.min_p)
+
+
+def biased(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """[..., V] logits with ``sp.logit_bias`` added (a new tensor; ``logits`` itself without a bias).
+    An id past the row's end is skipped (a draft model with fewer rows than the verifier)."""
+    V = logits.shape[-1]
+    pairs = [(i, b) for i, b in sp.logit_bias if i < V]
+    if not pairs:
+        return logits
+    out = logits.clone()
+    ids = torch.tensor([i for i, _ in pairs], device=logits.device)
+    out[..., ids] += torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device)
+    return out
 
 
 def top_probs(logits: torch.Tensor, sp: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """With top-k on: the probabilities of the top-k tokens ([..., top_k] float32, the rest of
     the row is 0) and their ids, sorted descending. Only those values are scaled by T (dividing
     by T > 0 keeps their order)."""
-    vals, idx = logits.topk(sp.top_k, dim=-1)  # [..., top_k]
-    return _top_p_sorted(torch.softmax(vals.float() / sp.temperature, -1), sp.top_p), idx
+    vals, idx = biased(logits, sp).topk(sp.top_k, dim=-1)  # [..., top_k]
+    return _min_p(_top_p_sorted(torch.softmax(vals.float() / sp.temperature, -1), sp.top_p), sp.min_p), idx
 
 
 def sample_among(probs: torch.Tensor, ids: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -58,6 +76,15 @@ def _top_p_sorted(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
         return sorted_probs
     before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
     kept = sorted_probs.masked_fill(before >= top_p, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def _min_p(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Keep the tokens whose probability is at least ``min_p`` times the row's largest (that one
+    always); renormalize. [..., n] -> [..., n]."""
+    if min_p <= 0.0:
+        return probs
+    kept = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
     return kept / kept.sum(-1, keepdim=True)
 
 

@@ -21,7 +21,7 @@ from cactus_cli.core import defaults
 from cactus_cli.core.errors import ModelError
 from cactus_cli.core.events import MODEL, StepEvent
 from cactus_cli.core.exact import meter
-from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample_among, top_probs
+from cactus_cli.core.sampling import SamplingParams, biased, probs_from_logits, sample_among, top_probs
 from cactus_cli.core.verify import Row, Verdict, greedy_verify
 from cactus_cli.infer.decode.grammar import GRAMMAR, MAX_FORCED, Grammar, mask_logits, mask_probs
 from cactus_cli.infer.draft import Drafter, Proposal
@@ -301,7 +301,7 @@ class Run:
         # one pass without a [k+1, V] mask (at k = 64 the masks cost more than the rule)
         flags = [torch.isnan(logits.sum())]
         if sp.greedy:
-            verdict = greedy_verify(drafts.view(1, k), logits.argmax(-1).view(1, k + 1))
+            verdict = greedy_verify(drafts.view(1, k), biased(logits, sp).argmax(-1).view(1, k + 1))
             return Decision(flags, drafts, logits, verdict)
         if k == 0 and 0 < sp.top_k < logits.shape[-1] and not self.params.measure:
             # a plain step: its token comes from the verifier's top-k alone (q is 0 elsewhere), drawn

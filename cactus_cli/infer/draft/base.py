@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from cactus_cli.core.events import MODEL
-from cactus_cli.core.sampling import SamplingParams, probs_from_logits, sample
+from cactus_cli.core.sampling import SamplingParams, biased, probs_from_logits, sample
 from cactus_cli.infer.runners.base import Runner, to_device
 
 
@@ -87,7 +87,7 @@ def draw(
     (or ``greedy``), else one drawn from its distribution, which is kept in ``rows`` (the draft's
     ``p`` that the rule reads). Returns ``[1]``."""
     if greedy or sp.greedy:
-        return logits.argmax(-1, keepdim=True)
+        return biased(logits, sp).argmax(-1, keepdim=True)
     p = probs_from_logits(logits, sp)  # [V]
     rows.append(p)
     return sample(p.unsqueeze(0), generator)

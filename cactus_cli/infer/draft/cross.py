@@ -99,12 +99,13 @@ class CrossVocabDrafter(DrafterBase):
         fed = len(feed)
         self.cached = list(self.target)
         drafted, rows = [], []
+        own = dataclasses.replace(sp, logit_bias=())  # (the bias names verifier ids; the rule keeps it exact)
         steps = k + 1 if self.method == STRING else k  # (string: one more, so the k-th verifier token is whole)
         for i in range(steps):
             logits = self.runner.forward(feed, keep=1)[-1]  # [V_draft]
             if self.method == INTERSECTION:
                 logits = logits.masked_fill(~self.shared, float("-inf"))  # only tokens the verifier spells alike
-            tok = draw(logits, sp, generator, rows, greedy=self.method == STRING)  # (string: its most likely text)
+            tok = draw(logits, own, generator, rows, greedy=self.method == STRING)  # (string: its most likely text)
             drafted.append(tok)
             if i < steps - 1:
                 feed = tok  # the last drafted token is never fed: the verifier decides what follows
