@@ -153,7 +153,7 @@ def test_a_shared_prefix_is_not_prefilled_again_and_gives_the_cold_answer(served
         ({"n": 2}, 400, "n", "one choice per request"),
         ({"response_format": {"type": "xml"}}, 400, "response_format", "text, json_object or json_schema"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, 400, "response_format", "name"),
-        ({"logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
+        ({"logit_bias": {"5": 1000}}, 400, "logit_bias", "from -100 to 100"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "renders no tools"),
         ({"functions": [{"name": "f"}]}, 400, "functions", "use tools"),
         ({"rule": "nope"}, 400, "rule", "rule must be one of sps, cactus"),

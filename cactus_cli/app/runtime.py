@@ -172,11 +172,21 @@ def generation_params(settings: Settings, ignore_eos: bool = False) -> Generatio
 
 
 def encode(
-    tokenizer: Any, messages: list[dict[str, Any]] | str, use_template: bool | None, tools: list | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]] | str,
+    use_template: bool | None,
+    tools: list | None = None,
+    *,
+    continue_final: bool = False,
+    generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids for a plain prompt or a chat. ``use_template`` None: use the chat template
     when the tokenizer has one; True without one is an error. ``tools``: rendered by the
-    template's tools section (serve's tool calls)."""
+    template's tools section (serve's tool calls). ``continue_final``: the last message (an
+    assistant's) is left open, so the answer continues its text (transformers'
+    ``continue_final_message``; no generation prompt then); ``generation_prompt``: the assistant
+    turn is opened after the last message; ``template_kwargs``: more variables for the template."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if use_template and not has_template:
         raise ConfigError("--chat-template: this tokenizer has no chat template; use --no-chat-template")
@@ -184,7 +194,19 @@ def encode(
         messages = [{"role": "user", "content": messages}]
     if (use_template is None and has_template) or use_template:
         extra = {"tools": tools} if tools else {}
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
+        try:
+            ids = tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=generation_prompt and not continue_final,
+                continue_final_message=continue_final,
+                tokenize=True,
+                **extra,
+                **(template_kwargs or {}),
+            )
+        except ValueError as err:  # (the template changed the final message's text: it cannot be continued)
+            if not continue_final:
+                raise
+            raise ConfigError(f"the final message cannot be continued: {err}") from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)

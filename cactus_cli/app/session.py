@@ -74,16 +74,18 @@ class Session:
     def has_drafter(self) -> bool:
         return self.engine.drafter is not None
 
-    def encode(self, prompt: str | list[dict[str, Any]] | list[int], tools: list | None = None) -> list[int]:
+    def encode(
+        self, prompt: str | list[dict[str, Any]] | list[int], tools: list | None = None, **render: Any
+    ) -> list[int]:
         """Token ids: a list of ids as it is; a string or chat messages through the chat template
         (when the tokenizer has one), the settings' system prompt first; ``tools`` rendered by
-        the template."""
+        the template; ``render``: runtime.encode's keywords (a continued final message, ...)."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if self.settings.system and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": self.settings.system}] + messages
-        return runtime.encode(self.tokenizer, messages, self.settings.chat_template, tools)
+        return runtime.encode(self.tokenizer, messages, self.settings.chat_template, tools, **render)
 
     def with_settings(self, **overrides: Any) -> Settings:
         """These settings with ``overrides`` (Settings keys), checked; the models stay as loaded."""

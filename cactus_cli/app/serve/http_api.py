@@ -22,6 +22,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cactus_cli.app.serve.http_answer import Answer, ApiError, error_body, whole
 from cactus_cli.app.serve.http_answer import stream as answer_stream
+from cactus_cli.app.serve.http_fields import (
+    ChatFields,
+    OtherFields,
+    chat_render,
+    ignored_header,
+    renamed,
+    sampling_fields,
+    with_headers,
+    with_sampling,
+)
 from cactus_cli.app.serve.http_guard import BodyGuard, json_problem
 from cactus_cli.app.serve.serving import Busy, FieldError, Server
 from cactus_cli.app.serve.tools import Calls, Tools, parse_tools, supports_tools, template_messages
@@ -32,7 +42,6 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's cap
 UNSUPPORTED = {  # OpenAI fields cactus cannot honour, and what it does instead (a 400, never a silent ignore)
     "functions": "the deprecated function calls are not supported; use tools",
     "function_call": "the deprecated function calls are not supported; use tools and tool_choice",
-    "logit_bias": "logit_bias is not supported",
     "best_of": "best_of is not supported (one sample per request)",
     "echo": "echo is not supported",
     "suffix": "suffix (insertion) is not supported",
@@ -85,8 +94,9 @@ class Message(BaseModel):
         return "".join(parts)
 
 
-class _Common(BaseModel):
-    """The fields both endpoints take: OpenAI's that cactus honours, then cactus's own."""
+class _Common(OtherFields):
+    """The fields both endpoints take: OpenAI's that cactus honours, then cactus's own (other
+    servers' fields: http_fields.py)."""
 
     # strict: true is not 1, "yes" is not true and "3" is not 3 (OpenAI refuses them too); a float
     # field still takes an integer
@@ -105,8 +115,6 @@ class _Common(BaseModel):
     user: str | None = None
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     # what clients send as defaults (null, [], {"type": "text"}) is taken; anything more: UNSUPPORTED
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -149,13 +157,6 @@ class _Common(BaseModel):
         if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ApiError(400, f"logprobs: must be 0 to {MAX_TOP_LOGPROBS}", "logprobs")
         return self.logprobs
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None) -> float | None:
-        if v:
-            raise ValueError("penalties are not supported (0 or leave it out)")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -218,7 +219,7 @@ class _Common(BaseModel):
         return {k: v for k, v in given.items() if v is not None}
 
 
-class ChatRequest(_Common):
+class ChatRequest(ChatFields, _Common):
     messages: list[Message] = Field(min_length=1)
 
 
@@ -331,6 +332,7 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
             messages = template_messages([m.template() for m in body.messages])
         except FieldError as err:
             raise ApiError(400, str(err), err.param) from None
+        render = chat_render(body, messages, bool(tools and tools.opening()), server.session.tokenizer)
         if tools is not None and not supports_tools(server.session.tokenizer):
             raise ApiError(
                 400,
@@ -338,20 +340,23 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
                 "serve a model whose template has a tools section (Qwen2.5, Qwen3, Hermes)",
                 "tools",
             )
-        return await _serve(body, request, messages, chat=True, tools=tools)
+        return await _serve(body, request, messages, chat=True, tools=tools, render=render)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await _serve(body, request, body.prompt, chat=False)
 
-    async def _serve(body: _Common, request: Request, prompt: Any, chat: bool, tools: Tools | None = None):
+    async def _serve(
+        body: _Common, request: Request, prompt: Any, chat: bool, tools: Tools | None = None, render: dict | None = None
+    ):
         check_model(body, server)
         logprobs = body.wants_logprobs()
+        sampling = sampling_fields(body, server.session.engine.pair.vocab_size)
         grammar = answer_grammar(body, tools, server.session.tokenizer)
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         try:
-            ids = await loop.run_in_executor(None, _encode, server, prompt, chat, tools, grammar)
+            ids = await loop.run_in_executor(None, _encode, server, prompt, chat, tools, grammar, render)
         except CactusError as err:
             raise ApiError(400, str(err), getattr(err, "param", None) or ("messages" if chat else "prompt")) from None
         label = json.dumps(prompt)[:2000] if server.log is not None else ""
@@ -364,19 +369,22 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
                 logprobs,
                 grammar,
             )
-            server.submit(job)
+            server.submit(job := with_sampling(job, sampling))
         except Busy as err:
             raise ApiError(503, str(err), None, "server_error") from None
         except CactusError as err:
-            raise ApiError(400, str(err), getattr(err, "param", None)) from None
+            raise ApiError(400, *renamed(err, body)) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         head = {"id": rid, "created": int(time.time()), "model": server.model_id}
         answer = Answer(server.session.tokenizer, chat, Calls(tools) if tools is not None else None, logprobs)
+        headers = ignored_header(body, render)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = answer_stream(server, job, inbox, head, answer, len(ids), include_usage)
-            return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await whole(server, job, inbox, head, answer, len(ids), request)
+            return StreamingResponse(
+                stream, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"}
+            )
+        return with_headers(await whole(server, job, inbox, head, answer, len(ids), request), headers)
 
     return app
 
@@ -405,12 +413,18 @@ def check_model(body: _Common, server: Server) -> None:
 
 
 def _encode(
-    server: Server, prompt: Any, chat: bool, tools: Tools | None = None, grammar: Grammar | None = None
+    server: Server,
+    prompt: Any,
+    chat: bool,
+    tools: Tools | None = None,
+    grammar: Grammar | None = None,
+    render: dict[str, Any] | None = None,
 ) -> list[int]:
     """Chat messages through the session (the chat template, the system prompt, the tools, and
     the answer's forced opening when ``tool_choice`` asks for a call); a completion's text as it
     is (it continues the text), or its token ids. ``grammar`` is checked here too (the first one
-    builds the tokenizer's grammar view: ~1.5 s, off the event loop)."""
+    builds the tokenizer's grammar view: ~1.5 s, off the event loop). ``render``: how the chat
+    template renders the messages (http_fields.chat_render)."""
     if grammar is not None:
         param = "tools" if tools is not None else "response_format"
         try:
@@ -418,7 +432,7 @@ def _encode(
         except ConfigError as err:
             raise FieldError(param, f"{param}: {err}") from None
     if chat:
-        ids = server.session.encode(prompt, list(tools.tools) if tools is not None else None)
+        ids = server.session.encode(prompt, list(tools.tools) if tools is not None else None, **(render or {}))
         opening = tools.opening() if tools is not None else ""
         return ids + (list(server.session.tokenizer(opening, add_special_tokens=False)["input_ids"]) if opening else [])
     if isinstance(prompt, list):
