@@ -222,3 +222,29 @@ def test_a_servers_request_takes_the_rule_fields_cactus_serve_takes(tiny_vllm_pa
 
     with pytest.raises(VLLMValidationError, match="extra_args.delta: rule 'cactus'"):
         ChatCompletionRequest(model="m", messages=user, delta=-1).to_sampling_params(8, {})
+
+
+def test_bench_on_vllm_keeps_the_rows_done_when_a_later_engine_does_not_start(llm, tiny_vllm_pair, monkeypatch):
+    """The verifier-alone engine starts after the speculative rows: if it fails, those rows are still
+    reported (stdout), the error is one line and the exit code non-zero."""
+    from cactus_cli.core.errors import ConfigError
+    from cactus_cli.infer.vllm import offline
+
+    pytest.importorskip("vllm")
+
+    class Kept(offline.Engine):
+        def close(self) -> None:
+            pass
+
+    def start(p, *a, **kw):
+        if p.k == 0:
+            raise ConfigError("vLLM did not start: no room")
+        return Kept(llm, p.k)
+
+    monkeypatch.setattr(offline, "start", start)
+    args = ["bench", "--verifier", tiny_vllm_pair["verifier"], "--draft", tiny_vllm_pair["draft"], "--backend"]
+    args += ["vllm", "--rules", "sps", "-k", "4", "--max-tokens", "8", "--limit", "1", "--temperature", "1"]
+    r = CliRunner().invoke(app, args + ["--json"])
+    assert r.exit_code != 0 and "vLLM did not start: no room" in r.stderr and "Traceback" not in r.output
+    doc = json.loads(r.stdout)
+    assert [row["config"] for row in doc["results"]] == ["sps k=4"] and doc["interrupted"]

@@ -12,12 +12,14 @@ from typing import Any, Callable
 from cactus_cli.app import runtime
 from cactus_cli.app.config.parsing import parse_draft
 from cactus_cli.app.grid.runner import ConfigResult
+from cactus_cli.core.companions import hide_broken_companions
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.stats import SpecStats
 from cactus_cli.infer.draft import KINDS
 from cactus_cli.infer.load.sources import Source, load_tokenizer, materialize, resolve_source
 from cactus_cli.infer.vllm import offline
 from cactus_cli.infer.vllm.offline import AUTO_K, Plan, unavailable, user_args
+from cactus_cli.infer.vllm.plugin import inherit_the_hiding
 from cactus_cli.infer.vllm.rows import RowRule
 
 SERVE_PARALLEL = 8  # serve --backend vllm: requests in one batch (vLLM's max_num_seqs) unless --parallel says
@@ -92,6 +94,8 @@ def serve(settings: Any, host: str, port: int, api_key: str | None, parallel: in
     for line in plan.notes:
         note(line)
     argv = offline.server_argv(plan, host, port, api_key, parallel or SERVE_PARALLEL, settings.seed)
+    if hide_broken_companions():  # (vLLM's server imports transformers before any plugin: the hiding first)
+        inherit_the_hiding()
     env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
     note(f"starting vLLM's server (k {plan.k}, {plan.method or 'no drafts'}): vllm {' '.join(argv)}")
     sys.stdout.flush()
@@ -132,11 +136,13 @@ def summary(s: SpecStats, info: dict[str, Any]) -> str:
     return " · ".join(parts)
 
 
-def run_grid(settings: Any, grid: list, prompts: list, concurrency: list[int], sink: list, on_run, note) -> dict:
+def run_grid(
+    settings: Any, grid: list, prompts: list, concurrency: list[int], sink: list, on_run, note, env: dict
+) -> None:
     """bench's rows on vLLM: one engine per k (vLLM's k is per engine) for the speculative rows, then
     one without drafts for the verifier alone; every row the same prompts and seeds (prompt i:
-    seed + i). Results go into ``sink`` as they finish (Ctrl-C keeps them). Returns the report's
-    environment additions."""
+    seed + i). Results go into ``sink`` as they finish and the report's environment additions into
+    ``env`` (Ctrl-C, or an engine that does not start, keeps what finished)."""
     plan = vllm_plan(dataclasses.replace(settings, num_draft_tokens=grid[-1].k))
     for line in plan.notes:
         note(line)
@@ -153,7 +159,8 @@ def run_grid(settings: Any, grid: list, prompts: list, concurrency: list[int], s
             empty = runtime.encode(tok, p.conversation([""] * len(p.turns)), p.chat)
             lengths.append(len(empty) + settings.max_tokens * len(p.turns))
     ks = sorted({c.k for c in grid if c.kind == "speculative"})
-    info = {}
+    info: dict = {}
+    env.update(backend=settings.backend, vllm=info)
     for k in ks + [0]:
         rows = [c for c in grid if (c.kind == "speculative" and c.k == k) or (k == 0 and c.kind == "autoregressive")]
         if not rows:
@@ -161,27 +168,28 @@ def run_grid(settings: Any, grid: list, prompts: list, concurrency: list[int], s
         this = dataclasses.replace(plan, k=k, method=plan.method if k else None)
         note(f"starting vLLM ({f'k {k}, {plan.method}' if k else 'the verifier alone'}; about a minute on a CPU)")
         engine = offline.start(this, lengths, settings.max_tokens, max(concurrency), settings.seed)
-        for cfg in rows:
-            result = ConfigResult(cfg, SpecStats(), {}, 0)
-            sink.append(result)
-            extra = {"rule": cfg.rule, **cfg.rule_kwargs} if cfg.rule else None
-            requests = offline.requests_of(settings, [ids for _, ids in encoded], extra, settings.seed)
-            for i in range(0, len(requests), cfg.concurrency):
-                t0 = time.perf_counter()
-                group = _asked(engine, tok, encoded[i : i + cfg.concurrency], requests[i : i + cfg.concurrency])
-                if cfg.concurrency > 1:  # (requests together: their own clock, as run_concurrent keeps it)
-                    result.wall_seconds += time.perf_counter() - t0
-                    result.ttfts += [d.stats.time_to_first_token or 0.0 for d in group]
-                    result.request_rates += [
-                        d.stats.decode_tokens_per_second for d in group if d.stats.decode_tokens_per_second
-                    ]
-                for (prompt, _), done in zip(encoded[i : i + cfg.concurrency], group):
-                    result.add(prompt, done.stats)
-                    on_run(cfg)
-            if cfg.kind == "speculative":
-                info[cfg.label] = describe(dataclasses.replace(this, rule=extra), result.stats)
-        engine.close()
-    return {"backend": settings.backend, "vllm": info}
+        try:
+            for cfg in rows:
+                result = ConfigResult(cfg, SpecStats(), {}, 0)
+                sink.append(result)
+                extra = {"rule": cfg.rule, **cfg.rule_kwargs} if cfg.rule else None
+                requests = offline.requests_of(settings, [ids for _, ids in encoded], extra, settings.seed)
+                for i in range(0, len(requests), cfg.concurrency):
+                    t0 = time.perf_counter()
+                    group = _asked(engine, tok, encoded[i : i + cfg.concurrency], requests[i : i + cfg.concurrency])
+                    if cfg.concurrency > 1:  # (requests together: their own clock, as run_concurrent keeps it)
+                        result.wall_seconds += time.perf_counter() - t0
+                        result.ttfts += [d.stats.time_to_first_token or 0.0 for d in group]
+                        result.request_rates += [
+                            d.stats.decode_tokens_per_second for d in group if d.stats.decode_tokens_per_second
+                        ]
+                    for (prompt, _), done in zip(encoded[i : i + cfg.concurrency], group):
+                        result.add(prompt, done.stats)
+                        on_run(cfg)
+                if cfg.kind == "speculative":
+                    info[cfg.label] = describe(dataclasses.replace(this, rule=extra), result.stats)
+        finally:
+            engine.close()
 
 
 def _asked(engine: Any, tok: Any, asked: list, requests: list) -> list:

@@ -17,7 +17,7 @@ from cactus_cli.cli import options as o
 from cactus_cli.cli import tables, ui
 from cactus_cli.cli.edge import user_errors
 from cactus_cli.core import defaults
-from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.errors import CactusError, ConfigError
 from cactus_cli.core.fileio import check_output_dir, check_output_file, write_or_fail
 
 Rules = Annotated[
@@ -227,11 +227,11 @@ def _on_vllm(
         lists["concurrency"],
     )
     results: list = []
-    interrupted = False
+    interrupted, failed = False, None
     env: dict = {}
     with ui.bench_progress(err, len(grid) * len(prompts)) as advance:
         try:
-            env = on_vllm.run_grid(
+            on_vllm.run_grid(
                 settings,
                 grid,
                 prompts,
@@ -239,12 +239,18 @@ def _on_vllm(
                 results,
                 lambda cfg: advance(1, cfg.label),
                 lambda line: err.print(line, style="dim", highlight=False),
+                env,
             )
         except KeyboardInterrupt:
             interrupted = True
+        except CactusError as problem:  # (a later engine that does not start: the rows done are kept)
+            interrupted, failed = True, problem
     env = {**report.environment_here(), **env, "verifier": settings.verifier, "draft": settings.draft}
     doc = report.document(results, env, settings.to_dict(), prompts, interrupted, None)
-    _report(kind, doc, env, output, shared.no_color, err)
+    if results or failed is None:
+        _report(kind, doc, env, output, shared.no_color, err)
+    if failed is not None:
+        raise failed
     if interrupted:
         err.print("interrupted: the results above cover what finished", style="yellow")
         raise typer.Exit(130)

@@ -199,21 +199,24 @@ def start(p: Plan, prompt_lengths: list[int], max_tokens: int, concurrency: int 
     _log_to_stderr()
     register()
     need = max(prompt_lengths, default=0) + max_tokens + p.k + 1
-    args = (
-        dict(
-            **engine_args(p, max_model_len=-(-need // 256) * 256, max_num_seqs=concurrency, seed=seed),
-            disable_log_stats=False,
-            per_request_spec_decode_metrics="detailed",
-        )
-        | extra
-    )
+    args = engine_args(p, max_model_len=-(-need // 256) * 256, max_num_seqs=concurrency, seed=seed)
+    args["disable_log_stats"] = False
+    if p.method is not None:  # (vLLM refuses the per-request counters without speculation)
+        args["per_request_spec_decode_metrics"] = "detailed"
     try:
-        llm = LLM(**args)
+        llm = LLM(**(args | extra))
     except (TypeError, ValueError) as err:  # (an engine argument vLLM does not take, or a bad value)
-        raise ConfigError(
-            f"vLLM did not start: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
-        ) from None
+        raise ConfigError(f"vLLM did not start: {_first_reason(err)}") from None
     return Engine(llm, p.k if p.method else 0)
+
+
+def _first_reason(err: Exception) -> str:
+    """One line of why: pydantic's "Value error, ..." line where vLLM's config validation says it."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    said = next((line for line in lines if line.startswith("Value error, ")), None)
+    if said is not None:
+        return said.removeprefix("Value error, ").split(" [type=")[0]
+    return lines[0] if lines else type(err).__name__
 
 
 def _log_to_stderr() -> None:

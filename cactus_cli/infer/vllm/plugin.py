@@ -103,7 +103,7 @@ def default_rule(config: dict[str, Any] | None) -> RowRule:
     return RowRule.of(doc)
 
 
-def _inherit_the_hiding() -> None:
+def inherit_the_hiding() -> None:
     """The processes vLLM starts from here (its engine core and workers, spawned; the model
     inspection it runs in a subprocess) hide them too: site/sitecustomize.py on their PYTHONPATH."""
     import os
@@ -118,7 +118,7 @@ def _inherit_the_hiding() -> None:
 def register() -> None:
     """The entry point: check the version, patch vLLM (once per process)."""
     if hide_broken_companions():
-        _inherit_the_hiding()
+        inherit_the_hiding()
     import vllm
 
     problem = version_problem(vllm.__version__)
