@@ -224,7 +224,9 @@ def test_a_servers_request_takes_the_rule_fields_cactus_serve_takes(tiny_vllm_pa
         ChatCompletionRequest(model="m", messages=user, delta=-1).to_sampling_params(8, {})
 
 
-def test_bench_on_vllm_keeps_the_rows_done_when_a_later_engine_does_not_start(llm, tiny_vllm_pair, monkeypatch):
+def test_bench_on_vllm_keeps_the_rows_done_when_a_later_engine_does_not_start(
+    llm, tiny_vllm_pair, monkeypatch, tmp_path
+):
     """The verifier-alone engine starts after the speculative rows: if it fails, those rows are still
     reported (stdout), the error is one line and the exit code non-zero."""
     from cactus_cli.core.errors import ConfigError
@@ -244,7 +246,8 @@ def test_bench_on_vllm_keeps_the_rows_done_when_a_later_engine_does_not_start(ll
     monkeypatch.setattr(offline, "start", start)
     args = ["bench", "--verifier", tiny_vllm_pair["verifier"], "--draft", tiny_vllm_pair["draft"], "--backend"]
     args += ["vllm", "--rules", "sps", "-k", "4", "--max-tokens", "8", "--limit", "1", "--temperature", "1"]
-    r = CliRunner().invoke(app, args + ["--json"])
+    r = CliRunner().invoke(app, args + ["--out", str(tmp_path)])  # (the table, as a user sees it, and the files)
     assert r.exit_code != 0 and "vLLM did not start: no room" in r.stderr and "Traceback" not in r.output
-    doc = json.loads(r.stdout)
+    assert "sps k=4" in r.stdout
+    doc = json.loads((tmp_path / "bench.json").read_text())
     assert [row["config"] for row in doc["results"]] == ["sps k=4"] and doc["interrupted"]

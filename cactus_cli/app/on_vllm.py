@@ -160,7 +160,7 @@ def run_grid(
             lengths.append(len(empty) + settings.max_tokens * len(p.turns))
     ks = sorted({c.k for c in grid if c.kind == "speculative"})
     info: dict = {}
-    env.update(backend=settings.backend, vllm=info)
+    env.update(backend=settings.backend, dtype=offline.user_args().get("dtype", "auto"), vllm=info)
     for k in ks + [0]:
         rows = [c for c in grid if (c.kind == "speculative" and c.k == k) or (k == 0 and c.kind == "autoregressive")]
         if not rows:
