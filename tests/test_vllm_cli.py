@@ -153,6 +153,7 @@ def test_bench_on_vllm_reports_each_rule_and_the_divergence_it_spent(llm, tiny_v
     assert len(asked) == 3 * 3 and asked[1] > asked[0] + 2  # per row: both questions and the second turn after
     assert len(rows["sps k=4"]["per_position_acceptance_rate"]) == 4
     spent = doc["environment"]["vllm"]
+    assert doc["environment"]["vllm_version"].startswith("0.32")
     assert spent["sps k=4"]["kl_spent_max"] == 0 and spent["cactus δ=1 k=4"]["kl_spent_mean"] > 0
     assert spent["cactus δ=1 k=4"]["kl_budget"] == 1.0
 

