@@ -47,6 +47,26 @@ def average(prices):
     return total(prices) / len(prices)
 """
 
+# The issue's agent loop through the openai client: a required call, the tool's result, then tool_choice auto.
+OPENAI_LOOP = """
+        from openai import OpenAI
+        c = OpenAI(base_url=URL, api_key="unused")
+        tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
+                  "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+        msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+        if INSTRUCTED:  # (the Agents SDK's instructions below; without them the 1.5B calls the tool again)
+            msgs.insert(0, {"role": "system", "content": "Call the tool to look the weather up, then tell the user the result in one sentence."})
+        first = c.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice="required", temperature=0)
+        call = first.choices[0].message.tool_calls[0]
+        msgs += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "It is sunny and 21 C in Paris."}]
+        # the issue's loop: the tool's answer back, tools still declared, tool_choice auto, greedy
+        then = c.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice="auto", temperature=0)
+        m = then.choices[0].message
+        print("RESULT", json.dumps({"ok": not m.tool_calls and "21" in (m.content or ""), "call": call.function.name,
+              "arguments": call.function.arguments, "answer": (m.content or "")[:120], "calls_again": bool(m.tool_calls)}))
+"""
+
 # Each client: a Python program run by the clients' interpreter (URL and MODEL set), or a command.
 # It prints one line "RESULT <json>" with what it checked; anything else is the client's own output.
 PROGRAMS = {
@@ -92,6 +112,45 @@ PROGRAMS = {
         out = Runner.run_sync(agent, "What is the weather in Paris?")
         ok = bool(used) and "21" in str(out.final_output)
         print("RESULT", json.dumps({"ok": ok, "tool_args": used, "final": str(out.final_output)[:120]}))
+    """,
+    "openai-loop-auto": "        INSTRUCTED = False\n" + OPENAI_LOOP,  # (the issue's loop, as it was sent)
+    "openai-loop-auto-instructed": "        INSTRUCTED = True\n" + OPENAI_LOOP,
+    "openai-agents-auto": """
+        from agents import Agent, Runner, function_tool, set_tracing_disabled, OpenAIChatCompletionsModel
+        from agents import ModelSettings
+        from openai import AsyncOpenAI
+        set_tracing_disabled(True)
+        used = []
+        @function_tool
+        def get_weather(city: str) -> str:
+            '''Current weather in a city.'''
+            used.append(city)
+            return f"It is sunny and 21 C in {city}."
+        model = OpenAIChatCompletionsModel(model=MODEL, openai_client=AsyncOpenAI(base_url=URL, api_key="unused"))
+        agent = Agent(name="weather", instructions="Call the tool to look the weather up, then tell the user the result in one sentence.", model=model, tools=[get_weather],
+                      model_settings=ModelSettings(temperature=0))  # (tool_choice left at auto, as agents do)
+        out = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+        ok = bool(used) and "21" in str(out.final_output)
+        print("RESULT", json.dumps({"ok": ok, "tool_args": used, "final": str(out.final_output)[:120]}))
+    """,
+    "langchain-loop-auto": """
+        from langchain_core.messages import HumanMessage, ToolMessage
+        from langchain_openai import ChatOpenAI
+        def get_weather(city: str) -> str:
+            '''Current weather in a city.'''
+            return f"It is sunny and 21 C in {city}."
+        llm = ChatOpenAI(base_url=URL, api_key="unused", model=MODEL, temperature=0).bind_tools([get_weather])
+        msgs, calls = [HumanMessage("What is the weather in Paris? Use the tool.")], 0
+        for _ in range(4):
+            ai = llm.invoke(msgs)
+            msgs.append(ai)
+            if not ai.tool_calls:
+                break
+            for tc in ai.tool_calls:
+                calls += 1
+                msgs.append(ToolMessage(get_weather(**tc["args"]), tool_call_id=tc["id"]))
+        print("RESULT", json.dumps({"ok": calls > 0 and "21" in str(ai.content), "calls": calls,
+              "final": str(ai.content)[:120]}))
     """,
     "smolagents-tools": """
         from smolagents import OpenAIServerModel, ToolCallingAgent, tool
