@@ -186,14 +186,14 @@ def test_serve_on_vllm_hands_vllm_serve_the_pair_the_rule_and_the_engine_argumen
 
     pytest.importorskip("vllm")
     ran = []
-    monkeypatch.setattr(os_mod, "execve", lambda path, argv, env: ran.append(argv))
+    monkeypatch.setattr(os_mod, "execve", lambda path, argv, env: ran.append((argv, env)))
     monkeypatch.setenv("CACTUS_VLLM_ARGS", '{"enforce_eager": true, "enable_chunked_prefill": false}')
     args = ["serve", "--verifier", tiny_vllm_pair["verifier"], "--draft", tiny_vllm_pair["draft"], "--backend"]
-    r = CliRunner().invoke(
-        app, args + ["vllm", "-k", "3", "--rule", "cactus", "--delta", "0.5", "--port", "8123", "--parallel", "4"]
-    )
+    args += ["vllm", "-k", "3", "--rule", "cactus", "--delta", "0.5", "--port", "8123", "--parallel", "4"]
+    r = CliRunner().invoke(app, args + ["--api-key", "sekrit"])
     assert r.exit_code == 0, r.output
-    (argv,) = ran
+    ((argv, env),) = ran
+    assert env["VLLM_API_KEY"] == "sekrit" and "sekrit" not in " ".join(argv) + r.output  # (not in ps, not said)
     assert argv[1:5] == ["-m", "vllm.entrypoints.launchers.api_server.entry", "--model", tiny_vllm_pair["verifier"]]
     flags = {flag: argv[i + 1] for i, flag in enumerate(argv) if flag.startswith("--") and i + 1 < len(argv)}
     assert flags["--port"] == "8123" and flags["--max-num-seqs"] == "4"

