@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from cactus_cli.app import runtime
 from cactus_cli.app.config.parsing import parse_draft
-from cactus_cli.app.grid.runner import ConfigResult
+from cactus_cli.app.grid.runner import ConfigResult, longest_prompt
 from cactus_cli.core.companions import hide_broken_companions
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.stats import SpecStats
@@ -149,17 +149,8 @@ def run_grid(
     for line in plan.notes:
         note(line)
     tok = _tokenizer(plan.verifier)
-    chat = settings.chat_template or (settings.chat_template is None and bool(getattr(tok, "chat_template", None)))
-    encoded = []
-    for p in prompts:
-        p = p.protocol(chat)
-        ids = runtime.encode(tok, p.prompt, settings.chat_template)
-        encoded.append((p, ids + (list(tok(p.reply, add_special_tokens=False)["input_ids"]) if p.reply else [])))
-    lengths = [len(ids) for _, ids in encoded]
-    for p, _ in encoded:  # (a multi-turn question's last turn: its turns, with an answer of max_tokens before each)
-        if p.turns:
-            empty = runtime.encode(tok, p.conversation([""] * len(p.turns)), p.chat)
-            lengths.append(len(empty) + settings.max_tokens * len(p.turns))
+    encoded = runtime.protocol_ids(tok, prompts, settings.chat_template)
+    lengths = [longest_prompt(tok, encoded, settings.max_tokens)]  # (a multi-turn question's last turn)
     ks = sorted({c.k for c in grid if c.kind == "speculative"})
     info: dict = {}
     env.update(backend=settings.backend, dtype=offline.user_args().get("dtype", "auto"), vllm=info)

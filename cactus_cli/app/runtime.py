@@ -214,22 +214,26 @@ def encode(
     return list(tokenizer(text)["input_ids"])
 
 
-def encode_prompts(engine: SpeculativeEngine, prompts: list, use_template: bool | None) -> list[tuple[Any, list[int]]]:
-    """Encode a prompt set as each prompt asks to be given (``Prompt.protocol``: a code task with
-    a chat template starts the reply too), checking now (before a long run) that each fits."""
-    tok = engine.pair.tokenizer
+def protocol_ids(tok: Any, prompts: list, use_template: bool | None) -> list[tuple[Any, list[int]]]:
+    """Each prompt as it asks to be given (``Prompt.protocol``: a code task with a chat template
+    starts the reply too) and its token ids."""
     chat = bool(use_template) or (use_template is None and bool(getattr(tok, "chat_template", None)))
     out = []
     for p in prompts:
         p = p.protocol(chat)
-        ids = encode(tok, p.prompt, use_template) + (
-            list(tok(p.reply, add_special_tokens=False)["input_ids"]) if p.reply else []
-        )
+        reply = list(tok(p.reply, add_special_tokens=False)["input_ids"]) if p.reply else []
+        out.append((p, encode(tok, p.prompt, use_template) + reply))
+    return out
+
+
+def encode_prompts(engine: SpeculativeEngine, prompts: list, use_template: bool | None) -> list[tuple[Any, list[int]]]:
+    """Encode a prompt set (``protocol_ids``), checking now (before a long run) that each fits."""
+    out = protocol_ids(engine.pair.tokenizer, prompts, use_template)
+    for p, ids in out:
         if len(ids) >= engine.context_length:
             where = f"{p.where}: " if p.where else ""
             raise ConfigError(
                 f"{where}prompt {p.id!r} is {len(ids)} tokens but the context window is "
                 f"{engine.context_length}; shorten it"
             )
-        out.append((p, ids))
     return out

@@ -188,13 +188,13 @@ def next_turn(engine: SpeculativeEngine, prompt: Prompt, answers: list[str]) -> 
     return ids
 
 
-def longest_prompt(engine: SpeculativeEngine, encoded: list[tuple[Prompt, list[int]]], max_tokens: int) -> int:
+def longest_prompt(tokenizer: Any, encoded: list[tuple[Prompt, list[int]]], max_tokens: int) -> int:
     """The most prompt tokens a run will hold: a multi-turn question's last turn counts its
     turns with an answer of ``max_tokens`` before each (empty answers, plus those tokens)."""
     longest = 0
     for prompt, ids in encoded:
         if prompt.turns:
-            empty = encode(engine.pair.tokenizer, prompt.conversation([""] * len(prompt.turns)), prompt.chat)
+            empty = encode(tokenizer, prompt.conversation([""] * len(prompt.turns)), prompt.chat)
             longest = max(longest, len(empty) + max_tokens * len(prompt.turns))
         longest = max(longest, len(ids))
     return longest

@@ -85,7 +85,9 @@ def load_engines(
                             )
                         )
     encoded = runtime.encode_prompts(engines[0][1], prompts, settings.chat_template)
-    longest = longest_prompt(engines[0][1], encoded, settings.max_tokens)  # (a multi-turn question's last turn)
+    longest = longest_prompt(
+        engines[0][1].pair.tokenizer, encoded, settings.max_tokens
+    )  # (a multi-turn question's last turn)
     for _, e in engines:  # every slot's room now: a context grown mid-row replays every cached sequence
         for slot in range(1 if e.compiled else len(e.slots)):
             runtime.prepare(e, settings, reporter, longest, ks, slot=slot, probe=slot == 0)

@@ -127,7 +127,7 @@ def calibrate(
         with ui.LoadProgress(err) as progress:
             session = Session.load(settings=settings, reporter=progress)
             encoded = session.encode_prompts(prompts)
-            longest = b.longest_prompt(session.engine, encoded, settings.max_tokens)
+            longest = b.longest_prompt(session.tokenizer, encoded, settings.max_tokens)
             session.prepare(longest, progress, k_values=[*k_list, "auto"])
             engine = session.engine  # (the grid runner that bench and eval share takes the engine)
         base = session.params()
