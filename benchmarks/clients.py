@@ -67,6 +67,26 @@ OPENAI_LOOP = """
               "arguments": call.function.arguments, "answer": (m.content or "")[:120], "calls_again": bool(m.tool_calls)}))
 """
 
+# The OpenAI Agents SDK looking the weather up with a function tool, TOOL_CHOICE and MAX_TURNS set.
+AGENTS = """
+        from agents import Agent, Runner, function_tool, set_tracing_disabled, OpenAIChatCompletionsModel
+        from agents import ModelSettings
+        from openai import AsyncOpenAI
+        set_tracing_disabled(True)
+        used = []
+        @function_tool
+        def get_weather(city: str) -> str:
+            '''Current weather in a city.'''
+            used.append(city)
+            return f"It is sunny and 21 C in {city}."
+        model = OpenAIChatCompletionsModel(model=MODEL, openai_client=AsyncOpenAI(base_url=URL, api_key="unused"))
+        agent = Agent(name="weather", instructions="Call the tool to look the weather up, then tell the user the result in one sentence.", model=model, tools=[get_weather],
+                      model_settings=ModelSettings(temperature=0, tool_choice=TOOL_CHOICE))
+        out = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=MAX_TURNS)
+        ok = bool(used) and "21" in str(out.final_output)
+        print("RESULT", json.dumps({"ok": ok, "tool_args": used, "final": str(out.final_output)[:120]}))
+"""
+
 # Each client: a Python program run by the clients' interpreter (URL and MODEL set), or a command.
 # It prints one line "RESULT <json>" with what it checked; anything else is the client's own output.
 PROGRAMS = {
@@ -93,46 +113,12 @@ PROGRAMS = {
         print("RESULT", json.dumps({"ok": bool(ok), "invoke": a[:40], "stream": s[:40],
               "tool_call": call.tool_calls[0] if call.tool_calls else None, "structured": p.model_dump()}))
     """,
-    "openai-agents": """
-        from agents import Agent, Runner, function_tool, set_tracing_disabled, OpenAIChatCompletionsModel
-        from agents import ModelSettings
-        from openai import AsyncOpenAI
-        set_tracing_disabled(True)
-        used = []
-        @function_tool
-        def get_weather(city: str) -> str:
-            '''Current weather in a city.'''
-            used.append(city)
-            return f"It is sunny and 21 C in {city}."
-        model = OpenAIChatCompletionsModel(model=MODEL, openai_client=AsyncOpenAI(base_url=URL, api_key="unused"))
-        # tool_choice required: the 1.5B model writes an auto call as bare text; the SDK resets the
-        # choice to auto after the call (reset_tool_choice), so the next turn answers in words
-        agent = Agent(name="weather", instructions="Call the tool to look the weather up, then tell the user the result in one sentence.", model=model, tools=[get_weather],
-                      model_settings=ModelSettings(temperature=0, tool_choice="required"))
-        out = Runner.run_sync(agent, "What is the weather in Paris?")
-        ok = bool(used) and "21" in str(out.final_output)
-        print("RESULT", json.dumps({"ok": ok, "tool_args": used, "final": str(out.final_output)[:120]}))
-    """,
+    "openai-agents": "        TOOL_CHOICE, MAX_TURNS = 'required', 10\n"
+    + AGENTS,  # (the SDK resets it to auto after the call)
     "openai-loop-auto": "        INSTRUCTED = False\n" + OPENAI_LOOP,  # (the issue's loop, as it was sent)
     "openai-loop-auto-instructed": "        INSTRUCTED = True\n" + OPENAI_LOOP,
-    "openai-agents-auto": """
-        from agents import Agent, Runner, function_tool, set_tracing_disabled, OpenAIChatCompletionsModel
-        from agents import ModelSettings
-        from openai import AsyncOpenAI
-        set_tracing_disabled(True)
-        used = []
-        @function_tool
-        def get_weather(city: str) -> str:
-            '''Current weather in a city.'''
-            used.append(city)
-            return f"It is sunny and 21 C in {city}."
-        model = OpenAIChatCompletionsModel(model=MODEL, openai_client=AsyncOpenAI(base_url=URL, api_key="unused"))
-        agent = Agent(name="weather", instructions="Call the tool to look the weather up, then tell the user the result in one sentence.", model=model, tools=[get_weather],
-                      model_settings=ModelSettings(temperature=0))  # (tool_choice left at auto, as agents do)
-        out = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
-        ok = bool(used) and "21" in str(out.final_output)
-        print("RESULT", json.dumps({"ok": ok, "tool_args": used, "final": str(out.final_output)[:120]}))
-    """,
+    "openai-agents-auto": "        TOOL_CHOICE, MAX_TURNS = None, 4\n"
+    + AGENTS,  # (tool_choice left at auto, as agents do)
     "langchain-loop-auto": """
         from langchain_core.messages import HumanMessage, ToolMessage
         from langchain_openai import ChatOpenAI
