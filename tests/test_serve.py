@@ -61,8 +61,8 @@ def start(server: Server, api_key: str | None = None):
     return f"http://127.0.0.1:{port}", stop
 
 
-@pytest.fixture(scope="module")
-def session(tiny):
+def load_session(tiny) -> Session:
+    """The pair the server tests serve (test_serve_fields.py serves it too): greedy, k 3, 16 tokens."""
     return Session.load(
         verifier=tiny["verifier"],
         draft=tiny["draft_close"],
@@ -73,6 +73,11 @@ def session(tiny):
         temperature=0.0,
         seed=0,
     )
+
+
+@pytest.fixture(scope="module")
+def session(tiny):
+    return load_session(tiny)
 
 
 @pytest.fixture(scope="module")

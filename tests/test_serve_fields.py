@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 
 from cactus_cli.app.serve.serving import Server
-from cactus_cli.app.session import Session
-from tests.test_serve import PROMPT, httpx, start
+from tests.test_serve import PROMPT, httpx, load_session, start
 
 USER = [{"role": "user", "content": PROMPT}]
 IGNORED = {
@@ -25,16 +24,7 @@ IGNORED = {
 
 @pytest.fixture(scope="module")
 def session(tiny):
-    return Session.load(
-        verifier=tiny["verifier"],
-        draft=tiny["draft_close"],
-        device="cpu",
-        dtype="float32",
-        num_draft_tokens=3,
-        max_tokens=16,
-        temperature=0.0,
-        seed=0,
-    )
+    return load_session(tiny)
 
 
 @pytest.fixture(scope="module")
