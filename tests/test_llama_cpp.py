@@ -5,6 +5,7 @@ Needs llama-cpp-python (the `demo` extra, which the README's test command instal
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -405,6 +406,23 @@ def test_batched_greedy_speculation_on_llama_cpp_equals_each_run_alone(pairs):
         for entry, ev in batch.step():
             got[id(entry)] += ev.emitted
     assert [got[id(e)] for e in entries] == alone
+
+
+def test_a_prompt_joining_in_chunks_on_llama_cpp_answers_as_alone(pairs):
+    """The chunked prefill on llama.cpp: prompt chunks (no logits) in the same llama_decode as
+    the running run's verify rows, greedy answers unchanged (tests/test_slots.py: on torch)."""
+    from tests.test_slots import join_in_chunks
+
+    pair = pairs["close"]
+    params = GenerationParams(sampling=GREEDY, num_draft_tokens=3, max_tokens=120, ignore_eos=True)
+    running, joining = encode(pair, "a red bird"), encode(pair, " ".join([PROMPT] * 4))
+    expected = [
+        run(SpeculativeEngine(pair), running, params)[0],
+        run(SpeculativeEngine(pair), joining, dataclasses.replace(params, max_tokens=12))[0],
+    ]
+    got, steps_to_first = join_in_chunks(SpeculativeEngine(pair, sequences=2), running, joining, params, 7)
+    assert got == expected
+    assert steps_to_first == -(-(len(joining) - 1) // 7)
 
 
 def test_repack_patterns_name_only_the_matmul_weights_the_x86_repack_has_kernels_for():

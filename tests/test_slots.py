@@ -239,3 +239,42 @@ def test_k_for_the_whole_step_is_best_k_for_one_run_and_fills_a_cheap_width_for_
     assert sum(k + 1 for k in four) <= 8 and max(four) < allocate(costs, [one])[0]
     fixed = Want(3, "model", rates, fixed=True)
     assert allocate(costs, [fixed, one])[0] == 3
+
+
+@pytest.mark.parametrize("chunk,free", [(1, None), (5, None), (16, None), (5, "suffix")])
+def test_a_prompt_joining_running_streams_is_fed_in_chunks_and_answers_as_alone(close, chunk, free):
+    """A long prompt that joins while another run decodes is read ``chunk`` tokens a step, in the
+    running run's verifier calls (and the draft model's, which reads the prompt too unless it sits
+    behind a lookup); both answers stay the ones each gets alone (a chunk boundary that dropped,
+    repeated or reordered a token would change the joining run's answer)."""
+    kind = Free(free) if free else None
+    running, joining = ids(close, PROMPTS[3]), ids(close, " ".join(PROMPTS) + " and the bird sang")
+    params = GenerationParams(sampling=GREEDY, num_draft_tokens=3, max_tokens=400, ignore_eos=True)
+    short = dataclasses.replace(params, max_tokens=12)
+    expected = [
+        alone(close, PROMPTS[3], params, kind),
+        alone(close, " ".join(PROMPTS) + " and the bird sang", short, kind),
+    ]
+    got, steps_to_first = join_in_chunks(SpeculativeEngine(close, kind, sequences=2), running, joining, params, chunk)
+    assert got == expected
+    assert steps_to_first == -(-(len(joining) - 1) // chunk)  # the prompt minus its last token, then its first step
+
+
+def join_in_chunks(engine, running: list[int], joining: list[int], params: GenerationParams, chunk: int):
+    """``running`` decodes (``params``: long enough to outlast the join); at its third step
+    ``joining`` joins (12 tokens) in a batch that feeds prompts ``chunk`` tokens a step. Both
+    runs' tokens, and the steps from the join to the joining run's first event."""
+    batch = Batch(engine, chunk=chunk)
+    first = batch.add(engine.start(running, params, slot=0))
+    got, second, steps_to_first, step = {id(first): []}, None, None, 0
+    while len(batch):
+        step += 1
+        if step == 3:
+            second = batch.add(engine.start(joining, dataclasses.replace(params, max_tokens=12), slot=1))
+            got[id(second)], joined = [], step
+        for entry, ev in batch.step():
+            assert not isinstance(ev, BaseException), ev
+            got[id(entry)] += ev.emitted
+            if entry is second and steps_to_first is None:
+                steps_to_first = step - joined
+    return [got[id(first)], got[id(second)]], steps_to_first

@@ -18,6 +18,24 @@ from typing import Any, Iterator
 from cactus_cli.core.events import StepEvent
 from cactus_cli.infer.decode.slot import Run, Slot
 from cactus_cli.infer.decode.text import TextStream
+from cactus_cli.infer.kpolicy.costs import CostModel
+
+STEP_SECONDS = 0.5  # a step that feeds a joining prompt takes about this long: the running streams' longest gap
+MIN_CHUNK, MAX_CHUNK = 16, 512  # prompt tokens a step feeds (512: llama.cpp's batch; a GPU reaches it)
+
+
+CURVE_WIDTH = 64  # the verify width whose measured cost per token sizes the first chunk
+
+
+def first_chunk(costs: CostModel) -> int:
+    """The first chunk: what fits STEP_SECONDS at the measured verify curve's cost per token of
+    a CURVE_WIDTH-token verify (nothing measured: 4 MIN_CHUNK); each chunked step's own time then
+    corrects it (``Batch._resize``), so a curve timed on a busy machine costs a few steps, not a
+    stall."""
+    per_token = costs.t_v(CURVE_WIDTH) / CURVE_WIDTH
+    if per_token <= 0:
+        return 4 * MIN_CHUNK
+    return max(MIN_CHUNK, min(MAX_CHUNK, int(STEP_SECONDS / per_token)))
 
 
 @dataclass(eq=False)
@@ -31,9 +49,13 @@ class Entry:
 
 
 class Batch:
-    def __init__(self, engine: Any):
-        """``engine``: the SpeculativeEngine whose slots the runs hold (its prefill, step, finish)."""
+    def __init__(self, engine: Any, chunk: int | None = None):
+        """``engine``: the SpeculativeEngine whose slots the runs hold (its prefill, step, finish).
+        ``chunk``: prompt tokens a step feeds beside the decoding runs (None: sized from the
+        verifier's measured cost per width, then from each step's time, toward STEP_SECONDS)."""
         self.engine = engine
+        self.chunk = chunk if chunk is not None else first_chunk(engine.costs.costs)
+        self.fixed = chunk is not None
         self.entries: list[Entry] = []
         self.idle_from: float | None = None
 
@@ -54,38 +76,65 @@ class Batch:
             self._end(entry)
 
     def step(self) -> list[tuple[Entry, StepEvent | BaseException]]:
-        """One round: prefill the runs that joined, then one step of every run. Returns each
+        """One round: the runs that joined take their slots; then one step of every decoding run,
+        in one verifier call that also feeds the joining runs' prompts, a chunk each (``chunk``
+        tokens in all: a long prompt no longer stalls the streams already running for its whole
+        prefill). With no run decoding yet, a joining prompt is prefilled whole. Returns each
         run's event (with text) or its error; ended runs leave the batch."""
         now = time.perf_counter()
         if self.idle_from is not None:
             for entry in self.entries:
-                if entry.run.prefilled:
+                if entry.run.admitted:
                     entry.run.paused += now - self.idle_from
         out: list[tuple[Entry, StepEvent | BaseException]] = []
-        live = []
-        for entry in list(self.entries):
-            if entry.run.prefilled:
-                live.append(entry)
-                continue
+        live = [e for e in self.entries if e.run.prefilled]
+        chunked = bool(live)  # (streams are running: a joining prompt shares their steps)
+        chunks: list[tuple[Entry, list[int], list[int]]] = []  # (a run, its verifier's chunk, its draft model's)
+        budget = self.chunk
+        for entry in [e for e in self.entries if not e.run.prefilled]:
+            run = entry.run
             try:
-                self.engine.prefill(entry.run, entry.reuse, entry.donor)
-                live.append(entry)
+                if not chunked:
+                    self.engine.prefill(run, entry.reuse, entry.donor)
+                    live.append(entry)
+                    continue
+                if not run.admitted:
+                    self.engine.admit(run, entry.reuse, entry.donor)
+                if not run.pending and not run.draft_pending:  # (all of it cached already)
+                    run.settle()
+                    live.append(entry)
+                elif budget > 0:
+                    chunks.append((entry, run.pending[:budget], run.draft_pending[:budget]))
+                    budget -= max(len(chunks[-1][1]), len(chunks[-1][2]))
             except Exception as err:  # noqa: BLE001 (one run's failure is its own)
                 self._fail(entry, err)
                 out.append((entry, err))
             except BaseException:
                 self._abandon(list(self.entries))
                 raise
+        fed = [(e.run, ids, draft) for e, ids, draft in chunks]
+        t0 = time.perf_counter()
         try:
-            results = self.engine.step([e.run for e in live]) if live else []
+            results = self.engine.step([e.run for e in live], fed) if live else []
         except Exception as err:  # noqa: BLE001 (the step's one model call failed: every run in it)
-            for entry in live:
+            for entry in live + [e for e, _, _ in chunks]:
                 self._fail(entry, err)
                 out.append((entry, err))
-            results = []
+            live, chunks, results = [], [], []
         except BaseException:
-            self._abandon(live)
+            self._abandon(live + [e for e, _, _ in chunks])
             raise
+        if chunks and not self.fixed:
+            self._resize(time.perf_counter() - t0)
+        for entry, ids, draft in chunks:  # (a prompt read to its end decodes from the next step)
+            run = entry.run
+            run.pending, run.draft_pending = run.pending[len(ids) :], run.draft_pending[len(draft) :]
+            if not run.pending and not run.draft_pending:
+                try:
+                    run.settle()
+                except Exception as err:  # noqa: BLE001 (one run's failure is its own)
+                    self._fail(entry, err)
+                    out.append((entry, err))
         for entry, result in zip(live, results):
             if isinstance(result, BaseException):
                 self._fail(entry, result)
@@ -97,6 +146,12 @@ class Batch:
                 self._end(entry)
         self.idle_from = time.perf_counter()
         return out
+
+    def _resize(self, seconds: float) -> None:
+        """The next step's prefill chunk, from this one's time: toward a step of STEP_SECONDS
+        (at most double or half at once, so one stray step does not swing it)."""
+        scale = min(2.0, max(0.5, STEP_SECONDS / max(seconds, 1e-6)))
+        self.chunk = max(MIN_CHUNK, min(MAX_CHUNK, int(self.chunk * scale)))
 
     def _end(self, entry: Entry) -> None:
         entry.done = True

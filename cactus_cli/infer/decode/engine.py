@@ -283,26 +283,39 @@ class SpeculativeEngine:
             return FixedK(None) if not params.adaptive_k else AdaptiveK(CostStore())
         return self.slots[slot].auto_k if params.adaptive_k else FixedK(self.costs)
 
-    def prefill(self, run: Run, reuse: bool, donor: Slot | None = None) -> None:
-        """The run takes its slot's caches (a run there not finished loses them) and prefills."""
+    def admit(self, run: Run, reuse: bool, donor: Slot | None = None) -> None:
+        """The run takes its slot's caches (a run there not finished loses them), keeping what
+        they hold of its prompt; the rest is fed by ``prefill`` or chunk by chunk (batch.py)."""
         run.slot.owner = run
         run.slot.used = time.monotonic()
         run.begin()
-        run.prefill(reuse, donor)
+        run.admit(reuse, donor)
+
+    def prefill(self, run: Run, reuse: bool, donor: Slot | None = None) -> None:
+        """``admit``, then the rest of the prompt in one call."""
+        self.admit(run, reuse, donor)
+        with torch.inference_mode():
+            for runner, ids in ((run.slot.verifier, run.pending), (run.draft_runner, run.draft_pending)):
+                if ids:
+                    runner.forward(ids, keep=1)
+            run.pending, run.draft_pending = [], []
+            run.settle()
 
     def finish(self, run: Run, learn: bool = True) -> None:
         """The run is done: its drafter learns what it output (unless it failed), the store is saved."""
         if run.slot.owner is run:
             run.slot.owner = None
-            if run.drafter is not None:
+            if run.drafter is not None and run.prefilled:  # (one ended mid-prefill never started its drafter)
                 run.drafter.finish(run.output() if learn else [])
         if run.params.learn:
             self.costs.save()  # what this run learned about step costs, for the next run
 
     @torch.inference_mode()
-    def step(self, runs: list[Run]) -> list[StepEvent | Exception]:
+    def step(self, runs: list[Run], chunks: list[Chunk] = ()) -> list[StepEvent | Exception]:
         """One round for every run: choose k together, draft, one verifier call, each run's rule,
-        one host read, commit. Returns each run's event, or its own error (the others' go on)."""
+        one host read, commit. ``chunks``: prompt chunks of runs still prefilling (batch.py), fed
+        to the verifier in the same call (no logits read), and to a draft model that reads the
+        prompt in one call after it. Returns each run's event, or its own error (the others' go on)."""
         for run in runs:
             if run.slot.owner is not run:
                 raise RuntimeError(
@@ -331,10 +344,12 @@ class SpeculativeEngine:
             if run.constraint is not None:
                 proposals[i] = run.constrain(proposal)
         t1 = time.perf_counter()
-        verdicts, forward = self._verify(runs, proposals)
+        verdicts, forward = self._verify(runs, proposals, chunks)
         timing = Timing(t1 - t0, time.perf_counter() - t1, forward)
-        alone = len(runs) == 1
-        if not alone and all(r.params.learn for r in runs):
+        if fed := [(run.draft_runner, ids, 0) for run, _, ids in chunks if ids]:
+            fed[0][0].forward_rows(fed)
+        alone = len(runs) == 1 and not chunks  # (a step with a chunk in it times more than its verifies)
+        if not alone and not chunks and all(r.params.learn for r in runs):
             self.costs.observe_verify(sum(r.k + 1 for r in runs), timing.verify_seconds)
         out: list[StepEvent | Exception] = []
         for run, proposal, verified in zip(runs, proposals, verdicts):
@@ -344,9 +359,10 @@ class SpeculativeEngine:
             out.append(run.commit(verified, proposal.fed if proposal is not None else 0, timing, alone))
         return out
 
-    def _verify(self, runs: list[Run], proposals: list) -> tuple[list, float]:
-        """One verifier call over every run's row (its last token and its drafts), each run's rule
-        over its own row, and ONE host read of every verdict; and the seconds the call took."""
+    def _verify(self, runs: list[Run], proposals: list, chunks: list[Chunk] = ()) -> tuple[list, float]:
+        """One verifier call over every run's row (its last token and its drafts) and every
+        prompt chunk, each run's rule over its own row, and ONE host read of every verdict; and
+        the seconds the call took."""
         vdev = self.pair.verifier.device
         rows, drafts = [], []
         for run, proposal in zip(runs, proposals):
@@ -359,9 +375,11 @@ class SpeculativeEngine:
             d = proposal.tokens.to(vdev) if run.k else torch.zeros(0, dtype=torch.int64, device=vdev)  # [k]
             drafts.append(d)
             rows.append((slot.verifier, torch.cat([run.last, d]), run.k + 1))
+        rows += [(run.slot.verifier, ids, 0) for run, ids, _ in chunks if ids]
         t0 = time.perf_counter()
         logits = self.verifier.forward_rows(rows) if len(rows) > 1 else [runs[0].slot.verifier.forward(*rows[0][1:])]
         forward = time.perf_counter() - t0
+        logits = logits[: len(runs)]
         decided = [run.decide(lg, pr, d) for run, lg, pr, d in zip(runs, logits, proposals, drafts)]
         ruled = [d for d in decided if d.row is not None]
         for d, verdict in zip(ruled, verify_rows([d.row for d in ruled]) if ruled else []):
@@ -378,4 +396,7 @@ class SpeculativeEngine:
         return out, forward
 
 
+Chunk = tuple[
+    Run, list[int], list[int]
+]  # a prefilling run, the next prompt tokens for its verifier and for its draft model
 RESERVE_AHEAD = 2048  # tokens of room made ahead of a prompt at most; an answer that runs longer grows the caches

@@ -27,7 +27,7 @@ from cactus_cli.infer.decode.grammar import GRAMMAR, MAX_FORCED, Grammar, mask_l
 from cactus_cli.infer.draft import Drafter, Proposal
 from cactus_cli.infer.kpolicy.costs import Step
 from cactus_cli.infer.kpolicy.policy import AdaptiveK, KPolicy, Want, acceptance_key
-from cactus_cli.infer.runners.base import Runner, common_prefix, sync, to_device
+from cactus_cli.infer.runners.base import Runner, cached_prefix, common_prefix, sync, to_device
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,10 @@ class Run:
             self.dgen = self.vgen if ddev == self.vdev else torch.Generator(device=ddev).manual_seed(params.seed + 1)
         self.produced = 0
         self.first = True
+        self.admitted = False  # its slot's caches are its own (admit); prefilled: they hold its prompt (settle)
         self.prefilled = False
+        self.pending: list[int] = []  # what the verifier has still to read of the prompt (chunked prefill)
+        self.draft_pending: list[int] = []  # ... and the draft model, where it reads the prompt too
         self.paused = 0.0  # seconds the consumer held the run between steps
         self.prefill_seconds = 0.0
         self.prefill_tokens = 0
@@ -208,11 +211,12 @@ class Run:
     def _draft_passes(self) -> int:
         return self.draft_runner.forward_passes if self.draft_runner is not None else 0
 
-    @torch.inference_mode()
-    def prefill(self, reuse: bool, donor: Slot | None = None) -> None:
-        """Both caches take the prompt minus its last token, which the first step feeds. ``donor``:
-        another slot whose caches hold a longer prefix of the prompt than this one's (adopted, not
-        computed again)."""
+    def admit(self, reuse: bool, donor: Slot | None = None) -> None:
+        """The run takes its slot's caches, keeping what they hold of the prompt, or what
+        ``donor`` (another slot whose caches hold a longer prefix of it) holds, adopted rather
+        than computed again. What the verifier still has to read of the prompt minus its last
+        token is ``pending``: fed whole (engine.prefill) or in chunks that share the steps of the runs
+        already decoding (batch.py); then ``settle``."""
         slot, prompt = self.slot, self.prompt
         previous = slot.tokens
         if donor is not None and reuse:
@@ -225,10 +229,21 @@ class Run:
                     slot.draft_runner.adopt(donor.draft_runner, min(shared, donor.draft_runner.cache_len))
                     if slot.draft_runner.cache_len < shared:
                         slot.draft_runner.reset()
-        keep = slot.verifier.prefill(prompt, previous, reuse)
+        keep = cached_prefix(slot.verifier, prompt, previous, reuse)
+        if self.drafter is not None and self.drafter.reads_prompt:  # (its model reads the prompt as the verifier does)
+            self.draft_pending = prompt[cached_prefix(self.draft_runner, prompt, previous, reuse) : -1]
+        self.previous, self.reuse = previous, reuse
         self.reused_tokens = keep
         self.prefill_tokens = len(prompt) - 1 - keep
-        slot.tokens = list(prompt)
+        self.pending = prompt[keep:-1]
+        slot.tokens = list(prompt)  # (the verifier's cache holds its first cache_len tokens as it fills)
+        self.admitted = True
+
+    @torch.inference_mode()
+    def settle(self) -> None:
+        """The verifier holds the prompt minus its last token: the draft side starts (a draft
+        model that is not behind a lookup prefills now), and the prefill's clock stops."""
+        slot, prompt, previous, reuse = self.slot, self.prompt, self.previous, self.reuse
         self.last = to_device(prompt[-1:], self.vdev)  # [1]: the next step's first input
         draft = slot.draft_runner
         if self.drafter is None and draft is not None and draft.cache_len:
@@ -240,11 +255,13 @@ class Run:
             else:
                 draft.reset()
         if self.drafter is not None:
+            if self.drafter.reads_prompt:  # (fed here already: its start finds the prompt cached)
+                previous, reuse = prompt, True
             self.drafter.start(prompt, previous, reuse, self.params.memory if self.params.learn else None)
             draft = self.draft_runner  # (a model behind a lookup reads the prompt when first asked to draft)
             self.policy.started(max(len(prompt) - 1 - draft.cache_len, 0) if draft else 0)
         sync(self.vdev)
-        self.prefill_seconds = time.perf_counter() - self.t_start
+        self.prefill_seconds = time.perf_counter() - self.t_start - self.paused
         self.prefilled = True
 
     def want(self) -> Want | None:

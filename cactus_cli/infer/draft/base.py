@@ -3,12 +3,14 @@ their probabilities) continuing the verified sequence, then be told how many wer
 Drafters keep no copy of the sequence: the engine hands them its own (``seq``, read-only), so they
 can never drift out of step with it.
 
-Seven members, what the engine needs and no more: ``peek`` (where the next proposal's drafts come
+Eight members, what the engine needs and no more: ``peek`` (where the next proposal's drafts come
 from and the drafter's own estimate of them, or None: nothing to draft, a plain step),
 ``propose``, ``accept``, ``start`` / ``finish`` of a sequence, ``route`` (which drafter will
-propose: a Fallback's lookup or its model), and ``runner``, the draft model's runner if any (the
+propose: a Fallback's lookup or its model), ``runner``, the draft model's runner if any (the
 engine reads forward counts and the device from it, sizes and compiles it with the verifier's,
-and resets it when a step fails half-way; a drafter rebuilds everything else at ``start``).
+and resets it when a step fails half-way; a drafter rebuilds everything else at ``start``), and
+``reads_prompt``: whether ``start`` feeds that runner the whole prompt, in the verifier's tokens
+(then a prompt read in chunks beside running streams is fed to it chunk by chunk too).
 ``DrafterBase`` gives the defaults a drafter without a model and without memory needs;
 ``Fallback`` composes a model-free drafter with a draft model, once, for every such drafter.
 
@@ -49,6 +51,7 @@ class Peek:
 
 class Drafter(Protocol):
     runner: Runner | None  # the draft model's runner, or None: drafting costs (next to) nothing
+    reads_prompt: bool  # start() feeds ``runner`` the prompt (same tokens as the verifier's)
 
     def peek(self, seq: list[int]) -> Peek | None:
         """Where the next proposal's drafts would come from, or None when there is nothing to
@@ -111,6 +114,7 @@ class DrafterBase:
     """Defaults: no model, nothing to keep between steps or sequences."""
 
     runner: Runner | None = None
+    reads_prompt = False
 
     def route(self, seq: list[int]) -> Drafter:
         return self

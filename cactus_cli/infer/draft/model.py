@@ -18,6 +18,7 @@ class ModelDrafter(DrafterBase):
     def __init__(self, runner: Runner, lazy: bool = False):
         self.runner = runner  # eager or compiled: the same forward / crop calls
         self.lazy = lazy  # start() only keeps the cached prefix; the first proposal feeds the rest
+        self.reads_prompt = not lazy
         self._k = 0  # size of the last proposal
         self._base = 0  # the sequence's length when it was made
 

@@ -104,12 +104,19 @@ def prefill(runner: Runner, prompt: list[int], previous: list[int], reuse: bool)
     """``Runner.prefill`` in terms of the runner's own forward / crop / reset (so a wrapper that
     announces those calls announces a prefill too). With ``reuse``, the longest prefix ``prompt``
     shares with ``previous`` (the sequence the cache was built from) is kept."""
-    keep = min(common_prefix(previous[: runner.cache_len], prompt), len(prompt) - 1) if reuse else 0
-    if keep:
-        runner.crop(keep)
-        keep = runner.cache_len  # (0 when a sliding window could not go back that far)
-    else:
-        runner.reset()
+    keep = cached_prefix(runner, prompt, previous, reuse)
     if len(prompt) - 1 > keep:
         runner.forward(prompt[keep:-1], keep=1)
     return keep
+
+
+def cached_prefix(runner: Runner, prompt: list[int], previous: list[int], reuse: bool) -> int:
+    """The first half of a prefill: the cache keeps the longest prefix ``prompt`` shares with
+    ``previous`` (with ``reuse``; else it is emptied); returns its length. ``prompt[keep:-1]`` is
+    left to feed, whole or in chunks beside other sequences' steps."""
+    keep = min(common_prefix(previous[: runner.cache_len], prompt), len(prompt) - 1) if reuse else 0
+    if keep:
+        runner.crop(keep)
+        return runner.cache_len  # (0 when a sliding window could not go back that far)
+    runner.reset()
+    return 0
