@@ -230,10 +230,13 @@ def encode_prompts(engine: SpeculativeEngine, prompts: list, use_template: bool 
     """Encode a prompt set (``protocol_ids``), checking now (before a long run) that each fits."""
     out = protocol_ids(engine.pair.tokenizer, prompts, use_template)
     for p, ids in out:
-        if len(ids) >= engine.context_length:
-            where = f"{p.where}: " if p.where else ""
-            raise ConfigError(
-                f"{where}prompt {p.id!r} is {len(ids)} tokens but the context window is "
-                f"{engine.context_length}; shorten it"
-            )
+        check_fits(engine, p, ids, f"prompt {p.id!r} is {len(ids)} tokens", "shorten it")
     return out
+
+
+def check_fits(engine: SpeculativeEngine, prompt: Any, ids: list[int], what: str, fix: str) -> None:
+    """Refuse ``prompt``'s token ``ids`` where they leave no room in the context window: the error
+    says where the prompt comes from (its file and line, if any), then ``what`` and ``fix``."""
+    if len(ids) >= engine.context_length:
+        where = f"{prompt.where}: " if prompt.where else ""
+        raise ConfigError(f"{where}{what} but the context window is {engine.context_length}; {fix}")

@@ -3,11 +3,13 @@ them, runs the one grid runner (app/grid/runner.py) and prints and writes the re
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
@@ -75,6 +77,14 @@ Meter = Annotated[
 Csv = Annotated[Optional[Path], typer.Option("--csv", help="Also write one CSV row per configuration to this file.")]
 DEFAULT_RULES = defaults.BENCH_RULES
 MAX_CONCURRENCY = 64  # bench --concurrency at most (serve --parallel's bound)
+AXES = {  # the grid's axes, bench's and eval's first options: name -> (annotation, default)
+    "rules": (Rules, DEFAULT_RULES),
+    "deltas": (Deltas, None),
+    "ks": (Ks, None),
+    "compiles": (Compiles, None),
+    "quantizes": (Quantizes, None),
+    "backends": (Backends, None),
+}
 
 
 @dataclass
@@ -96,6 +106,41 @@ class GridFlags:
     resume: bool = False  # eval: go on with the run kept in --out
     unsafe_exec: bool = False  # eval: run code tasks without isolation (where it cannot be had)
     concurrency: str | None = None  # bench: requests served at once, a comma list
+
+
+@dataclass
+class GridAxes:
+    """The grid's axes as typed (AXES), for the command to add its own flags to (``flags``)."""
+
+    rules: str
+    deltas: str | None
+    ks: str | None
+    compiles: str | None
+    quantizes: str | None
+    backends: str | None
+
+    def flags(self, source: Path | None, limit: int | None, category: str | None, meter: bool, **own) -> GridFlags:
+        """The GridFlags of these axes and the command's own options (``own``: GridFlags's keywords)."""
+        axes = (self.rules, self.deltas, self.ks, self.compiles, self.quantizes)
+        return GridFlags(*axes, source, limit, category, meter, backends=self.backends, **own)
+
+
+def grid_command(fn: Callable) -> Callable:
+    """bench's and eval's options: the grid's axes (AXES, declared once) first, then the command's
+    own, then the model and sampling options (``o.shared_options``). The command takes
+    ``axes: GridAxes`` and ``shared: o.Shared`` instead of the declarations."""
+    sig = inspect.signature(fn, eval_str=True)
+    own = [p for p in sig.parameters.values() if p.name != "axes"]
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    front = [inspect.Parameter(n, kind, annotation=a, default=d) for n, (a, d) in AXES.items()]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        axes = GridAxes(*(kwargs.pop(n) for n in AXES))
+        return fn(*args, **kwargs, axes=axes)
+
+    wrapper.__signature__ = sig.replace(parameters=front + own)  # what Typer reads
+    return o.shared_options(*o.MODEL_AND_SAMPLING)(wrapper)
 
 
 @dataclass
@@ -361,15 +406,7 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
 def _check_outputs(output: GridOutput) -> GridOutput:
     """A 30-minute run must not die at the end on a path it could have checked now."""
 
-    plot = output.plot
-    if plot is not None:
-        if plot.suffix.lower() != ".png":
-            raise ConfigError(f"--plot {plot}: give a .png path")
-        plot = check_output_file(plot, "--plot")
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ConfigError('--plot needs matplotlib: pip install -e ".[plot]"') from None
+    plot = o.check_plot(output.plot)
     return GridOutput(
         output.as_json,
         check_output_file(output.csv_path, "--csv") if output.csv_path else None,
@@ -395,10 +432,7 @@ def _report(kind: str, doc: dict, env: dict, output: GridOutput, no_color: bool,
     if output.csv_path:
         write_or_fail(output.csv_path, csv_text(doc), "--csv")
     if output.plot:
-        try:
-            tables.plot_tradeoff_png(doc, output.plot)
-        except OSError as e:
-            raise ConfigError(f"--plot: could not write {output.plot} ({e.strerror or e})") from None
+        o.draw_plot(tables.plot_tradeoff_png, doc, output.plot)
         err.print(f"wrote {output.plot}", style="dim")
 
 

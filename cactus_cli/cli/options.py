@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import click
@@ -14,6 +15,8 @@ import typer
 from typer.core import TyperCommand
 
 from cactus_cli.cli.edge import user_errors
+from cactus_cli.core.errors import ConfigError
+from cactus_cli.core.fileio import check_output_file
 
 MODEL = "Models"
 DECODING = "Speculative decoding"
@@ -365,3 +368,31 @@ def shared_options(*names: str) -> Callable:
         return wrapper
 
     return deco
+
+
+def plot_option(text: str) -> Any:
+    """The --plot PNG option of bench and calibrate, with the command's own help ``text``
+    (checked before the run by ``check_plot``, drawn by ``draw_plot``)."""
+    return Annotated[Optional[Path], typer.Option("--plot", help=text)]
+
+
+def check_plot(plot: Path | None) -> Path | None:
+    """--plot checked before the run: a .png path that can be written, and matplotlib to draw it."""
+    if plot is None:
+        return None
+    if plot.suffix.lower() != ".png":
+        raise ConfigError(f"--plot {plot}: give a .png path")
+    plot = check_output_file(plot, "--plot")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError('--plot needs matplotlib: pip install -e ".[plot]"') from None
+    return plot
+
+
+def draw_plot(draw: Callable[[dict, Path], None], doc: dict, plot: Path) -> None:
+    """``draw`` ``doc`` to the --plot PNG: a write that fails is the user's error, said plainly."""
+    try:
+        draw(doc, plot)
+    except OSError as e:
+        raise ConfigError(f"--plot: could not write {plot} ({e.strerror or e})") from None

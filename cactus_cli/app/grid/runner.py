@@ -16,7 +16,7 @@ from cactus_cli.app.config.parsing import parse_list
 from cactus_cli.app.config.settings import check_each
 from cactus_cli.app.grid.configs import BenchConfig
 from cactus_cli.app.prompts import Prompt
-from cactus_cli.app.runtime import encode
+from cactus_cli.app.runtime import check_fits, encode
 from cactus_cli.core.acceptance import LOSSLESS
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.stats import SpecStats, summarize
@@ -179,12 +179,8 @@ def next_turn(engine: SpeculativeEngine, prompt: Prompt, answers: list[str]) -> 
     """The token ids of ``prompt``'s next user turn after the model's ``answers`` (with or without
     the chat template, as its first turn was encoded), checked to fit the context window."""
     ids = encode(engine.pair.tokenizer, prompt.conversation(answers), prompt.chat)
-    if len(ids) >= engine.context_length:
-        where = f"{prompt.where}: " if prompt.where else ""
-        raise ConfigError(
-            f"{where}turn {len(answers) + 1} of question {prompt.id!r} is {len(ids)} tokens with the answers "
-            f"before it, but the context window is {engine.context_length}; lower --max-tokens or shorten it"
-        )
+    what = f"turn {len(answers) + 1} of question {prompt.id!r} is {len(ids)} tokens with the answers before it,"
+    check_fits(engine, prompt, ids, what, "lower --max-tokens or shorten it")
     return ids
 
 

@@ -9,30 +9,15 @@ from typing import Annotated, Optional
 import typer
 
 from cactus_cli.cli import options as o
-from cactus_cli.cli.grid_options import (
-    DEFAULT_RULES,
-    Backends,
-    Compiles,
-    Csv,
-    Deltas,
-    GridFlags,
-    GridOutput,
-    Ks,
-    Meter,
-    Quantizes,
-    Rules,
-    run_grid_command,
+from cactus_cli.cli.grid_options import Csv, GridAxes, GridOutput, Meter, grid_command, run_grid_command
+
+Plot = o.plot_option(
+    "Draw tokens/s and mean acceptance length against the realized divergence (one point per configuration, SpS at zero) to this PNG; needs --meter."
 )
 
 
-@o.shared_options(*o.MODEL_AND_SAMPLING)
+@grid_command
 def bench(
-    rules: Rules = DEFAULT_RULES,
-    deltas: Deltas = None,
-    ks: Ks = None,
-    compiles: Compiles = None,
-    quantizes: Quantizes = None,
-    backends: Backends = None,
     prompts_file: Annotated[
         Optional[Path],
         typer.Option(
@@ -73,38 +58,16 @@ def bench(
     out_dir: Annotated[
         Optional[Path], typer.Option("--out", help="Write bench.json, bench.csv and environment.json into this folder.")
     ] = None,
-    plot: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--plot",
-            help="Draw tokens/s and mean acceptance length against the realized divergence (one point per configuration, SpS at zero) to this PNG; needs --meter.",
-        ),
-    ] = None,
+    plot: Plot = None,
     *,
+    axes: GridAxes,
     shared: o.Shared,
 ) -> None:
     """Benchmark acceptance rules, delta and k on one model pair, with the verifier-alone
     baseline always included (same prompts, sampling and seeds). Ctrl-C stops early and
     still prints and saves what finished."""
-    run_grid_command(
-        "bench",
-        shared,
-        GridFlags(
-            rules,
-            deltas,
-            ks,
-            compiles,
-            quantizes,
-            prompts_file,
-            limit,
-            category,
-            meter,
-            compare_hf,
-            backends,
-            concurrency=concurrency,
-        ),
-        GridOutput(as_json, csv_path, out_dir, plot),
-    )
+    flags = axes.flags(prompts_file, limit, category, meter, compare_hf=compare_hf, concurrency=concurrency)
+    run_grid_command("bench", shared, flags, GridOutput(as_json, csv_path, out_dir, plot))
 
 
 def register(app: typer.Typer) -> None:

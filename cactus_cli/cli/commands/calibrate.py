@@ -17,7 +17,8 @@ from cactus_cli.cli import options as o
 from cactus_cli.cli import tables, ui
 from cactus_cli.cli.edge import user_errors
 from cactus_cli.core.errors import ConfigError
-from cactus_cli.core.fileio import check_output_file
+
+Plot = o.plot_option("Draw delta vs accepted length vs realized divergence to this PNG.")
 
 
 @o.shared_options(*o.MODEL_AND_SAMPLING, "rule", "compile", "quantize", "backend")
@@ -88,9 +89,7 @@ def calibrate(
         ),
     ] = False,
     limit: Annotated[int, typer.Option("--limit", help="Number of prompts.")] = 8,
-    plot: Annotated[
-        Optional[Path], typer.Option("--plot", help="Draw delta vs accepted length vs realized divergence to this PNG.")
-    ] = None,
+    plot: Plot = None,
     save: Annotated[
         Optional[str],
         typer.Option(
@@ -217,17 +216,9 @@ def _check_outputs(save: str | None, plot: Path | None) -> tuple[Path | None, Pa
     from cactus_cli.app.grid import calibrated_profile
 
     target = calibrated_profile.save_target(save) if save else None
-    if plot is not None and plot.suffix.lower() != ".png":
-        raise ConfigError(f"--plot {plot}: give a .png path")
-    if plot is not None:
-        plot = check_output_file(plot, "--plot")
+    plot = o.check_plot(plot)
     if target is not None:
         calibrated_profile.check_save_target(target)
-    if plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ConfigError('--plot needs matplotlib: pip install -e ".[plot]"') from None
     return target, plot
 
 
@@ -244,10 +235,7 @@ def _report(
     else:
         tables.print_calibration(ui.make_console(no_color=shared.no_color), doc)
     if plot is not None:
-        try:
-            tables.plot_calibration_png(doc, plot)
-        except OSError as e:
-            raise ConfigError(f"--plot: could not write {plot} ({e.strerror or e})") from None
+        o.draw_plot(tables.plot_calibration_png, doc, plot)
         if not as_json:
             err.print(f"wrote {plot}", style="dim")
     if target is not None:

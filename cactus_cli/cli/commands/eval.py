@@ -8,30 +8,11 @@ from typing import Annotated, Optional
 import typer
 
 from cactus_cli.cli import options as o
-from cactus_cli.cli.grid_options import (
-    DEFAULT_RULES,
-    Backends,
-    Compiles,
-    Csv,
-    Deltas,
-    GridFlags,
-    GridOutput,
-    Ks,
-    Meter,
-    Quantizes,
-    Rules,
-    run_grid_command,
-)
+from cactus_cli.cli.grid_options import Csv, GridAxes, GridOutput, Meter, grid_command, run_grid_command
 
 
-@o.shared_options(*o.MODEL_AND_SAMPLING)
+@grid_command
 def eval_cmd(
-    rules: Rules = DEFAULT_RULES,
-    deltas: Deltas = None,
-    ks: Ks = None,
-    compiles: Compiles = None,
-    quantizes: Quantizes = None,
-    backends: Backends = None,
     tasks_file: Annotated[
         Optional[Path],
         typer.Option(
@@ -84,6 +65,7 @@ def eval_cmd(
         ),
     ] = None,
     *,
+    axes: GridAxes,
     shared: o.Shared,
 ) -> None:
     """Task accuracy next to speed over the rule x delta x k grid of bench, with the verifier
@@ -95,26 +77,8 @@ def eval_cmd(
     folder writable, timeout, CPU, memory and process limits; docs/eval.md). Accuracy comes with a 95% Wilson interval, and each configuration's
     difference from the verifier alone over the same problems with a paired bootstrap interval.
     Ctrl-C stops early and still prints and saves what finished; with --out, --resume goes on."""
-    run_grid_command(
-        "eval",
-        shared,
-        GridFlags(
-            rules,
-            deltas,
-            ks,
-            compiles,
-            quantizes,
-            tasks_file,
-            limit,
-            category,
-            meter,
-            backends=backends,
-            samples=samples,
-            resume=resume,
-            unsafe_exec=unsafe_exec,
-        ),
-        GridOutput(as_json, csv_path, out_dir),
-    )
+    flags = axes.flags(tasks_file, limit, category, meter, samples=samples, resume=resume, unsafe_exec=unsafe_exec)
+    run_grid_command("eval", shared, flags, GridOutput(as_json, csv_path, out_dir))
 
 
 def register(app: typer.Typer) -> None:
