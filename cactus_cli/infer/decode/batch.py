@@ -76,21 +76,42 @@ class Batch:
             self._end(entry)
 
     def step(self) -> list[tuple[Entry, StepEvent | BaseException]]:
-        """One round: the runs that joined take their slots; then one step of every decoding run,
-        in one verifier call that also feeds the joining runs' prompts, a chunk each (``chunk``
-        tokens in all: a long prompt no longer stalls the streams already running for its whole
-        prefill). With no run decoding yet, a joining prompt is prefilled whole. Returns each
-        run's event (with text) or its error; ended runs leave the batch."""
+        """One round in three passes: schedule (the runs that joined take their slots; with runs
+        decoding, a joining prompt gets a chunk, ``chunk`` tokens in all, so a long prompt no
+        longer stalls the running streams for its whole prefill; with none, it is prefilled whole),
+        execute (one step of every decoding run: one verifier call that also feeds the chunks),
+        commit (each run's event with text, or its error; a prompt read to its end decodes from
+        the next step; ended runs leave the batch)."""
         now = time.perf_counter()
         if self.idle_from is not None:
             for entry in self.entries:
                 if entry.run.admitted:
                     entry.run.paused += now - self.idle_from
         out: list[tuple[Entry, StepEvent | BaseException]] = []
+        live, chunks = self._schedule(out)
+        t0 = time.perf_counter()
+        try:
+            results = self.engine.step([e.run for e in live], [(e.run, v, d) for e, v, d in chunks]) if live else []
+        except Exception as err:  # noqa: BLE001 (the step's one model call failed: every run in it)
+            for entry in live + [e for e, _, _ in chunks]:
+                self._fail(entry, err)
+                out.append((entry, err))
+            live, chunks, results = [], [], []
+        except BaseException:
+            self._abandon(live + [e for e, _, _ in chunks])
+            raise
+        if chunks and not self.fixed:
+            self._resize(time.perf_counter() - t0)
+        self._commit(live, results, chunks, out)
+        self.idle_from = time.perf_counter()
+        return out
+
+    def _schedule(self, out: list) -> tuple[list[Entry], list[tuple[Entry, list[int], list[int]]]]:
+        """The runs this step decodes, and the prompt chunks it feeds: (a run still prefilling, its
+        verifier's next tokens, its draft model's). A run that fails here is its own error in ``out``."""
         live = [e for e in self.entries if e.run.prefilled]
         chunked = bool(live)  # (streams are running: a joining prompt shares their steps)
-        chunks: list[tuple[Entry, list[int], list[int]]] = []  # (a run, its verifier's chunk, its draft model's)
-        budget = self.chunk
+        chunks, budget = [], self.chunk
         for entry in [e for e in self.entries if not e.run.prefilled]:
             run = entry.run
             try:
@@ -112,21 +133,12 @@ class Batch:
             except BaseException:
                 self._abandon(list(self.entries))
                 raise
-        fed = [(e.run, ids, draft) for e, ids, draft in chunks]
-        t0 = time.perf_counter()
-        try:
-            results = self.engine.step([e.run for e in live], fed) if live else []
-        except Exception as err:  # noqa: BLE001 (the step's one model call failed: every run in it)
-            for entry in live + [e for e, _, _ in chunks]:
-                self._fail(entry, err)
-                out.append((entry, err))
-            live, chunks, results = [], [], []
-        except BaseException:
-            self._abandon(live + [e for e, _, _ in chunks])
-            raise
-        if chunks and not self.fixed:
-            self._resize(time.perf_counter() - t0)
-        for entry, ids, draft in chunks:  # (a prompt read to its end decodes from the next step)
+        return live, chunks
+
+    def _commit(self, live: list[Entry], results: list, chunks: list, out: list) -> None:
+        """Each chunk's run moves on (settled once its prompt is read); each decoding run's event,
+        with text, or its error, into ``out``."""
+        for entry, ids, draft in chunks:
             run = entry.run
             run.pending, run.draft_pending = run.pending[len(ids) :], run.draft_pending[len(draft) :]
             if not run.pending and not run.draft_pending:
@@ -144,8 +156,6 @@ class Batch:
             out.append((entry, event))
             if event.finish_reason:
                 self._end(entry)
-        self.idle_from = time.perf_counter()
-        return out
 
     def _resize(self, seconds: float) -> None:
         """The next step's prefill chunk, from this one's time: toward a step of STEP_SECONDS

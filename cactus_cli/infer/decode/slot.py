@@ -174,10 +174,9 @@ class Run:
             self.dgen = self.vgen if ddev == self.vdev else torch.Generator(device=ddev).manual_seed(params.seed + 1)
         self.produced = 0
         self.first = True
-        self.admitted = False  # its slot's caches are its own (admit); prefilled: they hold its prompt (settle)
-        self.prefilled = False
-        self.pending: list[int] = []  # what the verifier has still to read of the prompt (chunked prefill)
-        self.draft_pending: list[int] = []  # ... and the draft model, where it reads the prompt too
+        self.admitted = self.prefilled = False  # admit: the slot's caches are its own; settle: they hold its prompt
+        self.pending: list[int] = []  # the prompt the verifier has still to read (and the draft, if it reads it)
+        self.draft_pending: list[int] = []
         self.paused = 0.0  # seconds the consumer held the run between steps
         self.prefill_seconds = 0.0
         self.prefill_tokens = 0
