@@ -20,7 +20,7 @@ from cactus_cli.infer.decode.slot import Run, Slot
 from cactus_cli.infer.decode.text import TextStream
 from cactus_cli.infer.kpolicy.costs import CostModel
 
-STEP_SECONDS = 0.5  # a step that feeds a joining prompt takes about this long: the running streams' longest gap
+STEP_SECONDS = 0.8  # a step that feeds a joining prompt takes about this long: the running streams' longest gap
 MIN_CHUNK, MAX_CHUNK = 16, 512  # prompt tokens a step feeds (512: llama.cpp's batch; a GPU reaches it)
 
 

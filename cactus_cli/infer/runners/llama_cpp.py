@@ -59,11 +59,6 @@ class Context:
         params.n_outputs_max = n_outputs
         params.n_threads = params.n_threads_batch = self.model.threads  # (the bindings' default: half the CPUs)
         params.no_perf = True
-        # flash attention off: its CPU kernel is slow for calls of a few tokens over a long context
-        # (AVX-512 EPYC, 1.5B Q4_0 at 2,700 cached tokens: 16 to 32 tokens cost 24 ms a token with it,
-        # 14 without; 1 token 45 ms and 42; 256 tokens 17 and 15), and a prompt fed in chunks beside
-        # running streams (decode/batch.py) is many such calls
-        params.flash_attn_type = 0
         params.swa_full = True  # sliding-window layers keep every position, so a crop can go back anywhere
         ctx = ll.llama_init_from_model(self.model.handle, params)
         if not ctx:
