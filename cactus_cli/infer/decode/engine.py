@@ -396,7 +396,6 @@ class SpeculativeEngine:
         return out, forward
 
 
-Chunk = tuple[
-    Run, list[int], list[int]
-]  # a prefilling run, the next prompt tokens for its verifier and for its draft model
+# a run still prefilling, and the next tokens of its prompt for its verifier and for its draft model
+Chunk = tuple[Run, list[int], list[int]]
 RESERVE_AHEAD = 2048  # tokens of room made ahead of a prompt at most; an answer that runs longer grows the caches
