@@ -15,9 +15,10 @@ from cactus_cli.cli.main import app
 from cactus_cli.core.paths import cache_path
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.kpolicy.store import CostStore, cost_key
+from cactus_cli.infer.kpolicy.store import CostStore
 from cactus_cli.infer.load import plan as plan_mod
 from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair.keys import cost_key
 from cactus_cli.infer.runners.compiled import CompiledLM, compile_problem
 from cactus_cli.infer.runners.eager import CachedLM
 from tests.test_engine import GREEDY, hf_greedy, prompt_ids, run

@@ -21,7 +21,7 @@ from cactus_cli.infer.draft import Free
 from cactus_cli.infer.load import devices
 from cactus_cli.infer.load.loader import load_pair
 from cactus_cli.infer.load.sources import Source
-from cactus_cli.infer.quant import quantize
+from cactus_cli.infer.quant import choice, quantize
 from cactus_cli.infer.runners import compiled as runners
 from cactus_cli.infer.runners import sharded as distributed
 from cactus_cli.infer.runners.compiled import CompiledLM, compile_problem
@@ -268,9 +268,9 @@ def test_int4_on_cuda_needs_compute_capability_8(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     with pytest.raises(ModelError, match="compute capability 8.0"):
-        devices.quantized_dtype("int4", "auto", torch.device("cuda"))
+        choice.quantized_dtype("int4", "auto", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert devices.quantized_dtype("int4", "auto", torch.device("cuda"))[0] == torch.bfloat16
+    assert choice.quantized_dtype("int4", "auto", torch.device("cuda"))[0] == torch.bfloat16
 
 
 # --------------------------------------------------------------------------- 3. inductor settings

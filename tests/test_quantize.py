@@ -680,11 +680,11 @@ def test_every_rebuilt_cache_says_why(tiny, fake_model_cache, capsys):
     assert quantize.quality_verdict(tiny["verifier"]) is None
     assert f"warning: the w8a8 quality verdict {verdict} is unreadable; measuring" in said()
 
-    devices._timed_once("t-", [1], ("a",), lambda name, watch: 0.5)
+    devices.timed_once("t-", [1], ("a",), lambda name, watch: 0.5)
     assert said() == ""  # measured the first time
     (path,) = (devices.cache_path({}, "").parent).glob("t-*.json")
     path.write_text("not json")
-    devices._timed_once("t-", [1], ("a",), lambda name, watch: 0.5)
+    devices.timed_once("t-", [1], ("a",), lambda name, watch: 0.5)
     assert f"warning: the timing cache {path} is unreadable; measuring again" in said()
 
     (embedded.models_dir() / "fake").mkdir(parents=True)  # a conversion that never finished

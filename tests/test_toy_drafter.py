@@ -15,7 +15,8 @@ from cactus_cli.cli.main import app
 from cactus_cli.core.acceptance import Param
 from cactus_cli.infer import draft
 from cactus_cli.infer.draft import DrafterBase, Kind, Peek, one_hot_proposal
-from cactus_cli.infer.kpolicy.store import CostStore, cost_key
+from cactus_cli.infer.kpolicy.store import CostStore
+from cactus_cli.infer.pair.keys import cost_key
 
 runner = CliRunner()
 
@@ -62,7 +63,7 @@ def test_a_drafter_defined_here_runs_through_the_cli_a_profile_and_session(echo,
     profile.write_text(f"verifier: {tiny['verifier']}\ndraft: echo+{tiny['draft_close']}\ndraft_params: {{times: 2}}\n")
     session = Session.load(str(profile), device="cpu", dtype="float32", num_draft_tokens=3, max_tokens=12, seed=0)
     assert session.text("the cat the cat") and session.stats.drafted_by_source.get("echo", 0) > 0
-    store = CostStore.read(cost_key(session.engine.pair))  # saved by the run, read back
+    store = CostStore.read(cost_key(session.engine.pair), tuple(draft.KINDS))  # saved by the run, read back
     assert store.costs.draft.get("echo"), "the echo drafter's timings were not kept"
     from cactus_cli.cli import ui
 

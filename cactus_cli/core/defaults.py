@@ -16,3 +16,27 @@ QUALITY_TOLERANCE = 0.03  # nats/token of mean NLL a quantization may cost to be
 # what runs the models: each "auto" is decided from the sources and the machine at load (infer/load/loader.py)
 BACKEND = DEVICE = DTYPE = COMPILE = QUANTIZE = CROSS_VOCAB = "auto"
 TP = 1  # tensor-parallel ranks
+# what a quantization is calibrated on (torch's w8a8: SmoothQuant's factors) and its quality measured on (llama.cpp's
+# requantization) when no texts are given: prose and code, a few hundred tokens
+CALIBRATION_TEXT = """The committee met on Tuesday to review the budget. After a long discussion about the
+costs of the new library wing, the members agreed to postpone the vote until the engineers had
+finished their report. "We cannot approve what we have not measured," said the chair.
+
+def merge_sorted(a: list[int], b: list[int]) -> list[int]:
+    \"\"\"Merge two sorted lists into one sorted list.\"\"\"
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i])
+            i += 1
+        else:
+            out.append(b[j])
+            j += 1
+    return out + a[i:] + b[j:]
+
+Q: A train travels 240 km in 3 hours. How far does it travel in 5 hours at the same speed?
+A: Its speed is 240 / 3 = 80 km per hour, so in 5 hours it travels 80 * 5 = 400 km. #### 400
+
+Rewrite the sentence in the passive voice: "The students planted three trees in the park."
+Three trees were planted in the park by the students.
+"""

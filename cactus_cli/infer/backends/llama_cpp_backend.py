@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
+from cactus_cli.core.defaults import CALIBRATION_TEXT
 from cactus_cli.core.errors import ModelError
 from cactus_cli.infer.backends.base import Backend, Decided
 from cactus_cli.infer.load import embedded, gguf, gguf_layout
 from cactus_cli.infer.load.sources import GGUF_KINDS, LoadedModel, Source, load_tokenizer
-from cactus_cli.infer.quant.smooth import CALIBRATION_TEXT
 from cactus_cli.infer.runners.base import Runner
 from cactus_cli.infer.runners.llama_cpp import LlamaCppRunner, padding
 

@@ -10,17 +10,13 @@ from typing import Any
 import torch
 
 from cactus_cli.core import defaults
+from cactus_cli.core.defaults import CALIBRATION_TEXT
 from cactus_cli.core.errors import ModelError
 from cactus_cli.infer.backends.base import Backend, Decided
-from cactus_cli.infer.load.devices import (
-    fastest_cpu_quantization,
-    quantized_dtype,
-    resolve_dtype,
-    resolve_quantize,
-)
+from cactus_cli.infer.load.devices import resolve_dtype, resolve_quantize
 from cactus_cli.infer.load.sources import LoadedModel, Source, _from_pretrained, load_tokenizer, materialize, mlp_shape
+from cactus_cli.infer.quant.choice import fastest_cpu_quantization, quantized_dtype
 from cactus_cli.infer.quant.quantize import QualityGateFailed, quality_verdict, quantize_model
-from cactus_cli.infer.quant.smooth import CALIBRATION_TEXT
 from cactus_cli.infer.runners.base import Runner
 from cactus_cli.infer.runners.compiled import CompiledLM, kv_bytes_per_token
 from cactus_cli.infer.runners.eager import CachedLM

@@ -28,10 +28,11 @@ from cactus_cli.infer.backends import backend_of
 from cactus_cli.infer.decode.batch import Batch
 from cactus_cli.infer.decode.grammar import Grammars
 from cactus_cli.infer.decode.slot import GenerationParams, Run, Slot, Timing
-from cactus_cli.infer.draft import Free, free_drafting, make_drafter, propose_all
+from cactus_cli.infer.draft import KINDS, Free, free_drafting, make_drafter, propose_all
 from cactus_cli.infer.kpolicy.costs import probe, probe_widths
 from cactus_cli.infer.kpolicy.policy import AdaptiveK, FixedK, KPolicy, acceptance_key, allocate
-from cactus_cli.infer.kpolicy.store import CostStore, cost_key
+from cactus_cli.infer.kpolicy.store import CostStore
+from cactus_cli.infer.pair.keys import cost_key
 from cactus_cli.infer.runners.base import MAX_STEP_WIDTH, Runner, sync
 from cactus_cli.infer.runners.compiled import CompileUnavailable
 
@@ -79,7 +80,7 @@ class SpeculativeEngine:
                 "draft",
                 n,
             )
-        self.costs = CostStore.read(cost_key(pair, compiled))  # what a step costs here
+        self.costs = CostStore.read(cost_key(pair, compiled), tuple(KINDS))  # what a step costs here
         self.slots = [
             Slot(
                 i,
@@ -280,7 +281,7 @@ class SpeculativeEngine:
 
     def policy(self, params: GenerationParams, slot: int = 0) -> KPolicy:
         if not params.learn:
-            return FixedK(None) if not params.adaptive_k else AdaptiveK(CostStore())
+            return FixedK(None) if not params.adaptive_k else AdaptiveK(CostStore(kinds=tuple(KINDS)))
         return self.slots[slot].auto_k if params.adaptive_k else FixedK(self.costs)
 
     def admit(self, run: Run, reuse: bool, donor: Slot | None = None) -> None:

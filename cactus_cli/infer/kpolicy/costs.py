@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cactus_cli.core.events import MODEL
-from cactus_cli.infer.draft import KINDS
 from cactus_cli.infer.kpolicy.rates import expected_by_k, expected_tokens
 
 WINDOW = 15  # timings kept per width (median of these)
@@ -42,6 +41,7 @@ class CostModel:
     source: str = "none"  # "none", "probe", "cache", plus "+online" once the run has added timings
     cached: set[int] = field(default_factory=set)  # widths whose timings all come from the cache
     cached_draft: set[str] = field(default_factory=set)  # draft sources likewise
+    kinds: tuple[str, ...] = ()  # the model-free drafters' names (draft.KINDS), handed in by whoever reads a cache
     _curve: tuple[list[int], list[float], float, list[float]] | None = field(
         default=None, repr=False
     )  # the fit, until a timing arrives
@@ -168,7 +168,7 @@ class CostModel:
         return {
             "source": self.source,
             "draft_seconds_per_token": self.t_d() if self.draft.get(MODEL) else None,
-            **{f"{name}_seconds_per_token": self.t_d(name) if self.draft.get(name) else None for name in KINDS},
+            **{f"{name}_seconds_per_token": self.t_d(name) if self.draft.get(name) else None for name in self.kinds},
             "verify_seconds_by_width": {str(w): self.t_v(w) for w in range(1, widths + 1)} if self.verify else {},
             "measured_widths": sorted(self.verify),
             "cached_widths": sorted(self.cached),  # (not timed by this run yet: its first timing replaces them)
@@ -181,13 +181,14 @@ class CostModel:
         }
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any], source: str) -> tuple[CostModel, int]:
+    def from_json(cls, doc: dict[str, Any], source: str, kinds: tuple[str, ...] = ()) -> tuple[CostModel, int]:
         """The model a cache file holds, and how many entries were dropped as invalid (a width
-        outside 1..MAX_STEP_WIDTH, a time that is not a positive number of seconds below an hour)."""
-        cm, dropped = cls(source=source), 0
+        outside 1..MAX_STEP_WIDTH, a time that is not a positive number of seconds below an hour,
+        a draft source that is neither the draft model nor one of ``kinds``)."""
+        cm, dropped = cls(source=source, kinds=kinds), 0
         for src, values in doc.get("draft", {}).items():
             for s in values:
-                if (src == MODEL or src in KINDS) and _valid_seconds(s):
+                if (src == MODEL or src in kinds) and _valid_seconds(s):
                     cm.add_draft(float(s), src)
                 else:
                     dropped += 1

@@ -1,7 +1,8 @@
 """The cost store: what steps cost (costs.py's ``CostModel``) and how often drafts are accepted
 (rates.py), kept per (pair, device, dtype, threads, torch, backend, quantization) in
-``$CACTUS_HOME/costs``, so the next run starts informed. ``cost_key`` names a loaded pair's entry,
-``key_of`` a load plan's before anything is loaded.
+``$CACTUS_HOME/costs``, so the next run starts informed. The store is handed its key and the
+drafters' names as plain data: the key of a loaded pair or of a load plan is made above it
+(pair/keys.py), so nothing here knows a backend, a device, a drafter or a loader.
 
 The probe's conditions are stored with it (core/conditions.py): a probe taken beside another
 busy process, or before conditions were recorded, is provisional and taken again at the next
@@ -17,18 +18,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from cactus_cli.core.conditions import Watch
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.once import once
 from cactus_cli.core.paths import cache_path
-from cactus_cli.infer.backends import backend_of
 from cactus_cli.infer.kpolicy.costs import MAX_WIDTH, CostModel, Step, best_k, tokens_per_second
 from cactus_cli.infer.kpolicy.rates import Acceptance, Calibration
-from cactus_cli.infer.load.devices import device_name
-from cactus_cli.infer.load.sources import ModelPair
 
 SCHEMA = 3
 _PROBED: set[str] = set()  # the stores this process probed (a provisional probe is taken again once per start)
@@ -44,68 +40,17 @@ def valid_counts(acc: Any, tested: Any) -> bool:
     return all(a <= t + 1e-9 for a, t in zip(acc, tested))
 
 
-def cost_key(pair: ModelPair, compiled: bool = False) -> dict[str, Any]:
-    """What step costs depend on: the models, device, dtype, threads, torch, what the backend adds
-    (backends/), quantization (as it ran: int8 where w8a8 failed its gate), compilation and --tp."""
-    v = pair.verifier
-    return _key(
-        v.path,
-        pair.draft.path if pair.draft else None,
-        v.device,
-        v.dtype,
-        v.backend,
-        v.threads,
-        v.quantize,
-        v.tp,
-        compiled,
-    )
-
-
-def key_of(plan: Any, compiled: bool = False) -> dict[str, Any]:
-    """``cost_key`` of the pair a load plan (plan.LoadPlan) will load, before it is loaded."""
-    draft = plan.draft_files[0].location if plan.draft_files else None
-    return _key(
-        plan.verifier_files[0].location,
-        draft,
-        plan.device,
-        plan.dtype,
-        plan.backend,
-        plan.threads,
-        plan.quantize,
-        plan.tp,
-        compiled,
-    )
-
-
-def _key(verifier, draft, device, dtype, backend, threads, quantize, tp, compiled) -> dict[str, Any]:
-    key = {
-        "verifier": verifier,
-        "draft": draft,
-        "device": device_name(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        **backend_of(backend).cost_key(threads),  # (nothing for torch: its earlier caches still apply)
-    }
-    if compiled:
-        key["compiled"] = True  # (absent when eager, so eager caches from earlier versions still apply)
-    if quantize != "none":
-        key["quantize"] = quantize
-    if tp > 1:
-        key["tp"] = tp
-    return key
-
-
 class CostStore:
     """What steps cost on this machine and how often drafts are accepted, for one (pair, device,
     dtype, threads, torch): loaded from ``path`` when there is a valid cache, taught by finished
     steps (``observe``), saved atomically. Both k policies (policy.py) read it; warm-up runs do
     not teach it (the engine runs them with ``learn=False``)."""
 
-    def __init__(self, path: Path | None = None, key: dict[str, Any] | None = None):
+    def __init__(self, path: Path | None = None, key: dict[str, Any] | None = None, kinds: tuple[str, ...] = ()):
         self.path = path
         self.key = key or {}
-        self.costs = CostModel()
+        self.kinds = kinds  # the model-free drafters whose timings a cache keeps (draft.KINDS' names)
+        self.costs = CostModel(kinds=kinds)
         self.acceptance: dict[str, Acceptance] = {}
         self.calibrations: dict[str, Calibration] = {}  # (akey, source, run or fresh) -> acceptance by estimate
         self.dirty = False
@@ -151,9 +96,9 @@ class CostStore:
         self.save()
 
     @classmethod
-    def read(cls, key: dict[str, Any]) -> CostStore:
+    def read(cls, key: dict[str, Any], kinds: tuple[str, ...] = ()) -> CostStore:
         """The store cached for ``key`` (empty when there is none)."""
-        return cls(cache_path(key), key)
+        return cls(cache_path(key), key, kinds)
 
     def _load(self, path: Path) -> None:
         """Read the cache file, keeping only valid entries; invalid ones are dropped, said once,
@@ -163,7 +108,7 @@ class CostStore:
             doc = json.loads(once(("cost store", str(path)), lambda: path.read_text(encoding="utf-8")))
             if doc.get("schema") != SCHEMA:
                 return
-            self.costs, dropped = CostModel.from_json(doc.get("costs", {}), "cache")
+            self.costs, dropped = CostModel.from_json(doc.get("costs", {}), "cache", self.kinds)
             conditions = doc.get("conditions")
             self.conditions = conditions if isinstance(conditions, dict) else None
             for name, pair in doc.get("acceptance", {}).items():
@@ -183,7 +128,10 @@ class CostStore:
                 else:
                     dropped += 1
         except (OSError, ValueError, TypeError, AttributeError, RecursionError):
-            self.costs, self.acceptance = CostModel(), {}  # unreadable: a missed head start, measured again
+            self.costs, self.acceptance = (
+                CostModel(kinds=self.kinds),
+                {},
+            )  # unreadable: a missed head start, measured again
             self.notes.append(f"the step-cost cache {path.name} is unreadable; measuring again and replacing it")
             self.dirty = True
             return
@@ -267,7 +215,7 @@ class CostStore:
         this store read or wrote it: what it holds now replaces what this store held (nothing, when
         removed), never the other way round. The timings are then learned again from the next
         steps; saved without a probe's conditions, they are provisional, so the next start probes."""
-        now = CostStore(self.path, self.key)
+        now = CostStore(self.path, self.key, self.kinds)
         vars(self.costs).update(vars(now.costs))  # (in place: the policies hold this CostModel)
         for mine, theirs in ((self.acceptance, now.acceptance), (self.calibrations, now.calibrations)):
             mine.clear()

@@ -1,10 +1,10 @@
 """Devices and dtypes: which device to run on, which dtype is fastest there (measured on a CPU,
-cached), what quantization ``auto`` means on it, and a name that tells machines apart for
+cached: ``timed_once``, which the torch backend's quantization choice times with too), what
+quantization ``auto`` means on it before measuring, and a name that tells machines apart for
 cached measurements."""
 
 from __future__ import annotations
 
-import functools
 import json
 import statistics
 import time
@@ -16,12 +16,6 @@ from cactus_cli.core.conditions import Conditions, taken
 from cactus_cli.core.errors import ModelError, warn
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.paths import cache_path
-from cactus_cli.infer.quant.qlayers import (
-    Int8DynamicLinear,
-    Int8Linear,
-    quantize_int8,
-    w8a8_problem,
-)
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -99,7 +93,7 @@ def device_name(device: torch.device) -> str:
     return f"{model} [{' '.join(flags)}] {isa}"
 
 
-def _median_seconds(
+def median_seconds(
     fn, x: torch.Tensor, reps: int = 9, watch: Conditions | None = None, label: str = "timings"
 ) -> float:
     """Median seconds of ``fn(x)`` over ``reps`` calls, after one untimed warm-up call (the
@@ -126,12 +120,10 @@ def _median_linear_seconds(
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(inter, hidden, generator=gen).to(dtype)  # [out, in], like an MLP up-projection
     x = torch.randn(rows, hidden, generator=gen).to(dtype)  # [rows, in]
-    return _median_seconds(
-        lambda x: torch.nn.functional.linear(x, w), x, reps, watch, str(dtype).removeprefix("torch.")
-    )
+    return median_seconds(lambda x: torch.nn.functional.linear(x, w), x, reps, watch, str(dtype).removeprefix("torch."))
 
 
-def _timed_once(prefix: str, shape: list[int], names: tuple[str, ...], seconds) -> tuple[dict[str, float], str]:
+def timed_once(prefix: str, shape: list[int], names: tuple[str, ...], seconds) -> tuple[dict[str, float], str]:
     """``seconds(name, conditions)`` for each name, measured once per machine, threads, torch and
     shape and cached with the conditions it was taken under; (the times, when and how they were
     taken, in words). A corrupt file (zero, negative or NaN timings) or one taken beside another
@@ -169,40 +161,12 @@ def _timed_once(prefix: str, shape: list[int], names: tuple[str, ...], seconds) 
     return times, taken(doc)
 
 
-def fastest_cpu_quantization(hidden: int, inter: int, rows: int = 9) -> tuple[str, str]:
-    """``--quantize auto`` on a CPU: int8 weight-only or w8a8, whichever runs the model's MLP
-    matmul faster at the two widths a step runs (1 token, and a verify of ``rows``: k_max + 1),
-    measured once per machine and cached. (w8a8's quality gate: models.load_pair.)"""
-    if w8a8_problem(torch.device("cpu")) is not None:
-        return "int8", "fbgemm is not available for w8a8"
-    gen = torch.Generator().manual_seed(0)
-
-    @functools.cache
-    def weights() -> tuple[torch.Tensor, torch.Tensor]:  # made only when not cached: not on every start
-        return quantize_int8(torch.randn(inter, hidden, generator=gen) * 0.02)
-
-    def seconds(name: str, watch: Conditions) -> float:
-        layer = (Int8DynamicLinear if name == "w8a8" else Int8Linear)(*weights(), None, torch.bfloat16)
-        return sum(
-            _median_seconds(layer, torch.randn(n, hidden, generator=gen).to(torch.bfloat16), 7, watch, name)
-            for n in (1, rows)
-        )
-
-    times, when = _timed_once("quantize-", [hidden, inter, rows], ("int8", "w8a8"), seconds)
-    best = min(times, key=times.get)
-    other = "int8" if best == "w8a8" else "w8a8"
-    return best, (
-        f"measured {best} {times[other] / times[best]:.2f}x faster than "
-        f"{other} on a {hidden}x{inter} matmul at 1 and {rows} rows ({when})"
-    )
-
-
 def fastest_cpu_dtype(hidden: int, inter: int) -> tuple[torch.dtype, str]:
     """Time the model's MLP matmul shape in float32 and bfloat16 at 1 and 5 rows (one decode
     step, one short verify) and keep the faster; cached per machine, threads, torch and shape,
     so only the first run on a machine pays the ~1 s. CPU flags alone mislead: on a 2-core AVX2
     EPYC bfloat16 is 2.6x faster for a 1-token forward although it has no AVX-512 BF16."""
-    times, when = _timed_once(
+    times, when = timed_once(
         "dtype-",
         [hidden, inter],
         ("float32", "bfloat16"),
@@ -241,34 +205,3 @@ def resolve_quantize(name: str, device: torch.device, dtype: str = "auto") -> st
     if name != "auto":
         return name
     return AUTO_QUANTIZE_CPU if device.type == "cpu" and dtype in ("auto", "bfloat16") else "none"
-
-
-def quantized_dtype(method: str, dtype: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """Activations for quantized weights: the packed kernels run fast on bfloat16 only (on a CPU
-    float32 activations take a slow path: 7.6 ms instead of 0.6 for one int8 row)."""
-    if device.type == "cuda" and method == "int4" and torch.cuda.get_device_capability(device) < (8, 0):
-        major, minor = torch.cuda.get_device_capability(device)
-        raise ModelError(
-            f"--quantize int4 on CUDA needs compute capability 8.0 or newer (this GPU has "
-            f"{major}.{minor}); use --quantize int8 or none"
-        )
-    if method == "w8a8":
-        if (problem := w8a8_problem(device)) is not None:
-            raise ModelError(problem)
-        if dtype not in ("auto", "bfloat16", "float32"):
-            raise ModelError(f"--quantize w8a8 runs on bfloat16 or float32 activations; use --dtype auto, not {dtype}")
-        return (
-            (torch.float32, "w8a8 weights, float32 activations (as asked)")
-            if dtype == "float32"
-            else (torch.bfloat16, "w8a8 weights, bfloat16 activations between the int8 matmuls")
-        )
-    if dtype in ("auto", "bfloat16"):
-        if device.type == "cuda" and not cuda_native_bf16(device):
-            return torch.float16, f"{method} weights, float16 activations (no bfloat16 on this GPU)"
-        return torch.bfloat16, f"{method} weights run on bfloat16 activations"
-    if device.type == "cuda" and method == "int8":
-        return getattr(torch, dtype), "as asked"
-    raise ModelError(
-        f"--quantize {method} runs on bfloat16 activations; use --dtype bfloat16 (or auto), "
-        f"or --quantize none to run in {dtype}"
-    )

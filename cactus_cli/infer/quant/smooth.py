@@ -7,7 +7,7 @@ multiplied by s_j in the weights that read it, which leaves the model's function
   weights' column j (* s_j);
 - ``mlp.down_proj``'s input, silu(gate) * up: up_proj's row j (/ s_j) and down_proj's column j.
 
-s_j = max|x_j|^ALPHA / max|w_j|^(1 - ALPHA), from one forward over ``CALIBRATION_TEXT`` (prose and
+s_j = max|x_j|^ALPHA / max|w_j|^(1 - ALPHA), from one forward over ``CALIBRATION_TEXT`` (core/defaults.py: prose and
 code; a few hundred tokens, seconds). The factors are cached with the quantized weights.
 """
 
@@ -21,28 +21,6 @@ import torch
 from torch import nn
 
 ALPHA = 0.5  # how much of the activations' range moves into the weights (the paper's default)
-CALIBRATION_TEXT = """The committee met on Tuesday to review the budget. After a long discussion about the
-costs of the new library wing, the members agreed to postpone the vote until the engineers had
-finished their report. "We cannot approve what we have not measured," said the chair.
-
-def merge_sorted(a: list[int], b: list[int]) -> list[int]:
-    \"\"\"Merge two sorted lists into one sorted list.\"\"\"
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        if a[i] <= b[j]:
-            out.append(a[i])
-            i += 1
-        else:
-            out.append(b[j])
-            j += 1
-    return out + a[i:] + b[j:]
-
-Q: A train travels 240 km in 3 hours. How far does it travel in 5 hours at the same speed?
-A: Its speed is 240 / 3 = 80 km per hour, so in 5 hours it travels 80 * 5 = 400 km. #### 400
-
-Rewrite the sentence in the passive voice: "The students planted three trees in the park."
-Three trees were planted in the park by the students.
-"""
 
 
 @dataclass(frozen=True)
