@@ -15,7 +15,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from cactus_cli.app.grid import runner as bench_mod
+from cactus_cli.app.grid import sweep as bench_mod
 from cactus_cli.cli.main import app
 from cactus_cli.core import fileio
 from tests.helpers import (
@@ -374,7 +374,7 @@ def test_the_second_turn_is_asked_after_the_models_own_first_answer(tiny, tmp_pa
 
 
 def test_a_multi_turn_question_keeps_its_slot_with_concurrency(tiny, tmp_path, monkeypatch):
-    from cactus_cli.app.grid import runner as grid
+    from cactus_cli.app.grid import sweep as grid
 
     real, asked = grid.next_turn, []
     monkeypatch.setattr(grid, "next_turn", lambda e, p, answers: asked.append(p.id) or real(e, p, answers))
@@ -396,7 +396,7 @@ def test_a_malformed_question_row_is_one_line_naming_file_line_and_field(tiny, t
 
 
 def test_calibrate_and_eval_take_the_question_file(tiny, tmp_path, monkeypatch):
-    from cactus_cli.app.grid import runner as grid
+    from cactus_cli.app.grid import sweep as grid
     from tests.helpers import calibrate_args
 
     real, asked = grid.next_turn, []

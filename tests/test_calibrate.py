@@ -267,7 +267,7 @@ def test_calibrate_validates_before_loading(tmp_path, args, needle):
 @pytest.mark.parametrize("plain, fast", [(10.0, 12.0), (12.0, 10.0)])
 def test_calibrate_advice_follows_the_rows_it_prints(plain, fast):
     from cactus_cli.app.grid import calibration as cal
-    from cactus_cli.app.grid.runner import ConfigResult
+    from cactus_cli.app.grid.sweep import ConfigResult
     from cactus_cli.core.stats import SpecStats
     from cactus_cli.infer.kpolicy.costs import CostModel
 

@@ -15,7 +15,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-import cactus_cli.app.grid.runner as bench_mod
+import cactus_cli.app.grid.sweep as bench_mod
 from cactus_cli.app.eval import tasks
 from cactus_cli.app.eval.tasks import (
     Task,

@@ -233,7 +233,7 @@ def test_code_tasks_end_to_end_with_samples_and_paired_rows(tiny, tmp_path):
 
 def test_an_interrupted_eval_goes_on_with_resume_and_refuses_another_run(tiny, tmp_path, monkeypatch):
     tasks, out = code_tasks(tmp_path, True), tmp_path / "out"
-    import cactus_cli.app.grid.runner as grid_mod
+    import cactus_cli.app.grid.sweep as grid_mod
 
     real, calls = grid_mod.run_one, []
 
@@ -270,7 +270,7 @@ def test_an_interrupted_eval_goes_on_with_resume_and_refuses_another_run(tiny, t
 
 def test_a_progress_line_cut_by_a_kill_is_done_again_and_any_other_bad_line_is_refused(tmp_path):
     from cactus_cli.app.eval.checkpoint import Checkpoint, records
-    from cactus_cli.app.grid.runner import Generated
+    from cactus_cli.app.grid.sweep import Generated
     from cactus_cli.core.errors import ConfigError
     from cactus_cli.core.stats import SpecStats
 

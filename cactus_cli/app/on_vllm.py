@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from cactus_cli.app import runtime
 from cactus_cli.app.config.parsing import parse_draft
-from cactus_cli.app.grid.runner import ConfigResult, longest_prompt
+from cactus_cli.app.grid.sweep import ConfigResult, longest_prompt
 from cactus_cli.core.companions import hide_broken_companions
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.stats import SpecStats

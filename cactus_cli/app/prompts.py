@@ -5,7 +5,7 @@ CPython's standard library, each with an instruction whose answer reproduces mos
 benchmarks/make_edit_prompts.py; PSF License, NOTICE). Also the loader for --prompts FILE (JSONL):
 ``{"prompt", "id"?, "category"?}`` rows, or MT-Bench / Spec-Bench ``question.jsonl`` rows
 ``{"question_id", "category", "turns": [...]}``, whose later turns are asked after the model's own
-answer to the turn before (the grid runner renders them: app/grid/runner.py)."""
+answer to the turn before (the grid sweep renders them: app/grid/sweep.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What bench and eval share: the grid options, declared once, and the command body that parses
-them, runs the one grid runner (app/grid/runner.py) and prints and writes the results."""
+them, runs the one grid sweep (app/grid/sweep.py) and prints and writes the results."""
 
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
             raise ConfigError("--plot draws speed against the realized divergence: add --meter")
         output = _check_outputs(output)
         from cactus_cli.app.grid import configs, report, variants
-        from cactus_cli.app.grid import runner as g
+        from cactus_cli.app.grid import sweep as g
         from cactus_cli.app.runtime import generation_params
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
@@ -349,7 +349,7 @@ def _parse(kind: str, shared: o.Shared, flags: GridFlags) -> tuple[Any, dict[str
     from cactus_cli.app.config.profile_files import resolve_settings
     from cactus_cli.app.config.settings import check_each
     from cactus_cli.app.grid import configs
-    from cactus_cli.app.grid import runner as g
+    from cactus_cli.app.grid import sweep as g
 
     crosses = None  # bench and eval take a comma list: each method a variant of the drafts of another vocabulary
     if isinstance(shared.flags.get("cross_vocab"), str):

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cactus_cli.app.grid.runner import Generated
+from cactus_cli.app.grid.sweep import Generated
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.fileio import read_utf8_file
 from cactus_cli.core.stats import SpecStats

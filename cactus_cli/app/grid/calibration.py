@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from cactus_cli.app.config.settings import Settings, check_each
 from cactus_cli.app.grid.configs import BenchConfig
-from cactus_cli.app.grid.runner import ConfigResult, Grade, run_speculative
+from cactus_cli.app.grid.sweep import ConfigResult, Grade, run_speculative
 from cactus_cli.core.acceptance import RULES
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.intervals import paired_difference

@@ -1,6 +1,6 @@
 """What a grid measures: one ``BenchConfig`` per row (the verifier alone, each rule x delta x k, HF
 assisted generation) for every engine variant, built once by ``build_grid`` for bench, eval and
-calibrate; runner.py runs them."""
+calibrate; sweep.py runs them."""
 
 from __future__ import annotations
 

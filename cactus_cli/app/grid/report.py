@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from cactus_cli import __version__
-from cactus_cli.app.grid.runner import ConfigResult
+from cactus_cli.app.grid.sweep import ConfigResult
 from cactus_cli.app.prompts import Prompt
 from cactus_cli.core.intervals import paired_difference, wilson
 from cactus_cli.infer.backends import backend_of

@@ -10,7 +10,7 @@ from typing import Any
 from cactus_cli.app import runtime
 from cactus_cli.app.config.parsing import parse_draft
 from cactus_cli.app.config.settings import Settings
-from cactus_cli.app.grid.runner import longest_prompt
+from cactus_cli.app.grid.sweep import longest_prompt
 from cactus_cli.app.prompts import Prompt
 from cactus_cli.core.errors import ModelError
 from cactus_cli.core.once import one_load

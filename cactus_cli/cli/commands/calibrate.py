@@ -110,7 +110,7 @@ def calibrate(
         from cactus_cli.app.config.parsing import parse_list
         from cactus_cli.app.grid import calibration as cal_mod
         from cactus_cli.app.grid import report
-        from cactus_cli.app.grid import runner as b
+        from cactus_cli.app.grid import sweep as b
         from cactus_cli.app.session import Session
 
         settings, constraints = _settings(
@@ -128,7 +128,7 @@ def calibrate(
             encoded = session.encode_prompts(prompts)
             longest = b.longest_prompt(session.tokenizer, encoded, settings.max_tokens)
             session.prepare(longest, progress, k_values=[*k_list, "auto"])
-            engine = session.engine  # (the grid runner that bench and eval share takes the engine)
+            engine = session.engine  # (the grid sweep that bench and eval share takes the engine)
         base = session.params()
         runs = (len(set(delta_list) | {0.0}) + 2 + min(cal_mod.KEEP_K + 1, len(set(k_list)))) * len(prompts)
         with ui.bench_progress(err, runs) as advance:

@@ -1,4 +1,4 @@
-"""`cactus eval`: task accuracy beside speed, over the same grid as bench (one grid runner)."""
+"""`cactus eval`: task accuracy beside speed, over the same grid as bench (one grid sweep)."""
 
 from __future__ import annotations
 

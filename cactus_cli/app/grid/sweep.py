@@ -1,4 +1,4 @@
-"""The one grid runner (bench, eval and calibrate; no Rich here): rules x delta x k per engine
+"""The one grid sweep (bench, eval and calibrate; no Rich here): rules x delta x k per engine
 variant, the verifier-alone baseline on the same prompts, sampling and seeds, optionally Hugging
 Face assisted generation; its --json / CSV documents. It takes parsed lists (app/config/settings.py
 parses what users type)."""
