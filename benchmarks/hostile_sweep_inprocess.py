@@ -126,7 +126,7 @@ def _is_check(pid: str) -> bool:
 def cache_sweep(tmp: Path) -> None:
     """The requantized-model cache (a tiny GGUF through llama.cpp's own quantizer): what a damaged,
     half-written or foreign cache entry gives the next run."""
-    from cactus_cli.infer.load.gguf_layout import requantize
+    from cactus_cli.infer.backends.llama_cpp.gguf_layout import requantize
     from tests.gguf_helpers import write_tiny_gguf
 
     src = write_tiny_gguf(tmp / "tiny.gguf", seed=3)

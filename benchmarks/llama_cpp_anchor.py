@@ -9,7 +9,7 @@
    ~/.cache/cactus/llama.cpp-VERSION) from the llama.cpp vendored in the llama-cpp-python sdist of the
    installed version (pip download; cmake and a C++ compiler).
 2. Resolves the files and threads the default profile runs (the embedded verifier may run requantized:
-   infer/load/gguf_layout.py); every llama.cpp row runs that same file on those threads.
+   infer/backends/llama_cpp/gguf_layout.py); every llama.cpp row runs that same file on those threads.
 3. llama-bench: plain decoding (tg, -p 0 -n 64) and the verifier's cost per width (pp 1..64).
 4. llama.cpp's plain decoding of the same prompts: llama-server with --spec-type none (both sides pay
    the same context), one request per prompt, its own timings.
@@ -52,7 +52,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 from cactus_cli.core.paths import cache_dir
-from cactus_cli.infer.load import embedded, gguf
+from cactus_cli.infer.backends.llama_cpp import gguf
+from cactus_cli.infer.load import embedded
 
 TOOLS = ("llama-bench", "llama-speculative", "llama-speculative-simple", "llama-server")
 # (name, --spec-type, extra arguments): the defaults, then longer drafts (ngram-cache drafts 8, fixed)

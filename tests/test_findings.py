@@ -314,7 +314,7 @@ def test_remeasure_keeps_a_folder_named_like_a_measurement(tmp_path, monkeypatch
 
 def test_a_stored_thread_measurement_with_garbage_curves_is_read_as_none(tmp_path, monkeypatch):
     """A threads record whose "curves" is a list: AttributeError on every start before."""
-    from cactus_cli.infer.load import gguf_layout
+    from cactus_cli.infer.backends.llama_cpp import gguf_layout
 
     path = tmp_path / "v.gguf"
     path.write_bytes(b"x" * 64)

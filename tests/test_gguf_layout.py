@@ -1,4 +1,4 @@
-"""The llama.cpp backend's weight types and threads (infer/load/gguf_layout.py): a GGUF requantized by
+"""The llama.cpp backend's weight types and threads (infer/backends/llama_cpp/gguf_layout.py): a GGUF requantized by
 llama.cpp's own quantizer, once, atomically and with its hash; the choice between the shipped file
 and Q4_0 by measured speed on edits and quality; threads by measurement; all on tiny GGUF files."""
 
@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from cactus_cli.cli.main import app
 from cactus_cli.core import conditions
 from cactus_cli.core.errors import ModelError
-from cactus_cli.infer.load import gguf, gguf_layout
-from cactus_cli.infer.load.gguf_layout import QUALITY_TOLERANCE, Layout, choose, requantize, score
+from cactus_cli.infer.backends.llama_cpp import gguf, gguf_layout
+from cactus_cli.infer.backends.llama_cpp.gguf_layout import QUALITY_TOLERANCE, Layout, choose, requantize, score
 from tests.gguf_helpers import write_tiny_gguf
 from tests.helpers import assert_one_line_error
 

@@ -20,13 +20,14 @@ from cactus_cli.core.errors import ContextLimitError, ModelError
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.core.stats import SpecStats
 from cactus_cli.infer import backends
+from cactus_cli.infer.backends.llama_cpp import gguf
+from cactus_cli.infer.backends.llama_cpp import runner as llama_cpp
+from cactus_cli.infer.backends.llama_cpp.runner import LlamaCppRunner
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
-from cactus_cli.infer.load import gguf, plan
+from cactus_cli.infer.load import plan
 from cactus_cli.infer.load.loader import load_pair
 from cactus_cli.infer.load.sources import Source
-from cactus_cli.infer.runners import llama_cpp
-from cactus_cli.infer.runners.llama_cpp import LlamaCppRunner
 from tests.gguf_helpers import write_tiny_gguf
 from tests.stats_helpers import assert_matches
 

@@ -41,11 +41,11 @@ from cactus_cli.core.conditions import Conditions, Watch, taken
 from cactus_cli.core.errors import ModelError, warn
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.paths import cache_path
-from cactus_cli.infer.load import gguf
+from cactus_cli.infer.backends.llama_cpp import gguf
+from cactus_cli.infer.backends.llama_cpp.runner import LlamaCppRunner
 from cactus_cli.infer.load.devices import device_name
 from cactus_cli.infer.load.embedded import models_dir, remove_stale_work
 from cactus_cli.infer.load.sources import LoadedModel
-from cactus_cli.infer.runners.llama_cpp import LlamaCppRunner
 
 QUALITY_TOLERANCE = 0.02  # nats/token of mean NLL a requantized verifier may cost to be chosen
 TYPES = {"q4_0": 2}  # --quantize values of the llama.cpp backend -> llama.cpp's ftype (every tensor in it)

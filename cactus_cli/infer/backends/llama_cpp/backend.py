@@ -1,6 +1,6 @@
 """The llama.cpp backend: GGUF files (the embedded models, a .gguf) on llama.cpp's CPU kernels
-through llama-cpp-python's bindings (infer/load/gguf.py), the weight types and threads chosen by
-measurement (infer/load/gguf_layout.py), each model behind runners/llama_cpp.py."""
+through llama-cpp-python's bindings (gguf.py), the weight types and threads chosen by measurement
+(gguf_layout.py), each model behind runner.py (all three beside it in backends/llama_cpp/)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import torch
 from cactus_cli.core.defaults import CALIBRATION_TEXT
 from cactus_cli.core.errors import ModelError
 from cactus_cli.infer.backends.base import Backend, Decided
-from cactus_cli.infer.load import embedded, gguf, gguf_layout
+from cactus_cli.infer.backends.llama_cpp import gguf, gguf_layout
+from cactus_cli.infer.backends.llama_cpp.runner import LlamaCppRunner, padding
+from cactus_cli.infer.load import embedded
 from cactus_cli.infer.load.sources import GGUF_KINDS, LoadedModel, Source, load_tokenizer
 from cactus_cli.infer.runners.base import Runner
-from cactus_cli.infer.runners.llama_cpp import LlamaCppRunner, padding
 
 PROBE_TEXT = "def add(a, b):\n    return a + b  # sum: ünïcödé, 数字 42\n\tdone!"
 

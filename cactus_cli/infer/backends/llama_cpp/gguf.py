@@ -1,7 +1,7 @@
 """GGUF files on llama.cpp: llama-cpp-python's low-level bindings (imported only when this backend
 runs), a loaded model (``GGUFModel``: weights memory-mapped, its vocabulary, llama.cpp's own
 tokenizer for the check that both sides agree on token ids) and what this machine's build can
-do. The runner over it is runners/llama_cpp.py."""
+do. The runner over it is backends/llama_cpp/runner.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``LlamaCppRunner``: one sequence of a GGUF model on llama.cpp's CPU kernels (the model itself:
-infer/load/gguf.py). The model's sequences share one llama.cpp context (``Context``: ``n_seq_max``
+gguf.py beside it). The model's sequences share one llama.cpp context (``Context``: ``n_seq_max``
 sequences in one unified KV cache), each runner addressing its own ``seq_id``.
 
 ``forward`` is one ``llama_decode`` of the new tokens (split in batches of ``n_batch`` only for a
@@ -22,7 +22,7 @@ import torch
 
 from cactus_cli.core.conditions import Watch
 from cactus_cli.core.errors import ContextLimitError, ModelError
-from cactus_cli.infer.load.gguf import GGUFModel, bindings, last_log
+from cactus_cli.infer.backends.llama_cpp.gguf import GGUFModel, bindings, last_log
 from cactus_cli.infer.load.sources import LoadedModel
 from cactus_cli.infer.runners.base import MAX_STEP_WIDTH, Row, prefill
 
