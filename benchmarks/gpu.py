@@ -111,8 +111,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="2- and 1-layer tiny models: checks the script anywhere")
     args = ap.parse_args()
 
-    from cactus_cli.infer.runners.compiled import CompiledLM, compile_problem
-    from cactus_cli.infer.runners.eager import CachedLM
+    from cactus_cli.infer.backends.torch.compiled import CompiledLM, compile_problem
+    from cactus_cli.infer.backends.torch.eager import CachedLM
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

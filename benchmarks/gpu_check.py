@@ -127,11 +127,11 @@ def main() -> None:
     print(f"gpu_check on {name} · torch {torch.__version__}", flush=True)
 
     from cactus_cli.core.sampling import SamplingParams
+    from cactus_cli.infer.backends.torch import compiled as runners
+    from cactus_cli.infer.backends.torch import sharded as distributed
+    from cactus_cli.infer.backends.torch.quant import quantize
     from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
     from cactus_cli.infer.load import devices as models
-    from cactus_cli.infer.quant import quantize
-    from cactus_cli.infer.runners import compiled as runners
-    from cactus_cli.infer.runners import sharded as distributed
 
     compile_ok = runners.compile_problem(device) is None
 

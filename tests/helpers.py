@@ -16,8 +16,8 @@ import torch
 from typer.testing import CliRunner
 
 from cactus_cli.cli.main import app
+from cactus_cli.infer.backends.torch.quant import quantize
 from cactus_cli.infer.kpolicy import store
-from cactus_cli.infer.quant import quantize
 
 runner = CliRunner()
 

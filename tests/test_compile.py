@@ -1,4 +1,4 @@
-"""The compiled fast path (runners.CompiledLM): static KV caches, fixed-width compiled steps,
+"""The compiled fast path (backends/torch/compiled.py's CompiledLM): static KV caches, fixed-width compiled steps,
 rollback by rewinding the cache length. Checked on CPU in float32 against the eager engine:
 greedy output token for token, logits after rewinds, SpS exactness (test_engine), no
 recompilation after warm-up, and a clean fall back to eager when compiling fails."""
@@ -14,13 +14,13 @@ from typer.testing import CliRunner
 from cactus_cli.cli.main import app
 from cactus_cli.core.paths import cache_path
 from cactus_cli.core.sampling import SamplingParams
+from cactus_cli.infer.backends.torch.compiled import CompiledLM, compile_problem
+from cactus_cli.infer.backends.torch.eager import CachedLM
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.kpolicy.store import CostStore
 from cactus_cli.infer.load import plan as plan_mod
 from cactus_cli.infer.load.loader import load_pair
 from cactus_cli.infer.pair.keys import cost_key
-from cactus_cli.infer.runners.compiled import CompiledLM, compile_problem
-from cactus_cli.infer.runners.eager import CachedLM
 from tests.test_engine import GREEDY, hf_greedy, prompt_ids, run
 
 needs_compiler = pytest.mark.skipif(

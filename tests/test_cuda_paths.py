@@ -16,15 +16,15 @@ from torch import nn
 
 from cactus_cli.core.errors import ModelError
 from cactus_cli.core.sampling import SamplingParams, sample
+from cactus_cli.infer.backends.torch import compiled as runners
+from cactus_cli.infer.backends.torch import sharded as distributed
+from cactus_cli.infer.backends.torch.compiled import CompiledLM, compile_problem
+from cactus_cli.infer.backends.torch.quant import choice, quantize
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
 from cactus_cli.infer.load import devices
 from cactus_cli.infer.load.loader import load_pair
 from cactus_cli.infer.load.sources import Source
-from cactus_cli.infer.quant import choice, quantize
-from cactus_cli.infer.runners import compiled as runners
-from cactus_cli.infer.runners import sharded as distributed
-from cactus_cli.infer.runners.compiled import CompiledLM, compile_problem
 from tests.test_engine import prompt_ids
 
 needs_compiler = pytest.mark.skipif(compile_problem(torch.device("cpu")) is not None, reason="no torch.compile here")
@@ -246,7 +246,7 @@ def test_quantizing_releases_each_layer_as_it_is_replaced(tiny, monkeypatch):
 def test_gpu_loading_path_streams_to_the_device_it_is_given(tiny):
     from transformers import AutoModelForCausalLM
 
-    from cactus_cli.infer.backends import torch_backend
+    from cactus_cli.infer.backends.torch import backend as torch_backend
 
     src = Source("folder", tiny["verifier"])
     model = torch_backend._load_on_gpu(AutoModelForCausalLM, src, "verifier", torch.float32, torch.device("cpu"))

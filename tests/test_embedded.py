@@ -173,7 +173,7 @@ def test_the_gguf_readers_own_progress_bar_is_silenced_while_converting():
 
 
 def test_a_folder_matching_the_stale_cache_glob_is_left_alone(tmp_path):
-    from cactus_cli.infer.quant.quantize import _remove_stale
+    from cactus_cli.infer.backends.torch.quant.quantize import _remove_stale
 
     (tmp_path / "w8a8-model-oldkey.safetensors").mkdir()
     (tmp_path / "w8a8-model-older.safetensors").write_bytes(b"x")

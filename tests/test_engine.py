@@ -12,9 +12,9 @@ import torch
 from cactus_cli.core.errors import ContextLimitError, ModelError
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits
 from cactus_cli.core.stats import SpecStats
+from cactus_cli.infer.backends.torch.compiled import compile_problem
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.load.loader import load_pair
-from cactus_cli.infer.runners.compiled import compile_problem
 from tests.stats_helpers import assert_matches, exact_two_tokens
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)

@@ -13,6 +13,7 @@ import torch
 
 from cactus_cli.core.paths import cache_path
 from cactus_cli.core.sampling import SamplingParams
+from cactus_cli.infer.backends.torch.quant import quantize
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.kpolicy import costs as policy
 from cactus_cli.infer.kpolicy.costs import CostModel, Step, best_k, probe_widths
@@ -27,7 +28,6 @@ from cactus_cli.infer.kpolicy.rates import Acceptance, Calibration, expected_tok
 from cactus_cli.infer.kpolicy.store import CostStore
 from cactus_cli.infer.load.devices import fastest_cpu_dtype, resolve_dtype
 from cactus_cli.infer.load.loader import load_pair
-from cactus_cli.infer.quant import quantize
 from tests.helpers import (
     quantize_tiny,
     write_costs,
@@ -516,7 +516,7 @@ def test_a_dtype_timed_beside_a_busy_process_is_provisional_and_taken_again(isol
 
 
 def test_a_full_disk_does_not_stop_the_run(tiny, monkeypatch):
-    from cactus_cli.infer.quant import qcache
+    from cactus_cli.infer.backends.torch.quant import qcache
 
     real = os.fdopen
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import cactus_cli.infer.quant.quantize as qz
+import cactus_cli.infer.backends.torch.quant.quantize as qz
 from cactus_cli.cli.main import app
+from cactus_cli.infer.backends.torch.quant import quantize
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.load.loader import load_pair
-from cactus_cli.infer.quant import quantize
 from tests.helpers import invoke, quantize_tiny
 from tests.test_embedded import fake_model  # noqa: F401 (a fixture: fake embedded parts)
 from tests.test_engine import GREEDY, prompt_ids, run
@@ -41,7 +41,7 @@ def test_int8_quantizes_in_chunks_as_it_would_whole_and_leaves_the_weight_alone(
     """Rows are quantized a chunk at a time (a first start's peak memory): the same bytes as the
     whole-tensor formula, chunk boundaries falling mid-way included, and a float32 weight (whose
     ``.float()`` is itself) is not changed in place."""
-    import cactus_cli.infer.quant.qlayers as ql
+    import cactus_cli.infer.backends.torch.quant.qlayers as ql
 
     monkeypatch.setattr(ql, "CHUNK", 3 * 40 + 7)  # 3 rows of 40 per chunk: 100 rows -> 34 chunks, the last short
     w = torch.randn(100, 40, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.1, 5, 100)[:, None]
@@ -179,7 +179,7 @@ def test_smoothing_leaves_the_function_unchanged_and_is_cached(tiny, isolated_ho
     factors and gives the same logits as the first start."""
     from transformers import AutoModelForCausalLM
 
-    from cactus_cli.infer.quant import smooth
+    from cactus_cli.infer.backends.torch.quant import smooth
 
     model = AutoModelForCausalLM.from_pretrained(tiny["verifier"], dtype=torch.float32).eval()
     ids = torch.tensor([[5, 9, 12, 7, 30, 11]])
@@ -207,7 +207,7 @@ def test_layer_by_layer_gives_the_whole_model_numbers(tiny, isolated_home, monke
     while layer i is calibrated no later layer has run yet (nothing beyond it is read)."""
     from transformers import AutoModelForCausalLM
 
-    from cactus_cli.infer.quant import layerwise
+    from cactus_cli.infer.backends.torch.quant import layerwise
 
     calibration = [5, 9, 12, 7, 30, 11, 8, 14] * 4
     ids = torch.tensor([[3, 17, 4, 25, 9]])
@@ -348,7 +348,7 @@ def test_quantize_auto_on_cpu_is_measured_and_says_why(tiny):
 
 def test_quantize_auto_gates_w8a8_on_its_measured_quality(tiny, isolated_home, monkeypatch):
     from cactus_cli.core import defaults
-    from cactus_cli.infer.backends import torch_backend
+    from cactus_cli.infer.backends.torch import backend as torch_backend
     from cactus_cli.infer.load.sources import Source
 
     cpu = torch.device("cpu")
@@ -535,7 +535,7 @@ def test_stale_temp_files_of_dead_writers_are_removed(tiny):
 def test_the_quantized_cache_streams_tensor_by_tensor_in_the_safetensors_format(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from cactus_cli.infer.quant.qcache import CacheReader, CacheWriter, checksum
+    from cactus_cli.infer.backends.torch.quant.qcache import CacheReader, CacheWriter, checksum
 
     tensors = {
         "a.q": torch.randint(-127, 127, (5, 8), dtype=torch.int8),
@@ -586,7 +586,7 @@ def _temp_files(folder):
 
 
 def test_an_interrupted_first_quantization_removes_its_partial_cache(tiny, monkeypatch):
-    from cactus_cli.infer.quant import quantize
+    from cactus_cli.infer.backends.torch.quant import quantize
     from tests.helpers import quantize_tiny
 
     folder = quantize.cache_file(quantize.weights_key(tiny["verifier"]), "int8").parent
@@ -608,7 +608,7 @@ def test_an_interrupted_first_quantization_removes_its_partial_cache(tiny, monke
 SIGTERM_DURING_QUANTIZATION = """
 import sys, time
 from cactus_cli.core.signals import treat_sigterm_as_sigint
-from cactus_cli.infer.quant import quantize
+from cactus_cli.infer.backends.torch.quant import quantize
 import torch
 from transformers import AutoModelForCausalLM
 treat_sigterm_as_sigint()
@@ -633,7 +633,7 @@ def test_sigterm_during_the_first_quantization_leaves_no_partial_cache(tiny, iso
     import subprocess
     import sys
 
-    from cactus_cli.infer.quant import quantize
+    from cactus_cli.infer.backends.torch.quant import quantize
 
     folder = quantize.cache_file(quantize.weights_key(tiny["verifier"]), "int8").parent
     proc = subprocess.Popen(
@@ -653,7 +653,7 @@ def test_sigterm_during_the_first_quantization_leaves_no_partial_cache(tiny, iso
 
 
 def test_a_damaged_quantized_cache_is_said_in_a_line_that_stays(tiny):
-    from cactus_cli.infer.quant import quantize
+    from cactus_cli.infer.backends.torch.quant import quantize
     from tests.helpers import invoke
 
     args = ["generate", "the cat", "--verifier", tiny["verifier"], "--draft", "none", "--device", "cpu"]
@@ -667,8 +667,8 @@ def test_a_damaged_quantized_cache_is_said_in_a_line_that_stays(tiny):
 
 
 def test_every_rebuilt_cache_says_why(tiny, fake_model_cache, capsys):
+    from cactus_cli.infer.backends.torch.quant import quantize
     from cactus_cli.infer.load import devices, embedded
-    from cactus_cli.infer.quant import quantize
 
     def said() -> str:
         return " ".join(capsys.readouterr().err.split())

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cactus_cli.core.errors import ConfigError
-from cactus_cli.infer.tp.group import check_tp
+from cactus_cli.infer.backends.torch.group import check_tp
 from tests.helpers import cactus_run, ctrl_c_as_in_a_terminal, decoding, listening_addresses, tiny_args, wait_for
 
 
@@ -235,7 +235,7 @@ def test_a_follower_whose_rank0_pipe_ends_cleans_up_at_once_whatever_its_main_th
     not from its parent's pid: a killed rank 0's sockets close before the kernel reparents its
     children, so a check of the parent right after the failed collective still saw rank 0 and the
     follower exited leaving its log and the rendezvous folder behind (3 of 11 runs under load)."""
-    from cactus_cli.infer.tp import group
+    from cactus_cli.infer.backends.torch import group
 
     store = tmp_path / "cactus-tp-x" / "store"
     store.parent.mkdir()

@@ -1,7 +1,7 @@
 """A tensor-parallel follower (ranks > 0 under --tp): join the group, load this rank's shard of
 the verifier the way rank 0 loads its own, then run every runner call rank 0 announces until it
 says stop. Nothing imports this module: rank 0 starts it as ``python -m cactus_cli.app.follower``
-(infer/tp/group.py), with a pipe on its stdin whose end tells it rank 0 is gone, and under
+(infer/backends/torch/group.py), with a pipe on its stdin whose end tells it rank 0 is gone, and under
 torchrun app/runtime.py hands a rank > 0 to ``serve`` before any model is loaded for
 generation. Rank 0 that dies takes its followers with it."""
 
@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
+from cactus_cli.infer.backends.torch import group
+from cactus_cli.infer.backends.torch.eager import CachedLM
+from cactus_cli.infer.backends.torch.sharded import CMD_SLOTS, parse_command
 from cactus_cli.infer.load.loader import load_shard
-from cactus_cli.infer.runners.base import Runner
-from cactus_cli.infer.runners.eager import CachedLM
-from cactus_cli.infer.runners.sharded import CMD_SLOTS, parse_command
-from cactus_cli.infer.tp import group
+from cactus_cli.infer.runner import Runner
 
 
 def follow(runner: Runner) -> None:

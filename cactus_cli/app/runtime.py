@@ -17,13 +17,13 @@ from cactus_cli.core.once import one_load
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer import draft
 from cactus_cli.infer.backends import backend_of
+from cactus_cli.infer.backends.torch import group
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
 from cactus_cli.infer.load.devices import device_name
 from cactus_cli.infer.load.loader import load_plan
 from cactus_cli.infer.load.plan import LoadRequest, plan_load, with_compile
 from cactus_cli.infer.load.sources import ModelPair
-from cactus_cli.infer.tp import group
 
 
 def load_request(settings: Settings, **overrides: Any) -> LoadRequest:

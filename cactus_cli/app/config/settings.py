@@ -58,7 +58,7 @@ class Settings:
     quantize: str = (
         defaults.QUANTIZE
     )  # int8 / int4 weight-only, w8a8 (int8 x int8, CPU); auto: measured (models.choose_quantize)
-    tp: int = defaults.TP  # tensor-parallel ranks for the verifier (infer/tp/)
+    tp: int = defaults.TP  # tensor-parallel ranks for the verifier (infer/backends/torch/group.py)
     backend: str = (
         defaults.BACKEND
     )  # torch, llama.cpp (GGUF files on a CPU), auto: the first of backends.BACKENDS that runs the models

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from cactus_cli.core import defaults
-from cactus_cli.infer.quant.memory import weight_bytes
+from cactus_cli.infer.backends.torch.quant.memory import weight_bytes
 
 NLL_TOLERANCE = defaults.QUALITY_TOLERANCE  # nats per token: what the default quantization may cost
 

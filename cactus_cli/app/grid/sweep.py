@@ -22,7 +22,7 @@ from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.stats import SpecStats, summarize
 from cactus_cli.infer.decode.batch import Batch
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.runners.base import sync
+from cactus_cli.infer.runner import sync
 
 
 @dataclass

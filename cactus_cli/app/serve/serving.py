@@ -35,7 +35,7 @@ from cactus_cli.infer.decode.batch import Batch, Entry
 from cactus_cli.infer.decode.engine import GenerationParams
 from cactus_cli.infer.decode.grammar import Grammar
 from cactus_cli.infer.kpolicy.costs import CostModel
-from cactus_cli.infer.runners.base import common_prefix
+from cactus_cli.infer.runner import common_prefix
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # ours -> OpenAI's
 PREFIXES = 4  # cached sequences the server keeps at least (aider alternates two conversations)

@@ -10,7 +10,7 @@ import torch
 from cactus_cli.core.errors import ModelError
 from cactus_cli.infer.backends.base import Backend, Decided
 from cactus_cli.infer.backends.llama_cpp.backend import LlamaCppBackend
-from cactus_cli.infer.backends.torch_backend import TorchBackend
+from cactus_cli.infer.backends.torch.backend import TorchBackend
 from cactus_cli.infer.backends.vllm_backend import VllmBackend
 from cactus_cli.infer.load.sources import Source
 

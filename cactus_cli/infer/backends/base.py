@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from cactus_cli.infer.load.sources import LoadedModel, Source
-from cactus_cli.infer.runners.base import Runner
+from cactus_cli.infer.runner import Runner
 
 
 @dataclass(frozen=True, kw_only=True)

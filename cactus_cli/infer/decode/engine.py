@@ -25,6 +25,7 @@ from cactus_cli.core.errors import ContextLimitError
 from cactus_cli.core.events import MODEL, StepEvent
 from cactus_cli.core.verify import verify_rows
 from cactus_cli.infer.backends import backend_of
+from cactus_cli.infer.backends.torch.compiled import CompileUnavailable
 from cactus_cli.infer.decode.batch import Batch
 from cactus_cli.infer.decode.grammar import Grammars
 from cactus_cli.infer.decode.slot import GenerationParams, Run, Slot, Timing
@@ -33,8 +34,7 @@ from cactus_cli.infer.kpolicy.costs import probe, probe_widths
 from cactus_cli.infer.kpolicy.policy import AdaptiveK, FixedK, KPolicy, acceptance_key, allocate
 from cactus_cli.infer.kpolicy.store import CostStore
 from cactus_cli.infer.pair.keys import cost_key
-from cactus_cli.infer.runners.base import MAX_STEP_WIDTH, Runner, sync
-from cactus_cli.infer.runners.compiled import CompileUnavailable
+from cactus_cli.infer.runner import MAX_STEP_WIDTH, Runner, sync
 
 __all__ = ["GenerationParams", "SpeculativeEngine"]
 from cactus_cli.infer.load.sources import ModelPair, eos_ids
@@ -47,7 +47,7 @@ class SpeculativeEngine:
     def __init__(self, pair: ModelPair, free: Free | None = None, compiled: bool = False, sequences: int = 1):
         """``free`` drafts without a model (draft/__init__.KINDS: prompt lookup, the suffix trees), with the pair's draft model
         (if any) for when they have nothing. ``compiled``: static caches and compiled steps
-        (runners/compiled.py; one sequence). ``sequences``: the slots, each a sequence in every
+        (backends/torch/compiled.py; one sequence). ``sequences``: the slots, each a sequence in every
         model's KV cache (runs in different slots step together)."""
         self.pair = pair
         if free is not None and free.state is None:  # (its state made once: every slot's drafter shares it)

@@ -27,7 +27,7 @@ from cactus_cli.infer.decode.grammar import GRAMMAR, MAX_FORCED, Grammar, mask_l
 from cactus_cli.infer.draft import Drafter, Proposal
 from cactus_cli.infer.kpolicy.costs import Step
 from cactus_cli.infer.kpolicy.policy import AdaptiveK, KPolicy, Want, acceptance_key
-from cactus_cli.infer.runners.base import Runner, cached_prefix, common_prefix, sync, to_device
+from cactus_cli.infer.runner import Runner, cached_prefix, common_prefix, sync, to_device
 
 
 @dataclass(frozen=True)

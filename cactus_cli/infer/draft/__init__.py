@@ -24,7 +24,7 @@ from cactus_cli.infer.draft.ngram import NGRAM, NgramDrafter
 from cactus_cli.infer.draft.suffix import SUFFIX, SuffixDrafter
 from cactus_cli.infer.draft.suffix_tree import History
 from cactus_cli.infer.load.vocab import CrossVocab, tokenizer_fingerprint
-from cactus_cli.infer.runners.base import Runner
+from cactus_cli.infer.runner import Runner
 
 __all__ = [
     "KINDS",

@@ -28,7 +28,7 @@ import torch
 
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.sampling import SamplingParams, biased, probs_from_logits, sample
-from cactus_cli.infer.runners.base import Runner, to_device
+from cactus_cli.infer.runner import Runner, to_device
 
 
 @dataclass

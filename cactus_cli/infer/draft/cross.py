@@ -33,7 +33,7 @@ from cactus_cli.core.events import MODEL
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer.draft.base import DrafterBase, Peek, Proposal, draw, one_hot_proposal
 from cactus_cli.infer.load.vocab import VocabMap, encode, eos_id, visible_text
-from cactus_cli.infer.runners.base import Runner, common_prefix
+from cactus_cli.infer.runner import Runner, common_prefix
 
 STRING, INTERSECTION = "string", "intersection"
 ANCHOR = 4  # verified tokens decoded before the draft's text, so the verifier encodes it in context

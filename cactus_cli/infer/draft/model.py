@@ -7,7 +7,7 @@ import torch
 from cactus_cli.core.events import MODEL
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer.draft.base import DrafterBase, Item, Peek, Proposal, draw
-from cactus_cli.infer.runners.base import Runner, common_prefix
+from cactus_cli.infer.runner import Runner, common_prefix
 
 
 class ModelDrafter(DrafterBase):

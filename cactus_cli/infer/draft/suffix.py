@@ -24,7 +24,7 @@ import torch
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer.draft.base import DrafterBase, Peek, Proposal, one_hot_proposal
 from cactus_cli.infer.draft.suffix_tree import History, Match, SuffixTree, follow
-from cactus_cli.infer.runners.base import to_device
+from cactus_cli.infer.runner import to_device
 
 SUFFIX = "suffix"  # its kind (draft/__init__.KINDS) and the source its drafts count under
 

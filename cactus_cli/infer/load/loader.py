@@ -16,10 +16,10 @@ import torch
 from cactus_cli.core.errors import ModelError
 from cactus_cli.core.once import one_load
 from cactus_cli.infer import backends
+from cactus_cli.infer.backends.torch import group
 from cactus_cli.infer.load.plan import LoadPlan, LoadRequest, plan_load
 from cactus_cli.infer.load.sources import LoadedModel, ModelPair, Source, load_tokenizer, materialize
 from cactus_cli.infer.load.vocab import CrossVocab
-from cactus_cli.infer.tp import group
 
 
 def load_pair(

@@ -17,11 +17,11 @@ import torch
 
 from cactus_cli.core.errors import ModelError
 from cactus_cli.infer import backends
+from cactus_cli.infer.backends.torch.compiled import compile_problem
 from cactus_cli.infer.kpolicy.store import CostStore
 from cactus_cli.infer.load.devices import resolve_device
 from cactus_cli.infer.load.sources import Source, load_tokenizer, materialize, resolve_source
 from cactus_cli.infer.pair.keys import key_of
-from cactus_cli.infer.runners.compiled import compile_problem
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,7 +31,7 @@ class LoadedModel:
     logits_width: int  # rows of the output embedding (may exceed the tokenizer: padded rows)
     load_seconds: float = 0.0
     quantize: str = "none"  # weight-only quantization of the Linear layers: none, int8, int4
-    tp: int = 1  # tensor-parallel ranks the model is sharded over (infer/tp/)
+    tp: int = 1  # tensor-parallel ranks the model is sharded over (infer/backends/torch/group.py)
     quantize_note: str = ""  # what the quantization ran ("int4 weights (15 layers, 1 in int8 ...)", a GGUF's types)
     backend: str = "torch"  # what runs it (backends/): torch (a transformers model), llama.cpp (a GGUFModel)
     threads: int | None = None  # CPU threads of its backend's own (llama.cpp), None: torch's

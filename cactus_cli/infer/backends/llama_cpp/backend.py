@@ -17,7 +17,7 @@ from cactus_cli.infer.backends.llama_cpp import gguf, gguf_layout
 from cactus_cli.infer.backends.llama_cpp.runner import LlamaCppRunner, padding
 from cactus_cli.infer.load import embedded
 from cactus_cli.infer.load.sources import GGUF_KINDS, LoadedModel, Source, load_tokenizer
-from cactus_cli.infer.runners.base import Runner
+from cactus_cli.infer.runner import Runner
 
 PROBE_TEXT = "def add(a, b):\n    return a + b  # sum: ünïcödé, 数字 42\n\tdone!"
 

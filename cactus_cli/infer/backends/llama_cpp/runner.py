@@ -24,7 +24,7 @@ from cactus_cli.core.conditions import Watch
 from cactus_cli.core.errors import ContextLimitError, ModelError
 from cactus_cli.infer.backends.llama_cpp.gguf import GGUFModel, bindings, last_log
 from cactus_cli.infer.load.sources import LoadedModel
-from cactus_cli.infer.runners.base import MAX_STEP_WIDTH, Row, prefill
+from cactus_cli.infer.runner import MAX_STEP_WIDTH, Row, prefill
 
 FIRST_CONTEXT = 512  # tokens of KV cache made at least, when no reserve() said more; grown to what a request needs
 MAX_BATCH = 512  # tokens per llama_decode call (a longer prefill is split)

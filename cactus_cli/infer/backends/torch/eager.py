@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from cactus_cli.infer.load.sources import LoadedModel
-from cactus_cli.infer.runners.base import Row, one_by_one, prefill, to_device
+from cactus_cli.infer.runner import Row, one_by_one, prefill, to_device
 
 
 def cache_argument(model) -> str:

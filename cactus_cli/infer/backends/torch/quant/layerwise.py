@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cactus_cli.infer.quant import smooth
+from cactus_cli.infer.backends.torch.quant import smooth
 
 
 class _Stop(Exception):

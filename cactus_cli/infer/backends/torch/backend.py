@@ -1,6 +1,7 @@
 """The torch backend: transformers models (hub ids, folders; embedded models and .gguf files
 converted once to safetensors) on the device and dtype devices.py picks, quantized by
-quant/quantize.py, eager, compiled (runners/compiled.py) or sharded over ranks (--tp)."""
+quant/quantize.py, eager, compiled (compiled.py) or sharded over ranks (--tp), all beside it in
+backends/torch/."""
 
 from __future__ import annotations
 
@@ -13,15 +14,15 @@ from cactus_cli.core import defaults
 from cactus_cli.core.defaults import CALIBRATION_TEXT
 from cactus_cli.core.errors import ModelError
 from cactus_cli.infer.backends.base import Backend, Decided
+from cactus_cli.infer.backends.torch import group
+from cactus_cli.infer.backends.torch.compiled import CompiledLM, kv_bytes_per_token
+from cactus_cli.infer.backends.torch.eager import CachedLM
+from cactus_cli.infer.backends.torch.quant.choice import fastest_cpu_quantization, quantized_dtype
+from cactus_cli.infer.backends.torch.quant.quantize import QualityGateFailed, quality_verdict, quantize_model
+from cactus_cli.infer.backends.torch.sharded import ShardedRunner
 from cactus_cli.infer.load.devices import resolve_dtype, resolve_quantize
 from cactus_cli.infer.load.sources import LoadedModel, Source, _from_pretrained, load_tokenizer, materialize, mlp_shape
-from cactus_cli.infer.quant.choice import fastest_cpu_quantization, quantized_dtype
-from cactus_cli.infer.quant.quantize import QualityGateFailed, quality_verdict, quantize_model
-from cactus_cli.infer.runners.base import Runner
-from cactus_cli.infer.runners.compiled import CompiledLM, kv_bytes_per_token
-from cactus_cli.infer.runners.eager import CachedLM
-from cactus_cli.infer.runners.sharded import ShardedRunner
-from cactus_cli.infer.tp import group
+from cactus_cli.infer.runner import Runner
 
 
 class TorchBackend(Backend):

@@ -13,9 +13,9 @@ from typing import Callable, Iterator
 
 import torch
 
+from cactus_cli.infer.backends.torch import group
 from cactus_cli.infer.load.sources import LoadedModel
-from cactus_cli.infer.runners.base import Row, Runner, one_by_one, prefill, to_device
-from cactus_cli.infer.tp import group
+from cactus_cli.infer.runner import Row, Runner, one_by_one, prefill, to_device
 
 OPS = ("stop", "reset", "forward", "crop")
 CMD_SLOTS = 64  # [op, n, arg, ids...]: a step's ids ride inline; a longer forward (a prefill) sends the rest after

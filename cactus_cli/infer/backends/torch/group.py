@@ -4,7 +4,7 @@ other ranks (or joining torchrun's), the rendezvous, watching the followers and 
 The verifier is sharded over N processes with transformers' tensor-parallel plans (q/k/v/gate/up
 column-wise, o/down row-wise, lm_head gathered) under torch.distributed; NCCL on CUDA, gloo
 (float32) on CPU. Rank 0 is the driver: it reads input, prints, runs the draft, the k policy and
-the acceptance rule, exactly as without --tp. Its verifier runner (infer/runners/sharded.py) announces each
+the acceptance rule, exactly as without --tp. Its verifier runner (sharded.py, beside this) announces each
 call to the other ranks, whose only job is to run the same call on their shard (app/follower.py,
 started here as ``python -m cactus_cli.app.follower``), so every rank's KV cache holds the same
 sequence and every collective lines up. The draft lives on rank 0 only.

@@ -11,8 +11,8 @@ import torch
 
 from cactus_cli.core.conditions import Conditions
 from cactus_cli.core.errors import ModelError
+from cactus_cli.infer.backends.torch.quant.qlayers import Int8DynamicLinear, Int8Linear, quantize_int8, w8a8_problem
 from cactus_cli.infer.load.devices import cuda_native_bf16, median_seconds, timed_once
-from cactus_cli.infer.quant.qlayers import Int8DynamicLinear, Int8Linear, quantize_int8, w8a8_problem
 
 
 def fastest_cpu_quantization(hidden: int, inter: int, rows: int = 9) -> tuple[str, str]:

@@ -17,9 +17,9 @@ from typing import Callable
 
 import torch
 
+from cactus_cli.infer.backends.torch.eager import CachedLM
 from cactus_cli.infer.load.sources import LoadedModel
-from cactus_cli.infer.runners.base import Row, one_by_one, to_device
-from cactus_cli.infer.runners.eager import CachedLM
+from cactus_cli.infer.runner import Row, one_by_one, to_device
 
 MIN_CAPACITY = 512  # static caches come in powers of two from here, so a growing chat recompiles rarely
 CUDA_CACHE_SHARE = 0.4  # of the GPU memory free at allocation, at most, for one model's static KV cache

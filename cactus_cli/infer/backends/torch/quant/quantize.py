@@ -40,10 +40,10 @@ from torch import nn
 from cactus_cli.core.errors import warn
 from cactus_cli.core.fileio import atomic_write
 from cactus_cli.core.paths import cache_dir, cache_path
-from cactus_cli.infer.quant import layerwise, smooth
-from cactus_cli.infer.quant.memory import file_mappings, release_pages, trim_heap
-from cactus_cli.infer.quant.qcache import CacheReader, CacheWriter, checksum  # noqa: F401 (checksum: tests)
-from cactus_cli.infer.quant.qlayers import (  # noqa: F401  (the layers and arithmetic, re-exported)
+from cactus_cli.infer.backends.torch.quant import layerwise, smooth
+from cactus_cli.infer.backends.torch.quant.memory import file_mappings, release_pages, trim_heap
+from cactus_cli.infer.backends.torch.quant.qcache import CacheReader, CacheWriter, checksum  # noqa: F401 (checksum: tests)
+from cactus_cli.infer.backends.torch.quant.qlayers import (  # noqa: F401  (the layers and arithmetic, re-exported)
     INT4_GROUP,
     INT4_TILES,
     Int4Linear,
