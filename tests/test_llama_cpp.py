@@ -19,7 +19,7 @@ import torch
 from cactus_cli.core.errors import ContextLimitError, ModelError
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.core.stats import SpecStats
-from cactus_cli.infer import backends
+from cactus_cli.infer.backends import registry
 from cactus_cli.infer.backends.llama_cpp import gguf
 from cactus_cli.infer.backends.llama_cpp import runner as llama_cpp
 from cactus_cli.infer.backends.llama_cpp.runner import LlamaCppRunner
@@ -84,7 +84,7 @@ def test_the_pair_runs_on_llama_cpp_and_says_why(pairs):
     assert pair.verifier.backend == pair.draft.backend == "llama.cpp"
     assert pair.backend_reason == "backend llama.cpp (asked for)"
     assert "all F32" in pair.verifier.quantize_note and pair.verifier.quantize == "gguf"
-    runner = backends.backend_of(pair.verifier.backend).runner(pair.verifier, pair.vocab_size, False, 512, "verifier")
+    runner = registry.backend_of(pair.verifier.backend).runner(pair.verifier, pair.vocab_size, False, 512, "verifier")
     assert isinstance(runner, LlamaCppRunner)
 
 
@@ -197,7 +197,7 @@ def test_auto_picks_llama_cpp_for_gguf_on_a_cpu_and_torch_otherwise(files, tiny,
     cpu = torch.device("cpu")
 
     def choose(asked, sources, **settings):
-        backend, why, note = backends.choose(asked, sources, plan.LoadRequest(verifier="v", **settings), cpu)
+        backend, why, note = registry.choose(asked, sources, plan.LoadRequest(verifier="v", **settings), cpu)
         return backend.name, why, note
 
     assert choose("auto", [("v", g)])[:2] == ("llama.cpp", "backend auto: llama.cpp (GGUF files on a CPU)")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from cactus_cli.core.acceptance import RULES
-from cactus_cli.infer.vllm.plugin import default_rule, token_specs, version_problem
-from cactus_cli.infer.vllm.rows import TARGET_RULES, RowRule, transform
+from cactus_cli.infer.backends.vllm.plugin import default_rule, token_specs, version_problem
+from cactus_cli.infer.backends.vllm.rows import TARGET_RULES, RowRule, transform
 
 V = 12
 
@@ -149,7 +149,7 @@ def rejection():
     pytest.importorskip("vllm", reason="vLLM is not installed (the vllm extra)")
     from vllm.platforms import current_platform
 
-    from cactus_cli.infer.vllm.plugin import register
+    from cactus_cli.infer.backends.vllm.plugin import register
 
     register()
     current_platform.register_triton_kernel_overrides()
@@ -187,7 +187,7 @@ def sampling_metadata(temperature: list[float], seed: int = 0):
 def first_tokens(rs, spec: RowRule, q: torch.Tensor, drafts: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
     """What vLLM's rejection_sample emits first for B requests of one draft each (drafts [B]),
     every request verified under ``spec`` (the plugin's per-row rules, as its runner hook sets them)."""
-    from cactus_cli.infer.vllm import plugin
+    from cactus_cli.infer.backends.vllm import plugin
 
     b = drafts.numel()
     plugin._batch.specs = [spec] * b
@@ -274,7 +274,7 @@ def test_each_request_of_a_mixed_batch_is_verified_under_its_own_rule(llm, monke
     drafted positions, each under its own delta (SpS rows and the greedy request's untouched)."""
     from vllm.v1.sample import rejection_sampler as rs
 
-    from cactus_cli.infer.vllm import plugin
+    from cactus_cli.infer.backends.vllm import plugin
 
     assert getattr(rs, "_cactus", False), "the vllm.general_plugins entry point did not load"
     seen: list[list] = []

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from cactus_cli.cli.main import app
 from cactus_cli.core.errors import ModelError
-from cactus_cli.infer.vllm.plugin import Ledger
-from cactus_cli.infer.vllm.rows import RowRule, transform
+from cactus_cli.infer.backends.vllm.plugin import Ledger
+from cactus_cli.infer.backends.vllm.rows import RowRule, transform
 
 
 def test_transform_writes_the_kl_of_each_changed_rows_target():
@@ -53,7 +53,7 @@ def test_the_ledger_keeps_the_rows_each_request_emitted_from():
 
 
 def test_commands_on_cactus_s_engine_refuse_the_vllm_backend():
-    from cactus_cli.infer.backends import choose
+    from cactus_cli.infer.backends.registry import choose
     from cactus_cli.infer.load.sources import Source
 
     with pytest.raises(ModelError, match="--backend vllm runs generate, bench, serve"):
@@ -91,7 +91,7 @@ def test_each_requests_stats_are_what_vllm_counted_and_its_spending_fits_them(ll
     cactus-exact within its budget."""
     from transformers import AutoTokenizer
 
-    from cactus_cli.infer.vllm import offline
+    from cactus_cli.infer.backends.vllm import offline
 
     pytest.importorskip("vllm")
     tok = AutoTokenizer.from_pretrained(tiny_vllm_pair["verifier"])
@@ -119,7 +119,7 @@ def test_bench_on_vllm_reports_each_rule_and_the_divergence_it_spent(llm, tiny_v
     """``cactus bench --backend vllm`` end to end on the session's engine (offline.start hands it
     over: a start takes a minute): a row per rule with vLLM's acceptance and per-position rates,
     and per speculative row the divergence spent against its budget (SpS: none)."""
-    from cactus_cli.infer.vllm import offline
+    from cactus_cli.infer.backends.vllm import offline
 
     pytest.importorskip("vllm")
 
@@ -209,7 +209,7 @@ def test_a_servers_request_takes_the_rule_fields_cactus_serve_takes(tiny_vllm_pa
     pytest.importorskip("vllm")
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    from cactus_cli.infer.vllm import plugin
+    from cactus_cli.infer.backends.vllm import plugin
 
     plugin.register()  # (the checks of a request's rule fields)
     plugin._patch_requests()  # (the server's modules imported now: in `vllm serve` they are before register)
@@ -231,7 +231,7 @@ def test_bench_on_vllm_keeps_the_rows_done_when_a_later_engine_does_not_start(
     """The verifier-alone engine starts after the speculative rows: if it fails, those rows are still
     reported (stdout), the error is one line and the exit code non-zero."""
     from cactus_cli.core.errors import ConfigError
-    from cactus_cli.infer.vllm import offline
+    from cactus_cli.infer.backends.vllm import offline
 
     pytest.importorskip("vllm")
 

@@ -1,6 +1,6 @@
 """cactus's commands on vLLM's engine (``--backend vllm``): ``generate`` one prompt, ``bench`` a grid's
 rows (every rule x delta at one k per engine, the verifier alone on an engine without drafts), each
-request's stats from vLLM's own account of it and the divergence it spent (infer/vllm/offline.py).
+request's stats from vLLM's own account of it and the divergence it spent (infer/backends/vllm/offline.py).
 The prompts go through the verifier's chat template exactly as on cactus's engine."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from cactus_cli.app.grid.sweep import ConfigResult, longest_prompt
 from cactus_cli.core.companions import hide_broken_companions
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.stats import SpecStats
+from cactus_cli.infer.backends.vllm import offline
+from cactus_cli.infer.backends.vllm.offline import AUTO_K, Plan, unavailable, user_args
+from cactus_cli.infer.backends.vllm.plugin import inherit_the_hiding
+from cactus_cli.infer.backends.vllm.rows import RowRule
 from cactus_cli.infer.draft import KINDS
 from cactus_cli.infer.load.sources import Source, load_tokenizer, materialize, resolve_source
-from cactus_cli.infer.vllm import offline
-from cactus_cli.infer.vllm.offline import AUTO_K, Plan, unavailable, user_args
-from cactus_cli.infer.vllm.plugin import inherit_the_hiding
-from cactus_cli.infer.vllm.rows import RowRule
 
 SERVE_PARALLEL = 8  # serve --backend vllm: requests in one batch (vLLM's max_num_seqs) unless --parallel says
 

@@ -16,7 +16,7 @@ from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.once import one_load
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer import draft
-from cactus_cli.infer.backends import backend_of
+from cactus_cli.infer.backends.registry import backend_of
 from cactus_cli.infer.backends.torch import group
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free

@@ -164,7 +164,7 @@ def run_grid_command(kind: str, shared: o.Shared, flags: GridFlags, output: Grid
         from cactus_cli.app.runtime import generation_params
 
         err = ui.make_console(no_color=shared.no_color, stderr=True)
-        from cactus_cli.infer.backends import drives
+        from cactus_cli.infer.backends.registry import drives
 
         if any(drives(b) for b in lists["backend"]):
             return _on_vllm(kind, settings, lists, prompts, flags, output, shared, err)
@@ -246,7 +246,7 @@ def _on_vllm(
     """bench --backend vllm: the same grid and report, its rows run by vLLM's engine (app/on_vllm.py)."""
     from cactus_cli.app import on_vllm
     from cactus_cli.app.grid import configs, report
-    from cactus_cli.infer.backends import backend_of
+    from cactus_cli.infer.backends.registry import backend_of
 
     backend = lists["backend"][0]
     if kind not in backend_of(backend).commands or len(lists["backend"]) > 1:

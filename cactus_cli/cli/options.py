@@ -119,7 +119,7 @@ def rule_help(text: str) -> str:
     if "{" not in text:
         return text
     from cactus_cli.core.acceptance import RULES
-    from cactus_cli.infer.backends import BACKENDS, CHOICES
+    from cactus_cli.infer.backends.registry import BACKENDS, CHOICES
     from cactus_cli.infer.draft import KINDS
 
     params = {}

@@ -5,7 +5,7 @@ against the CUDA torch: beside the CPU torch their import dies ("operator torchv
 exist", "libc10_cuda.so: cannot open shared object file"), and transformers imports them as soon as
 they are installed, so every command would die loading a text model. ``hide_broken_companions`` runs
 when cactus is imported (cactus_cli/__init__.py) and in each process vLLM starts beneath the plugin
-(infer/vllm/site/sitecustomize.py); it reads package versions only (no import).
+(infer/backends/vllm/site/sitecustomize.py); it reads package versions only (no import).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from cactus_cli.core import defaults
 from cactus_cli.core.acceptance import RULES, resolve_params
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.fileio import clean_text
-from cactus_cli.infer import backends
+from cactus_cli.infer.backends import registry
 from cactus_cli.infer.draft import KINDS, param_specs
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -25,7 +25,7 @@ MIN_TEMPERATURE = 1e-3  # below this, logits / T overflows to inf and probabilit
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds; bench adds the prompt index
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 COMPILE = ("auto", "on", "off")
-QUANTIZE = ("auto", "none", *dict.fromkeys(q for b in backends.BACKENDS.values() for q in b.quantizations))
+QUANTIZE = ("auto", "none", *dict.fromkeys(q for b in registry.BACKENDS.values() for q in b.quantizations))
 CROSS_VOCAB = ("auto", "string", "intersection")
 _LISTS = " (a comma list is for bench and eval, to compare several in one run)"
 
@@ -61,7 +61,7 @@ class Settings:
     tp: int = defaults.TP  # tensor-parallel ranks for the verifier (infer/backends/torch/group.py)
     backend: str = (
         defaults.BACKEND
-    )  # torch, llama.cpp (GGUF files on a CPU), auto: the first of backends.BACKENDS that runs the models
+    )  # torch, llama.cpp (GGUF files on a CPU), auto: the first of registry.BACKENDS that runs the models
     threads: int | None = None  # CPU threads for either backend (None: the CPUs this process may use)
     chat_template: bool | None = None  # None: use the tokenizer's chat template when it has one
     system: str | None = None
@@ -139,7 +139,7 @@ _CHOICES = {
     "cross_vocab": CROSS_VOCAB,
     "quantize": QUANTIZE,
     "rule": RULES,
-    "backend": backends.CHOICES,
+    "backend": registry.CHOICES,
 }
 
 

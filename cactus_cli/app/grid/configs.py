@@ -11,7 +11,7 @@ from typing import Any
 from cactus_cli.app.config.settings import check_each
 from cactus_cli.core.acceptance import RULES, resolve_params
 from cactus_cli.core.errors import ConfigError
-from cactus_cli.infer.backends import FALLBACK, backend_of
+from cactus_cli.infer.backends.registry import FALLBACK, backend_of
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from cactus_cli import __version__
 from cactus_cli.app.grid.sweep import ConfigResult
 from cactus_cli.app.prompts import Prompt
 from cactus_cli.core.intervals import paired_difference, wilson
-from cactus_cli.infer.backends import backend_of
+from cactus_cli.infer.backends.registry import backend_of
 from cactus_cli.infer.decode.engine import SpeculativeEngine
 from cactus_cli.infer.load.devices import device_name
 

@@ -14,7 +14,7 @@ from cactus_cli.app.grid.sweep import longest_prompt
 from cactus_cli.app.prompts import Prompt
 from cactus_cli.core.errors import ModelError
 from cactus_cli.core.once import one_load
-from cactus_cli.infer.backends import backend_of
+from cactus_cli.infer.backends.registry import backend_of
 from cactus_cli.infer.decode.engine import SpeculativeEngine
 from cactus_cli.infer.load.loader import load_plan
 from cactus_cli.infer.load.plan import plan_load

@@ -33,7 +33,7 @@ def generate(
         from cactus_cli.app.config.profile_files import resolve_settings
         from cactus_cli.app.config.settings import check_flags_apply, with_seed
         from cactus_cli.app.session import Session
-        from cactus_cli.infer.backends import drives
+        from cactus_cli.infer.backends.registry import drives
 
         settings = resolve_settings(shared.profile, shared.flags)
         check_flags_apply(settings, shared.flags)

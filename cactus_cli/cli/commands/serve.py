@@ -75,7 +75,7 @@ def serve(
         from cactus_cli.app.config.settings import check_flags_apply, with_seed
         from cactus_cli.app.serve.serving import MAX_PARALLEL, Server, available_memory, check_parallel, choose_parallel
         from cactus_cli.app.session import Session
-        from cactus_cli.infer.backends import drives
+        from cactus_cli.infer.backends.registry import drives
 
         settings = with_seed(resolve_settings(shared.profile, shared.flags))
         check_flags_apply(settings, shared.flags)

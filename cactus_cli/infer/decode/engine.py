@@ -24,7 +24,7 @@ from cactus_cli.core.conditions import Conditions
 from cactus_cli.core.errors import ContextLimitError
 from cactus_cli.core.events import MODEL, StepEvent
 from cactus_cli.core.verify import verify_rows
-from cactus_cli.infer.backends import backend_of
+from cactus_cli.infer.backends.registry import backend_of
 from cactus_cli.infer.backends.torch.compiled import CompileUnavailable
 from cactus_cli.infer.decode.batch import Batch
 from cactus_cli.infer.decode.grammar import Grammars

@@ -15,7 +15,7 @@ import torch
 
 from cactus_cli.core.errors import ModelError
 from cactus_cli.core.once import one_load
-from cactus_cli.infer import backends
+from cactus_cli.infer.backends import registry
 from cactus_cli.infer.backends.torch import group
 from cactus_cli.infer.load.plan import LoadPlan, LoadRequest, plan_load
 from cactus_cli.infer.load.sources import LoadedModel, ModelPair, Source, load_tokenizer, materialize
@@ -42,7 +42,7 @@ def load_pair(
 def load_plan(plan: LoadPlan, reporter=None, verifier: ModelPair | None = None) -> ModelPair:
     """The pair ``plan`` describes, loaded in one pass; with ``verifier`` (a pair already loaded
     from the same plan's verifier: bench puts several drafts on one verifier) only the draft."""
-    backend = backends.backend_of(plan.backend)
+    backend = registry.backend_of(plan.backend)
     if verifier is None:
         if reporter is not None:
             reporter.task(f"loading verifier {plan.verifier}")
@@ -113,7 +113,7 @@ def load_shard(load: dict[str, Any]) -> tuple[LoadedModel, int]:
         compiled=False,
         compile_reason="",
     )
-    lm = backends.backend_of(plan.backend).load(load["location"], plan.verifier_files[0], plan, None, "verifier")
+    lm = registry.backend_of(plan.backend).load(load["location"], plan.verifier_files[0], plan, None, "verifier")
     return lm, int(load["vocab"])
 
 

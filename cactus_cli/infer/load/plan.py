@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from cactus_cli.core.errors import ModelError
-from cactus_cli.infer import backends
+from cactus_cli.infer.backends import registry
 from cactus_cli.infer.backends.torch.compiled import compile_problem
 from cactus_cli.infer.kpolicy.store import CostStore
 from cactus_cli.infer.load.devices import resolve_device
@@ -53,7 +53,7 @@ class LoadPlan:
     draft_source: Source | None
     draft_files: tuple[Source, Source] | None
     tokenizer_source: Source | None
-    backend: str  # a key of backends.BACKENDS
+    backend: str  # a key of registry.BACKENDS
     backend_reason: str
     device: torch.device
     dtype: torch.dtype
@@ -109,7 +109,7 @@ def plan_load(request: LoadRequest, reporter=None) -> LoadPlan:
     dsrc = resolve_source(request.draft) if request.draft is not None else None
     tsrc = resolve_source(request.tokenizer) if request.tokenizer else None
     named = [(request.verifier, vsrc)] + ([(request.draft, dsrc)] if dsrc is not None else [])
-    backend, backend_why, note = backends.choose(request.backend, named, request, dev)
+    backend, backend_why, note = registry.choose(request.backend, named, request, dev)
     if note and reporter is not None:
         reporter.warn(f"running the models on {backend.name} (slower on a CPU): {note}")
     if reporter is not None:
@@ -182,7 +182,7 @@ def choose_compile(plan: LoadPlan) -> tuple[bool, str]:
     mode = plan.request.compile
     if mode == "off":
         return False, "off (as asked)"
-    if not backends.backend_of(plan.backend).compiles:
+    if not registry.backend_of(plan.backend).compiles:
         return False, f"{plan.backend} runs no compiled steps"
     if plan.tp > 1:
         return False, ("--compile on does not combine with --tp yet; running eagerly" if mode == "on" else "--tp")

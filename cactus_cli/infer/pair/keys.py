@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from cactus_cli.infer.backends import backend_of
+from cactus_cli.infer.backends.registry import backend_of
 from cactus_cli.infer.load.devices import device_name
 from cactus_cli.infer.load.sources import ModelPair
 

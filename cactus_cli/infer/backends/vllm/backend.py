@@ -1,8 +1,8 @@
 """The vLLM backend: the models inside vLLM's own engine (paged KV cache, continuous batching,
 draft-model or n-gram speculation, CUDA graphs and tensor parallelism on a GPU), the acceptance
-rules put into its rejection step by cactus's vLLM plugin (infer/vllm/). vLLM runs the whole
+rules put into its rejection step by cactus's vLLM plugin (plugin.py beside it). vLLM runs the whole
 decode loop itself, so this backend builds no runner: ``generate`` and ``bench`` hand their
-requests to infer/vllm/offline.py, ``serve`` starts vLLM's OpenAI server (``drives``)."""
+requests to offline.py, ``serve`` starts vLLM's OpenAI server (``drives``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 
 from cactus_cli.core.errors import ModelError
 from cactus_cli.infer.backends.base import Backend
+from cactus_cli.infer.backends.vllm import offline
 from cactus_cli.infer.load.sources import Source
-from cactus_cli.infer.vllm import offline
 
 
 class VllmBackend(Backend):

