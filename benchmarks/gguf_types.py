@@ -29,7 +29,7 @@ from cactus_cli.infer.backends.llama_cpp import gguf
 from cactus_cli.infer.backends.llama_cpp.runner import LlamaCppRunner
 from cactus_cli.infer.kpolicy.rates import expected_tokens
 from cactus_cli.infer.load import embedded
-from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair.loader import load_pair
 
 FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25}
 

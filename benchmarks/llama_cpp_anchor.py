@@ -227,7 +227,7 @@ def main() -> None:
     from cactus_cli.app.config.profile_files import resolve_settings
     from cactus_cli.app.prompts import load_prompts
     from cactus_cli.app.runtime import load_request
-    from cactus_cli.infer.load.plan import plan_load
+    from cactus_cli.infer.pair.plan import plan_load
 
     settings = resolve_settings(None, {"threads": a.threads} if a.threads else {})
     bin_dir = build_tools(log)

@@ -145,7 +145,7 @@ def llama_server_cmd(spec_type: str, parallel: int = 1) -> tuple[list[str], obje
     from cactus_cli.app.config.profile_files import resolve_settings
     from cactus_cli.app.runtime import load_request
     from cactus_cli.infer.backends.llama_cpp import gguf
-    from cactus_cli.infer.load.plan import plan_load
+    from cactus_cli.infer.pair.plan import plan_load
 
     sys.path.insert(0, str(Path(__file__).parent))
     from llama_cpp_anchor import build_tools

@@ -14,7 +14,7 @@ from cactus_cli.app.runtime import encode
 from cactus_cli.cli.main import app
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair.loader import load_pair
 from tests.helpers import invoke, pair_args
 
 runner = CliRunner()

@@ -18,9 +18,9 @@ from cactus_cli.infer.backends.torch.compiled import CompiledLM, compile_problem
 from cactus_cli.infer.backends.torch.eager import CachedLM
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.kpolicy.store import CostStore
-from cactus_cli.infer.load import plan as plan_mod
-from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair import plan as plan_mod
 from cactus_cli.infer.pair.keys import cost_key
+from cactus_cli.infer.pair.loader import load_pair
 from tests.test_engine import GREEDY, hf_greedy, prompt_ids, run
 
 needs_compiler = pytest.mark.skipif(

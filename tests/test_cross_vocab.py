@@ -16,8 +16,8 @@ from cactus_cli.cli.main import app
 from cactus_cli.core.errors import ModelError
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.load.loader import load_pair
 from cactus_cli.infer.load.vocab import _byte_decoder, spelling_scheme, token_bytes
+from cactus_cli.infer.pair.loader import load_pair
 from tests.conftest import SPECIALS, WORDS, make_model
 from tests.stats_helpers import assert_matches, exact_two_tokens
 from tests.test_engine import hf_greedy, run

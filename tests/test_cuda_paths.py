@@ -23,8 +23,8 @@ from cactus_cli.infer.backends.torch.quant import choice, quantize
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
 from cactus_cli.infer.load import devices
-from cactus_cli.infer.load.loader import load_pair
 from cactus_cli.infer.load.sources import Source
+from cactus_cli.infer.pair.loader import load_pair
 from tests.test_engine import prompt_ids
 
 needs_compiler = pytest.mark.skipif(compile_problem(torch.device("cpu")) is not None, reason="no torch.compile here")

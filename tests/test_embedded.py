@@ -14,7 +14,7 @@ import pytest
 
 from cactus_cli.core.errors import ModelError
 from cactus_cli.infer.load import embedded
-from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair.loader import load_pair
 
 
 @pytest.fixture

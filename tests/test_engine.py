@@ -14,7 +14,7 @@ from cactus_cli.core.sampling import SamplingParams, probs_from_logits
 from cactus_cli.core.stats import SpecStats
 from cactus_cli.infer.backends.torch.compiled import compile_problem
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair.loader import load_pair
 from tests.stats_helpers import assert_matches, exact_two_tokens
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
@@ -279,7 +279,7 @@ def test_non_finite_probabilities_are_an_error_not_garbage(tiny):
     from cactus_cli.core.errors import ModelError
     from cactus_cli.core.sampling import SamplingParams
     from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
-    from cactus_cli.infer.load.loader import load_pair
+    from cactus_cli.infer.pair.loader import load_pair
 
     pair = load_pair(tiny["verifier"], None, None, "cpu", dtype="float32")
     params = GenerationParams(sampling=SamplingParams(1e-38, 0, 1.0), num_draft_tokens=0, max_tokens=4)

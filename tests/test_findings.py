@@ -11,7 +11,7 @@ import pytest
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair.loader import load_pair
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)
 

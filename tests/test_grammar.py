@@ -19,7 +19,7 @@ from cactus_cli.core.exact import emitted_distribution
 from cactus_cli.core.sampling import SamplingParams, probs_from_logits
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.decode.grammar import Grammar
-from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair.loader import load_pair
 from tests.conftest import WORDS, make_byte_pair
 from tests.stats_helpers import assert_matches
 

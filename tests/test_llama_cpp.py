@@ -25,9 +25,9 @@ from cactus_cli.infer.backends.llama_cpp import runner as llama_cpp
 from cactus_cli.infer.backends.llama_cpp.runner import LlamaCppRunner
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
-from cactus_cli.infer.load import plan
-from cactus_cli.infer.load.loader import load_pair
 from cactus_cli.infer.load.sources import Source
+from cactus_cli.infer.pair import plan
+from cactus_cli.infer.pair.loader import load_pair
 from tests.gguf_helpers import write_tiny_gguf
 from tests.stats_helpers import assert_matches
 

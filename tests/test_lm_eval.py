@@ -113,7 +113,7 @@ def test_generation_goes_through_the_engine_and_greedy_equals_the_verifier(tiny,
 
 
 def test_loglikelihood_is_the_verifiers_own(tiny, task_dir):
-    from cactus_cli.infer.load.loader import load_pair
+    from cactus_cli.infer.pair.loader import load_pair
 
     out = evaluate(tiny, task_dir, ["tiny_mc"], rule="cactus", delta=5.0)
     assert "acc,none" in out["results"]["tiny_mc"]

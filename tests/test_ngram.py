@@ -15,7 +15,7 @@ from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
 from cactus_cli.infer.draft.ngram import NgramDrafter
-from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair.loader import load_pair
 from tests.helpers import assert_one_line_error, pair_args
 from tests.stats_helpers import assert_matches, exact_two_tokens
 from tests.test_engine import hf_greedy, run

@@ -27,7 +27,7 @@ from cactus_cli.infer.kpolicy.policy import (
 from cactus_cli.infer.kpolicy.rates import Acceptance, Calibration, expected_tokens
 from cactus_cli.infer.kpolicy.store import CostStore
 from cactus_cli.infer.load.devices import fastest_cpu_dtype, resolve_dtype
-from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair.loader import load_pair
 from tests.helpers import (
     quantize_tiny,
     write_costs,

@@ -17,7 +17,7 @@ import cactus_cli.infer.backends.torch.quant.quantize as qz
 from cactus_cli.cli.main import app
 from cactus_cli.infer.backends.torch.quant import quantize
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair.loader import load_pair
 from tests.helpers import invoke, quantize_tiny
 from tests.test_embedded import fake_model  # noqa: F401 (a fixture: fake embedded parts)
 from tests.test_engine import GREEDY, prompt_ids, run

@@ -22,7 +22,7 @@ from cactus_cli.infer.kpolicy import policy
 from cactus_cli.infer.kpolicy.costs import CostModel
 from cactus_cli.infer.kpolicy.policy import AdaptiveK
 from cactus_cli.infer.kpolicy.store import CostStore
-from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair.loader import load_pair
 
 REFERENCE = Path(__file__).parent / "data" / "engine_reference.json"
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)

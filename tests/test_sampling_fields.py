@@ -14,7 +14,7 @@ import torch
 from cactus_cli.core.sampling import SamplingParams, biased, probs_from_logits, top_probs
 from cactus_cli.core.stats import SpecStats
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair.loader import load_pair
 from tests.stats_helpers import assert_matches, exact_two_tokens
 
 

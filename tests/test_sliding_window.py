@@ -9,7 +9,7 @@ import torch
 
 from cactus_cli.infer.backends.torch.eager import CachedLM
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair.loader import load_pair
 from tests.conftest import SPECIALS, WORDS, make_tokenizer
 from tests.test_engine import GREEDY, prompt_ids, run
 

@@ -20,7 +20,7 @@ from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
 from cactus_cli.infer.kpolicy.costs import CostModel, best_k
 from cactus_cli.infer.kpolicy.policy import Want, allocate
-from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair.loader import load_pair
 from tests.stats_helpers import assert_matches, exact_two_tokens
 
 GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0)

@@ -23,7 +23,7 @@ from cactus_cli.infer.draft.suffix_tree import History, SuffixTree, follow
 from cactus_cli.infer.kpolicy.costs import WINDOW
 from cactus_cli.infer.kpolicy.policy import AdaptiveK
 from cactus_cli.infer.kpolicy.store import CostStore
-from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair.loader import load_pair
 from tests.helpers import assert_one_line_error, pair_args
 from tests.stats_helpers import assert_matches, exact_two_tokens
 from tests.test_engine import hf_greedy, run

@@ -12,7 +12,7 @@ from cactus_cli.core.exact import divergences, emitted_distribution, meter
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.core.verify import target_distribution, verify
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
-from cactus_cli.infer.load.loader import load_pair
+from cactus_cli.infer.pair.loader import load_pair
 from tests.stats_helpers import assert_matches
 
 

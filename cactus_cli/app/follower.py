@@ -22,7 +22,7 @@ import torch
 from cactus_cli.infer.backends.torch import group
 from cactus_cli.infer.backends.torch.eager import CachedLM
 from cactus_cli.infer.backends.torch.sharded import CMD_SLOTS, parse_command
-from cactus_cli.infer.load.loader import load_shard
+from cactus_cli.infer.pair.loader import load_shard
 from cactus_cli.infer.runner import Runner
 
 

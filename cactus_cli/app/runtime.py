@@ -21,9 +21,9 @@ from cactus_cli.infer.backends.torch import group
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
 from cactus_cli.infer.load.devices import device_name
-from cactus_cli.infer.load.loader import load_plan
-from cactus_cli.infer.load.plan import LoadRequest, plan_load, with_compile
 from cactus_cli.infer.load.sources import ModelPair
+from cactus_cli.infer.pair.loader import load_plan
+from cactus_cli.infer.pair.plan import LoadRequest, plan_load, with_compile
 
 
 def load_request(settings: Settings, **overrides: Any) -> LoadRequest:

@@ -13,7 +13,7 @@ TOP_P = 0.95  # 1 = off
 MAX_TOKENS = 256
 BENCH_RULES = "sps,cactus"  # bench and eval compare these rules when --rules is not given
 QUALITY_TOLERANCE = 0.03  # nats/token of mean NLL a quantization may cost to be chosen by --quantize auto
-# what runs the models: each "auto" is decided from the sources and the machine at load (infer/load/loader.py)
+# what runs the models: each "auto" is decided from the sources and the machine at load (infer/pair/loader.py)
 BACKEND = DEVICE = DTYPE = COMPILE = QUANTIZE = CROSS_VOCAB = "auto"
 TP = 1  # tensor-parallel ranks
 # what a quantization is calibrated on (torch's w8a8: SmoothQuant's factors) and its quality measured on (llama.cpp's

@@ -16,9 +16,9 @@ from cactus_cli.core.errors import ModelError
 from cactus_cli.core.once import one_load
 from cactus_cli.infer.backends.registry import backend_of
 from cactus_cli.infer.decode.engine import SpeculativeEngine
-from cactus_cli.infer.load.loader import load_plan
-from cactus_cli.infer.load.plan import plan_load
 from cactus_cli.infer.load.vocab import CrossVocab
+from cactus_cli.infer.pair.loader import load_plan
+from cactus_cli.infer.pair.plan import plan_load
 
 
 def load_engines(

@@ -125,7 +125,7 @@ def _json_doc(text: str, interrupted: bool, settings, stats, engine, params) -> 
         if lm is not None and lm.quantize_note
     }  # what ran, layer counts included
     doc["settings"]["compiled"] = engine.compiled
-    plan = engine.pair.plan.describe()  # every choice the load made, with its reason (infer/load/plan.py)
+    plan = engine.pair.plan.describe()  # every choice the load made, with its reason (infer/pair/plan.py)
     if engine.compile_note:  # (compiling failed at the first step: the engine went eager, and says why)
         plan["compile"] = {"value": False, "reason": engine.compile_note}
     doc["settings"]["plan"] = plan

@@ -139,7 +139,7 @@ def quality_cmd(
         from cactus_cli.app.config.profile_files import resolve_settings
         from cactus_cli.app.config.settings import check_each
         from cactus_cli.app.eval.quality import NLL_TOLERANCE, measure
-        from cactus_cli.infer.load.loader import load_pair
+        from cactus_cli.infer.pair.loader import load_pair
 
         flags = {"verifier": verifier if verifier is not None else ..., "device": device if device is not None else ...}
         settings = resolve_settings(profile, flags)

@@ -17,9 +17,9 @@ from cactus_cli.core.errors import ModelError
 from cactus_cli.core.once import one_load
 from cactus_cli.infer.backends import registry
 from cactus_cli.infer.backends.torch import group
-from cactus_cli.infer.load.plan import LoadPlan, LoadRequest, plan_load
 from cactus_cli.infer.load.sources import LoadedModel, ModelPair, Source, load_tokenizer, materialize
 from cactus_cli.infer.load.vocab import CrossVocab
+from cactus_cli.infer.pair.plan import LoadPlan, LoadRequest, plan_load
 
 
 def load_pair(
