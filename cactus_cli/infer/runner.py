@@ -16,6 +16,11 @@ import torch
 from cactus_cli.infer.load.sources import LoadedModel
 
 
+class CompileUnavailable(RuntimeError):
+    """A compiled runner cannot compile here (torch.compile: no C++ compiler, an unsupported model,
+    an old torch); the engine then builds its runners again, eager."""
+
+
 class Runner(Protocol):
     """Everything the engine and the drafters use of a model runner."""
 

@@ -25,7 +25,6 @@ from cactus_cli.core.errors import ContextLimitError
 from cactus_cli.core.events import MODEL, StepEvent
 from cactus_cli.core.verify import verify_rows
 from cactus_cli.infer.backends.registry import backend_of
-from cactus_cli.infer.backends.torch.compiled import CompileUnavailable
 from cactus_cli.infer.decode.batch import Batch
 from cactus_cli.infer.decode.grammar import Grammars
 from cactus_cli.infer.decode.slot import GenerationParams, Run, Slot, Timing
@@ -34,7 +33,7 @@ from cactus_cli.infer.kpolicy.costs import probe, probe_widths
 from cactus_cli.infer.kpolicy.policy import AdaptiveK, FixedK, KPolicy, acceptance_key, allocate
 from cactus_cli.infer.kpolicy.store import CostStore
 from cactus_cli.infer.pair.keys import cost_key
-from cactus_cli.infer.runner import MAX_STEP_WIDTH, Runner, sync
+from cactus_cli.infer.runner import MAX_STEP_WIDTH, CompileUnavailable, Runner, sync
 
 __all__ = ["GenerationParams", "SpeculativeEngine"]
 from cactus_cli.infer.load.sources import ModelPair, eos_ids

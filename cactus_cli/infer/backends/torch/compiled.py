@@ -19,7 +19,7 @@ import torch
 
 from cactus_cli.infer.backends.torch.eager import CachedLM
 from cactus_cli.infer.load.sources import LoadedModel
-from cactus_cli.infer.runner import Row, one_by_one, to_device
+from cactus_cli.infer.runner import CompileUnavailable, Row, one_by_one, to_device
 
 MIN_CAPACITY = 512  # static caches come in powers of two from here, so a growing chat recompiles rarely
 CUDA_CACHE_SHARE = 0.4  # of the GPU memory free at allocation, at most, for one model's static KV cache
@@ -74,10 +74,6 @@ def tune_inductor(device_type: str) -> dict[str, object]:
             setattr(target, name, value)
             applied[path] = value
     return applied
-
-
-class CompileUnavailable(RuntimeError):
-    """torch.compile cannot run here (no C++ compiler, an unsupported model, an old torch)."""
 
 
 def compile_problem(device: torch.device) -> str | None:
