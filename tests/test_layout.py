@@ -1,6 +1,7 @@
 """The package's shape, measured from its own source: every import (top-level and inside
-functions) goes down the layers core < infer < app < api < cli, never up and never round in a cycle;
-the project's own modules are imported at the top of a module (only the CLI imports, inside its
+functions) goes down the layers core < infer < app < api < cli, never up and never round in a cycle,
+and inside a layer down its stated order (INFER_ORDER: infer/'s folders; CORE_CONCERNS: core/'s modules
+grouped by concern); the project's own modules are imported at the top of a module (only the CLI imports, inside its
 commands, the modules that pull in torch, so `cactus --help` stays light); modules and functions
 stay short (counted in statements) unless their docstring says why, and no module, nor any
 benchmarks/ script, runs past 450 lines."""
@@ -22,6 +23,26 @@ FOLDERS = {  # each layer's folders, one per purpose (README's package map names
     "infer": ("backends", "decode", "draft", "kpolicy", "load", "pair"),
     "app": ("config", "data", "eval", "grid", "serve"),
     "cli": ("commands",),
+}
+# infer/'s places, bottom to top: a module imports only from its own place and the places below it
+# (at the top and inside functions alike); places on one line are siblings and import none of each other
+INFER_ORDER = (
+    ("load",),  # what a model is, where its files are, what a device holds: core/ alone
+    ("runner",),  # the Runner interface: a model that forwards tokens over its own cache
+    ("draft", "kpolicy"),  # drafters (over runners); choosing k (its store's key handed in as data)
+    ("backends", "backends.base"),  # the Backend interface (backends/__init__.py imports nothing)
+    ("backends.torch", "backends.llama_cpp", "backends.vllm"),  # one folder a backend, all of it
+    ("backends.registry",),  # BACKENDS: the one module that knows every backend
+    ("pair",),  # choosing and loading a model pair; the cost store's key
+    ("decode",),  # the engine, slots, batch, grammar, text: the top of infer/
+)
+INFER_EXCEPTIONS: dict[tuple[str, str], str] = {}  # (importer, imported) -> why it must stay; none today
+# core/'s modules by concern, bottom to top: a module imports only from its own concern and those above it in this dict
+CORE_CONCERNS = {
+    "basics": ("defaults", "errors", "events"),  # built-in defaults, errors and warnings, what a step reports
+    "io": ("paths", "fileio", "once", "signals", "conditions", "companions"),  # files, caches, signals, the machine
+    "numbers": ("stats", "intervals"),  # a run's statistics, confidence intervals
+    "rules": ("sampling", "acceptance", "verify", "exact"),  # sampling, the acceptance rules, verifying drafts
 }
 REASON = "Long because"  # a docstring that says why a module or function is longer
 LAZY_OK = ("cactus_cli.cli.",)  # may import torch-heavy modules inside functions (startup time of --help)
@@ -338,3 +359,109 @@ def test_every_benchmark_script_still_names_what_exists():
     finally:
         sys.path.remove(str(bench))
     assert not missing, missing
+
+
+def infer_place(name: str) -> tuple[int, str] | None:
+    """(level in INFER_ORDER, place) of an infer/ module: its longest place prefix; None outside infer/."""
+    parts = name.split(".")
+    if parts[:2] != ["cactus_cli", "infer"]:
+        return None
+    rest = parts[2:]
+    if not rest:  # infer/__init__.py: a docstring
+        return -1, ""
+    found = [
+        (len(place.split(".")), level, place)
+        for level, places in enumerate(INFER_ORDER)
+        for place in places
+        if rest[: len(place.split("."))] == place.split(".")
+    ]
+    assert found, f"{name} sits in no place of INFER_ORDER: name its folder there"
+    _, level, place = max(found)
+    return level, place
+
+
+def test_infer_imports_go_down_its_stated_order():
+    """infer/ in one direction: load/ at the bottom, then runner.py, the drafters and the k policy,
+    the backends (each in a folder of its own, never importing another), their registry, pair/
+    and decode/ at the top."""
+    wrong = []
+    for name, edges in GRAPH.items():
+        here = infer_place(name)
+        if here is None:
+            continue
+        for target, line, inner in edges:
+            there = infer_place(target)
+            if there is None or there[1] == here[1] or (name, target) in INFER_EXCEPTIONS:
+                continue
+            if there[0] > here[0] or (there[0] == here[0] and there[1] != here[1]):
+                what = "a sibling" if there[0] == here[0] else "above it"
+                where = " inside a function" if inner else ""
+                wrong.append(f"{name}:{line} imports {target}{where} ({there[1] or 'infer'} is {what})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_infer_order_names_every_folder_and_no_exception_is_stale():
+    infer = ROOT / "infer"
+    for path in sorted(infer.rglob("*.py")):
+        infer_place(module_name(path))  # (fails for a module in no place)
+    for importer, imported in INFER_EXCEPTIONS:
+        assert any(t == imported for t, _, _ in GRAPH.get(importer, ())), f"stale exception: {importer} -> {imported}"
+
+
+def test_core_imports_go_down_its_concerns():
+    """core/'s modules, grouped by concern bottom to top (CORE_CONCERNS), import only from their
+    own concern and those below it; every module of core/ is in exactly one concern."""
+    order = list(CORE_CONCERNS)
+    concern = {m: c for c, mods in CORE_CONCERNS.items() for m in mods}
+    core = {n for n in MODULES if n.startswith("cactus_cli.core.")}
+    listed = sorted(f"cactus_cli.core.{m}" for m in concern)
+    assert sorted(core) == listed, f"core/ holds {sorted(core)}; CORE_CONCERNS names {listed}"
+    assert len(concern) == sum(len(m) for m in CORE_CONCERNS.values()), "a core module named in two concerns"
+    wrong = [
+        f"{name}:{line} imports {target} ({concern[b]} is above {concern[a]})"
+        for name, edges in GRAPH.items()
+        if name in core
+        for target, line, _ in edges
+        if target in core
+        for a, b in [(name.rpartition(".")[2], target.rpartition(".")[2])]
+        if order.index(concern[b]) > order.index(concern[a])
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    "fake, bad, expected",
+    [
+        (
+            "cactus_cli.infer.load._probe",
+            "from cactus_cli.infer.pair import plan\n",
+            "imports cactus_cli.infer.pair.plan",
+        ),
+        (
+            "cactus_cli.infer.kpolicy._probe",
+            "def f():\n    from cactus_cli.infer.backends import registry\n",
+            "inside a function",
+        ),
+        (
+            "cactus_cli.infer.backends.torch._probe",
+            "from cactus_cli.infer.backends.llama_cpp import gguf\n",
+            "is a sibling",
+        ),
+        ("cactus_cli.infer.draft._probe", "from cactus_cli.infer.kpolicy import costs\n", "is a sibling"),
+        ("cactus_cli.core._probe_verify", "from cactus_cli.core import stats\n", "numbers is above"),
+    ],
+)
+def test_the_order_checks_find_a_wrong_import(tmp_path, monkeypatch, fake, bad, expected):
+    """The two checks above can fail: an import up infer/'s order (at the top or in a function),
+    between two backends or two sibling places, or up core/'s concerns, is found."""
+    path = tmp_path / "_probe.py"
+    path.write_text(bad)
+    monkeypatch.setitem(MODULES, fake, path)
+    monkeypatch.setitem(GRAPH, fake, imports(fake))
+    if fake.startswith("cactus_cli.core."):
+        monkeypatch.setitem(CORE_CONCERNS, "basics", (*CORE_CONCERNS["basics"], fake.rpartition(".")[2]))
+        check = test_core_imports_go_down_its_concerns
+    else:
+        check = test_infer_imports_go_down_its_stated_order
+    with pytest.raises(AssertionError, match=expected):
+        check()

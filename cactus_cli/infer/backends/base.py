@@ -3,8 +3,8 @@ and how. It says which sources it runs and which settings it honours, makes the 
 decides its part of a load plan (dtype, quantization, threads, tensor parallelism, each with its
 reason), loads a model, builds its runner, and adds to a cost key and a run's environment what
 its speed depends on. Nothing outside backends/ compares a backend's name (tests/test_layout.py
-checks), so a new backend (a server client, MLX, a CUDA-graph runner) is one module here and one
-line in the registry."""
+checks), so a new backend (a server client, MLX, a CUDA-graph runner) is one folder beside torch/,
+llama_cpp/ and vllm/, importing none of them, and one line in registry.py."""
 
 from __future__ import annotations
 
