@@ -1,1 +1,3 @@
-"""Layer 1: pure pieces with no model in sight: errors, events, sampling, the acceptance rules, stats, paths, defaults."""
+"""Layer 1: pure pieces with no model in sight, by concern, bottom to top (tests/test_layout.py:
+CORE_CONCERNS): basics (defaults, errors, events), io (paths, fileio, once, signals, conditions,
+companions), numbers (stats, intervals), the rules (sampling, acceptance, verify, exact)."""

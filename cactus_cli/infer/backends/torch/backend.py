@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from cactus_cli.core import defaults
-from cactus_cli.core.defaults import CALIBRATION_TEXT
 from cactus_cli.core.errors import ModelError
 from cactus_cli.infer.backends.base import Backend, Decided
 from cactus_cli.infer.backends.torch import group
@@ -80,7 +79,9 @@ class TorchBackend(Backend):
         )
 
     def load(self, name: str, src: Source, plan: Any, tokenizer: Any, role: str, reporter=None) -> LoadedModel:
-        calibration = list(tokenizer(CALIBRATION_TEXT)["input_ids"]) if plan.quantize == "w8a8" else None  # (smooth.py)
+        calibration = (
+            list(tokenizer(defaults.CALIBRATION_TEXT)["input_ids"]) if plan.quantize == "w8a8" else None
+        )  # (smooth.py)
         return load_model(
             name, src, plan.device, plan.dtype, role, plan.quantize, reporter, plan.tp, calibration, plan.gate
         )
