@@ -150,21 +150,26 @@ RULES = [
 
 
 def test_verify_rows_gives_each_row_what_verify_gives_it_alone():
-    """Bit for bit, for rows of every rule, k from 0 to 4 and their own generators in one call."""
-    for trial in range(40):
+    """Bit for bit, each row with its own generator: 14 rows in one call, four rows of each of three
+    rules (k from 0 to 6, float32 and float64 rows side by side) and two of a rule again at
+    another budget (a second group of it)."""
+    for trial in range(12):  # (each rule leads a trial twice)
         rows, singles = [], []
-        for r in range(7):
-            rule, prm = RULES[(trial + r) % len(RULES)]
-            k = (trial * 3 + r) % 5
+        for r in range(14):
+            rule, prm = RULES[(trial + r // 4) % len(RULES)] if r < 12 else ("cactus", {"delta": 0.1})
+            k = (trial * 3 + r) % 7
             p, q, g = _dists(30, k, 100 * trial + r)
             n = torch.multinomial(p, 1, generator=g).view(-1) if k else torch.zeros(0, dtype=torch.int64)
-            rows.append(Row(rule, prm, p, q, n, torch.Generator().manual_seed(trial * 10 + r)))
+            if r % 3:
+                p, q = p.float(), q.float()
+            rows.append(Row(rule, prm, p, q, n, torch.Generator().manual_seed(trial * 100 + r)))
             singles.append(
-                verify(rule, p[None], q[None], n[None], generator=torch.Generator().manual_seed(trial * 10 + r), **prm)
+                verify(rule, p[None], q[None], n[None], generator=torch.Generator().manual_seed(trial * 100 + r), **prm)
             )
         for got, want in zip(verify_rows(rows), singles):
             assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_accepted, want.num_accepted)
             assert torch.equal(got.acceptance_probs, want.acceptance_probs)
+            assert got.acceptance_probs.dtype == want.acceptance_probs.dtype
 
 
 def test_ragged_rows_of_every_rule_emit_their_exact_distributions():

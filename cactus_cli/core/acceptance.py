@@ -86,6 +86,7 @@ class Rule:
     summary: str = ""
     params: tuple[Param, ...] = ()
     lossless: bool = False  # emits exactly the verifier's distribution (reports mark it: the reference)
+    pointwise: bool = False  # its acceptance depends on p_n and q_n alone: ``accept_at`` gives it
 
     def param_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.params)
@@ -98,6 +99,13 @@ class Rule:
         """[B, k]: the probability each drafted token is accepted (p, q [B, k, V]: both models'
         rows at the drafted positions; n [B, k])."""
         raise NotImplementedError
+
+    def accept_at(self, prm: dict, p_n: torch.Tensor, q_n: torch.Tensor) -> torch.Tensor:
+        """[N]: the probability each drafted token is accepted, from its draft and verifier
+        probabilities alone (p_n, q_n [N]), for a ``pointwise`` rule (sps, cactus, cactus-exact):
+        ``verify_rows`` then decides every row's drafts in one call. interp, tas and topk take whole
+        rows (``accept``) and are called row by row."""
+        raise NotImplementedError(f"rule {self.name!r} needs whole rows to accept a draft: call accept")
 
     def residual(self, prm: dict, p: torch.Tensor, q: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """[B, V]: the unnormalized distribution a replacement is drawn from at the rejected
@@ -128,14 +136,8 @@ class TargetRule(Rule):
     """Generalized speculative sampling against a target ``h``: accept with min(1, h_n / p_n),
     replace from normalize(max(0, h - p)). A subclass gives ``target`` (and ``emitted``)."""
 
-    def h_at(self, prm: dict, p: torch.Tensor, q: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-        """h at the drafted tokens [B, k]."""
-        return _at(self.target(prm, p, q, n), n)
-
     def accept(self, prm, p, q, n):
-        h_n, p_n = self.h_at(prm, p, q, n), _at(p, n)
-        safe_p = torch.where(p_n > 0, p_n, torch.ones_like(p_n))  # p_n = 0 accepted only when h_n > 0
-        return torch.where(p_n > 0, (h_n / safe_p).clamp(max=1.0), (h_n > 0).to(h_n.dtype))
+        return _ratio(_at(self.target(prm, p, q, n), n), _at(p, n))
 
     def residual(self, prm, p, q, n):
         return (self.target(prm, p.unsqueeze(1), q.unsqueeze(1), n.unsqueeze(1))[:, 0] - p).clamp(min=0.0)
@@ -160,11 +162,16 @@ class ScaledRule(TargetRule):
     """h = g_n at the drafted token n, s q elsewhere with s = (1 - g_n) / (1 - q_n): SpS (g = q_n)
     and the Cactus rules (g boosted within the budget). A subclass gives ``g`` alone."""
 
+    pointwise = True
+
     def g(self, prm: dict, q_n: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def h_at(self, prm, p, q, n):
-        return self.g(prm, _at(q, n))
+    def accept_at(self, prm, p_n, q_n):
+        return _ratio(self.g(prm, q_n), p_n)
+
+    def accept(self, prm, p, q, n):  # (accept_at's code: verify and verify_rows agree bit for bit)
+        return self.accept_at(prm, _at(p, n), _at(q, n))
 
     def residual(self, prm, p, q, n):
         p_n, q_n = _at(p, n), _at(q, n)
@@ -385,6 +392,12 @@ def _kl_root(x: torch.Tensor, delta: float) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- shared helpers
+
+
+def _ratio(h_n: torch.Tensor, p_n: torch.Tensor) -> torch.Tensor:
+    """min(1, h_n / p_n); a token the draft gave p_n = 0 is accepted only where h_n > 0."""
+    safe_p = torch.where(p_n > 0, p_n, torch.ones_like(p_n))
+    return torch.where(p_n > 0, (h_n / safe_p).clamp(max=1.0), (h_n > 0).to(h_n.dtype))
 
 
 def _scale(q_n: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from cactus_cli.core.acceptance import RULES, Rule, resolve_params
 from cactus_cli.core.sampling import sample
@@ -113,72 +115,80 @@ class Row:
 def verify_rows(rows: list[Row]) -> list[Verdict]:
     """``verify`` for ragged rows in one call: each row its own rule, parameters, k and generator
     (a step of several sequences; vLLM's rejection sampler takes ragged drafts the same way). Rows
-    of one rule and parameters are decided together: every row's acceptance, then one residual
-    call over every row's first rejected position; each row's random draws come from its own
-    generator in ``verify``'s order, so a row's verdict equals ``verify`` of that row alone, bit
-    for bit. No host sync, and no copy of the rows' [k, V] distributions."""
+    of one rule, parameters and working dtype are decided together (``_decide_group``); each row's
+    random draws come from its own generator in ``verify``'s order, so a row's verdict equals
+    ``verify`` of that row alone, bit for bit. No host sync, and no copy of the rows' [k, V]
+    distributions."""
     out: list[Verdict | None] = [None] * len(rows)
     groups: dict[tuple, list[int]] = {}
     for i, row in enumerate(rows):
-        key = (row.rule, tuple(sorted(resolve_params(row.rule, row.params).items())))
-        groups.setdefault(key, []).append(i)
-    for (rule, items), idx in groups.items():
-        prm, spec = dict(items), RULES[rule]
-        for i, verdict in zip(idx, _decide_group(spec, prm, [rows[i] for i in idx])):
+        _check_shapes(row.p.unsqueeze(0), row.q.unsqueeze(0), row.n.unsqueeze(0))
+        items = tuple(sorted(resolve_params(row.rule, row.params).items()))
+        groups.setdefault((row.rule, items, _work_dtype(row.p, row.q)), []).append(i)
+    for (rule, items, work), idx in groups.items():
+        for i, verdict in zip(idx, _decide_group(RULES[rule], dict(items), [rows[i] for i in idx], work)):
             out[i] = verdict
     return out
 
 
-def _decide_group(spec: Rule, prm: dict[str, Any], rows: list[Row]) -> list[Verdict]:
-    """One rule's rows: acceptance at every drafted position (each row's own rows, no copy of
-    them), each row's uniforms from its own generator, one residual call over every row's first
-    rejected position, each row's extra token from its own generator."""
-    for row in rows:
-        _check_shapes(row.p.unsqueeze(0), row.q.unsqueeze(0), row.n.unsqueeze(0))
-    work = _work_dtype(*(t for row in rows for t in (row.p, row.q)))
+def _decide_group(spec: Rule, prm: dict[str, Any], rows: list[Row], work: torch.dtype) -> list[Verdict]:
+    """One rule's R rows: every drafted position's acceptance (one call for a ``pointwise`` rule),
+    each row's uniforms from its own generator, the accepted counts from one [R, kmax] cumprod,
+    each row's extra token (``_extra``), every row's tokens at once; each verdict is views into those."""
     ks = [row.n.shape[0] for row in rows]
     dev = rows[0].q.device
-    drafted = [i for i, k in enumerate(ks) if k]
-    n64 = [row.n.to(torch.int64) for row in rows]
-    acc = [
-        spec.accept(prm, row.p.to(work).unsqueeze(0), row.q[: ks[i]].to(work).unsqueeze(0), n64[i].unsqueeze(0))
-        if ks[i]
-        else None
-        for i, row in enumerate(rows)
-    ]  # [1, k] each
-    num = []
-    for i, row in enumerate(rows):  # each row's uniforms from its own generator, as verify draws them
-        u = torch.rand((1, ks[i]), generator=row.generator, device=dev, dtype=work)
-        num.append(
-            (u < acc[i]).to(torch.int64).cumprod(-1).sum(-1) if ks[i] else torch.zeros(1, dtype=torch.int64, device=dev)
+    n = torch.cat([row.n for row in rows]).to(torch.int64)  # [sum k]
+    if spec.pointwise:  # p_n, q_n [sum k]: one gather per row, then one call for every row
+        p_n = torch.cat([row.p.gather(-1, m.unsqueeze(-1)) for row, m in zip(rows, n.split(ks))]).view(-1)
+        q_n = torch.cat([row.q[:k].gather(-1, m.unsqueeze(-1)) for row, k, m in zip(rows, ks, n.split(ks))]).view(-1)
+        acc = spec.accept_at(prm, p_n.to(work), q_n.to(work))
+    else:  # whole rows: row by row
+        acc = torch.cat(
+            [
+                spec.accept(prm, row.p.to(work)[None], row.q[:k].to(work)[None], m[None])[0]
+                for row, k, m in zip(rows, ks, n.split(ks))
+            ]
         )
-    resid = q_j = None
-    if drafted:  # [R, V]: each drafting row's rows at its first rejected position (ignored where all accepted)
-        j = [num[i].clamp(max=ks[i] - 1) for i in drafted]  # [1] each, on the device
-        p_j = torch.cat([rows[i].p.index_select(0, jj) for i, jj in zip(drafted, j)]).to(work)
-        q_j = torch.cat([rows[i].q.index_select(0, jj) for i, jj in zip(drafted, j)]).to(work)
-        n_j = torch.cat([n64[i].index_select(0, jj) for i, jj in zip(drafted, j)])
-        resid = spec.residual(prm, p_j, q_j, n_j)
-    out = []
-    for i, row in enumerate(rows):
-        k, m = ks[i], num[i]
-        bonus = row.q[k : k + 1].to(work)  # [1, V]
-        if k == 0:
-            dist, fallback = bonus, bonus
-        else:
-            r = drafted.index(i)
-            all_in = (m == k).unsqueeze(-1)
-            dist = torch.where(all_in, bonus, resid[r : r + 1])
-            fallback = torch.where(all_in, bonus, q_j[r : r + 1])
-        extra = sample(dist, row.generator, fallback=fallback)  # [1]
-        n = n64[i].view(1, k)
-        pos = torch.arange(k + 1, device=dev)
-        mm = m.unsqueeze(-1)
-        padded = torch.cat([n, n.new_zeros(1, 1)], dim=-1)
-        tokens = torch.where(pos < mm, padded, torch.where(pos == mm, extra.unsqueeze(-1), torch.full_like(padded, -1)))
-        probs = acc[i] if k else bonus.new_zeros(1, 0)
-        out.append(Verdict(num_accepted=m, tokens=tokens, acceptance_probs=probs))
-    return out
+    u = torch.cat([torch.rand((1, k), generator=row.generator, device=dev, dtype=work) for row, k in zip(rows, ks)], -1)
+    accepted = (u[0] < acc).split(ks)
+    num = pad_sequence(accepted, batch_first=True).to(torch.int64).cumprod(-1).sum(-1)  # [R] (rejects past a row's k)
+    all_in = pad_sequence(accepted, batch_first=True, padding_value=True).all(-1)  # [R] (k = 0 rows too)
+    padded = F.pad(pad_sequence(n.split(ks), batch_first=True), (0, 1))  # [R, kmax+1]
+    extra = _extra(spec, prm, rows, padded, num, all_in, work)  # [R]
+
+    pos = torch.arange(padded.shape[1], device=dev)  # [kmax+1]
+    m = num.unsqueeze(-1)
+    tokens = torch.where(pos < m, padded, torch.where(pos == m, extra.unsqueeze(-1), torch.full_like(padded, -1)))
+    return [
+        Verdict(num_accepted=num[i : i + 1], tokens=tokens[i : i + 1, : k + 1], acceptance_probs=a.view(1, k))
+        for i, (k, a) in enumerate(zip(ks, acc.split(ks)))
+    ]
+
+
+def _extra(
+    spec: Rule,
+    prm: dict[str, Any],
+    rows: list[Row],
+    padded: torch.Tensor,
+    num: torch.Tensor,
+    all_in: torch.Tensor,
+    work: torch.dtype,
+) -> torch.Tensor:
+    """[R]: each row's extra token, from its own generator: from the bonus q[k] where every draft
+    was accepted, else from the rule's residual at the first rejected position, one residual call
+    over every row's (padded [R, kmax+1]: the drafts). No host sync: a row of k = 0 takes its bonus
+    row as p and q there (a residual never used), so every row joins that call."""
+    ks = [row.n.shape[0] for row in rows]
+    j = num.masked_fill(all_in, 0)  # [R] first rejected position (0 where all accepted: not used there)
+    p_j = torch.cat([(row.p if k else row.q).index_select(0, j[i : i + 1]) for i, (row, k) in enumerate(zip(rows, ks))])
+    q_j = torch.cat([row.q.index_select(0, j[i : i + 1]) for i, row in enumerate(rows)]).to(work)  # [R, V]
+    resid = spec.residual(prm, p_j.to(work), q_j, padded.gather(1, j.unsqueeze(-1)).squeeze(1))
+    bonus = torch.cat([row.q[k : k + 1] for row, k in zip(rows, ks)]).to(work)  # [R, V]
+    c = all_in.unsqueeze(-1)
+    dist, fallback = torch.where(c, bonus, resid), torch.where(c, bonus, q_j)
+    return torch.cat(
+        [sample(dist[i : i + 1], row.generator, fallback=fallback[i : i + 1]) for i, row in enumerate(rows)]
+    )
 
 
 def greedy_verify(draft_tokens: torch.Tensor, verifier_argmax: torch.Tensor) -> Verdict:
