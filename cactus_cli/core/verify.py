@@ -183,12 +183,12 @@ def _extra(
     p_j = torch.cat([(row.p if k else row.q).index_select(0, j[i : i + 1]) for i, (row, k) in enumerate(zip(rows, ks))])
     q_j = torch.cat([row.q.index_select(0, j[i : i + 1]) for i, row in enumerate(rows)]).to(work)  # [R, V]
     resid = spec.residual(prm, p_j.to(work), q_j, padded.gather(1, j.unsqueeze(-1)).squeeze(1))
-    bonus = torch.cat([row.q[k : k + 1] for row, k in zip(rows, ks)]).to(work)  # [R, V]
-    c = all_in.unsqueeze(-1)
-    dist, fallback = torch.where(c, bonus, resid), torch.where(c, bonus, q_j)
-    return torch.cat(
-        [sample(dist[i : i + 1], row.generator, fallback=fallback[i : i + 1]) for i, row in enumerate(rows)]
-    )
+    out = []
+    for i, (row, k) in enumerate(zip(rows, ks)):  # each row's own generator; its bonus row read in place
+        c, bonus = all_in[i : i + 1, None], row.q[k : k + 1].to(work)  # [1, 1], [1, V]
+        dist, fallback = torch.where(c, bonus, resid[i : i + 1]), torch.where(c, bonus, q_j[i : i + 1])
+        out.append(sample(dist, row.generator, fallback=fallback))
+    return torch.cat(out)
 
 
 def greedy_verify(draft_tokens: torch.Tensor, verifier_argmax: torch.Tensor) -> Verdict:
