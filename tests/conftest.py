@@ -223,3 +223,36 @@ def llm(tiny_vllm_pair):
             enable_prefix_caching=False,  # (a cached prefix changes the steps, so a seed's draws, between calls)
         )
     yield engine  # (the variables above were read when it started: no other test sees them)
+
+
+# ---------------------------------------------------------------------- several workers (pytest-xdist)
+# The README's test command runs one worker per core (pyproject's addopts: -n auto --dist loadgroup).
+# A module is one unit of work, so its module fixtures are built once; the vLLM files are one unit (one
+# engine start); each test of FIRST runs alone. FIRST, the units measured slowest on 2 cores (fresh-readme),
+# are handed out before the rest, so no worker is left with a long one at the end.
+SHARED_UNITS = {"test_vllm_cli": "test_vllm"}
+FIRST = ("test_smoke_embedded", "test_llama_cpp", "test_grammar", "test_vllm", "test_eval_code", "test_lm_eval")
+
+
+def unit_of(item) -> tuple[str, str]:
+    """(the unit a test runs in, the module that names it)."""
+    module = item.module.__name__.rpartition(".")[2]
+    module = SHARED_UNITS.get(module, module)
+    return (item.nodeid if module == FIRST[0] else module), module
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(unit_of(item)[0]))
+    order = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: order.get(unit_of(item)[1], len(FIRST)))  # (stable: the rest as collected)
+
+
+def pytest_configure(config):
+    """Each worker takes its share of the cores for torch's own threads: two workers with a thread per
+    core each would spin against each other (OpenMP waits busily), slower than one worker alone."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))

@@ -548,7 +548,7 @@ def batched(tiny):
 def test_eight_concurrent_requests_each_get_the_answer_they_get_alone(batched):
     """--parallel 4, 8 requests sent together (mixed lengths, shared prefixes, stop strings): each
     answer equals the one the request gets served alone, token for token (greedy, float32), and
-    /metrics saw requests running together and waiting."""
+    the server's steps ran four at a time with the rest waiting."""
     prompts = [
         PROMPT,
         PROMPT + " ran fast",
@@ -565,8 +565,15 @@ def test_eight_concurrent_requests_each_get_the_answer_they_get_alone(batched):
     ]
     with serving(batched, max_queue=8) as (server, url):
         alone = [httpx.post(f"{url}/v1/completions", json=b, timeout=120).json() for b in bodies]
-    with serving(batched, max_queue=8, parallel=4, delay=0.02) as (server, url):
-        seen = []
+    gate, steps = threading.Event(), []  # (the server's own view at each step: no polling race on a busy machine)
+    with serving(batched, max_queue=8, parallel=4, gate=gate, delay=0.0) as (server, url):
+        step = server.batch.step
+
+        def counted():
+            steps.append((len(server.running), server.queue.qsize()))
+            return step()
+
+        server.batch.step = counted
         answers: list = [None] * len(bodies)
 
         def send(i):
@@ -575,18 +582,19 @@ def test_eight_concurrent_requests_each_get_the_answer_they_get_alone(batched):
         threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
         for t in threads:
             t.start()
-        while any(t.is_alive() for t in threads):
-            seen.append(httpx.get(f"{url}/metrics").text)
-            time.sleep(0.02)
+        deadline = time.monotonic() + 60
+        while len(server.running) + server.queue.qsize() < len(bodies):  # every request in before the first step
+            assert time.monotonic() < deadline, "the requests did not all arrive"
+            time.sleep(0.01)
+        gate.set()
         for t in threads:
             t.join()
     for got, want in zip(answers, alone):
         assert got["choices"][0]["text"] == want["choices"][0]["text"]
         assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
         assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
-    running = [int(re.search(r"^vllm:num_requests_running (\d+)$", m, re.M).group(1)) for m in seen]
-    waiting = [int(re.search(r"^vllm:num_requests_waiting (\d+)$", m, re.M).group(1)) for m in seen]
-    assert max(running) > 1 and max(running) <= 4 and max(waiting) > 0
+    running, waiting = zip(*steps)
+    assert max(running) == 4 and max(waiting) > 0, steps
 
 
 def test_parallel_bad_values_are_one_line_errors(monkeypatch, capsys):
