@@ -193,6 +193,22 @@ def test_compile_on_without_a_compiler_warns_and_runs_eagerly(close_pair, monkey
     )
 
 
+@needs_compiler
+def test_several_slots_run_eagerly_where_compiling_was_chosen(tiny):
+    """Compiled steps hold one sequence: where compile is on (asked, or measured faster) and several
+    slots are asked for (serve --parallel, bench --concurrency), the engine runs them eagerly, all of
+    them, and says why (it used to get one slot, and serve stepped one request at a time)."""
+    from cactus_cli.app.session import Session
+
+    pair = dict(verifier=tiny["verifier"], draft=tiny["draft_close"], device="cpu", dtype="float32", compile="on")
+    session = Session.load(sequences=4, **pair)
+    assert len(session.engine.slots) == 4 and not session.engine.compiled
+    assert session.engine.pair.plan.compile_reason == (
+        "--compile on: compiled steps hold one sequence, so the 4 slots run eagerly"
+    )
+    assert Session.load(sequences=1, **pair).engine.compiled  # (one sequence: compiled, as asked)
+
+
 # --------------------------------------------------------------------------- the CLI
 
 cli = CliRunner()

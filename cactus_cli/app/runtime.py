@@ -75,6 +75,11 @@ def load_engine(
         if compile_mode is not None and compile_mode != plan.request.compile:  # (bench: the same pair, compiled too)
             plan = with_compile(plan, compile_mode)
             pair = dataclasses.replace(pair, plan=plan)
+        if plan.compiled and sequences > 1:  # (a compiled runner holds one sequence: the slots would be one)
+            asked = "--compile on" if plan.request.compile == "on" else "compile auto"
+            why = f"{asked}: compiled steps hold one sequence, so the {sequences} slots run eagerly"
+            plan = dataclasses.replace(plan, compiled=False, compile_reason=why)
+            pair = dataclasses.replace(pair, plan=plan)
         if plan.request.compile == "on" and not plan.compiled and reporter is not None:
             reporter.warn(plan.compile_reason)
         engine = SpeculativeEngine(
