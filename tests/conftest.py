@@ -251,8 +251,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-    """Each worker takes its share of the cores for torch's own threads: two workers with a thread per
-    core each would spin against each other (OpenMP waits busily), slower than one worker alone."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+    """Each worker its own share of the cores (gw0 the first, gw1 the second, ...), for torch's
+    threads, llama.cpp's (its default is the affinity mask) and the subprocesses it starts: two
+    workers each running a thread per core spin against each other (OpenMP and ggml wait busily),
+    slower than one worker alone."""
+    workers, worker = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), os.environ.get("PYTEST_XDIST_WORKER")
+    if workers > 1 and worker and hasattr(os, "sched_setaffinity"):
+        cpus, i = sorted(os.sched_getaffinity(0)), int(worker.removeprefix("gw"))
+        mine = set(cpus[i::workers]) or {cpus[i % len(cpus)]}
+        os.sched_setaffinity(0, mine)
+        torch.set_num_threads(len(mine))
