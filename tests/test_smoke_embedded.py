@@ -138,7 +138,7 @@ def test_greedy_edit_with_the_default_long_free_drafts_equals_plain_greedy_or_pa
     from cactus_cli.app.prompts import load_prompts
 
     monkeypatch.delenv("CACTUS_HOME")
-    spec = Session.load("default", draft="suffix", temperature=0.0)
+    spec = Session.load("default", draft="suffix", num_draft_tokens=LONG_K, temperature=0.0)  # (no cost probe)
     ids = spec.encode(load_prompts(None, 1, ["edit"])[0].prompt)
     spec.prepare(len(ids))
     out, drafted = {}, 0
