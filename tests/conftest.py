@@ -228,8 +228,9 @@ def llm(tiny_vllm_pair):
 # ---------------------------------------------------------------------- several workers (pytest-xdist)
 # The README's test command runs one worker per core (pyproject's addopts: -n auto --dist loadgroup).
 # A module is one unit of work, so its module fixtures are built once; the vLLM files are one unit (one
-# engine start); each test of FIRST runs alone. FIRST, the units measured slowest on 2 cores (fresh-readme),
-# are handed out before the rest, so no worker is left with a long one at the end.
+# engine start); each test of FIRST[0] runs alone. FIRST: slow units (pytest --durations on 2 cores; the
+# embedded pair's tests take 30 to 170 s each), handed out before the rest, so no worker is left with a
+# long one at the end.
 SHARED_UNITS = {"test_vllm_cli": "test_vllm"}
 FIRST = ("test_smoke_embedded", "test_llama_cpp", "test_grammar", "test_vllm", "test_eval_code", "test_lm_eval")
 
