@@ -232,7 +232,15 @@ def llm(tiny_vllm_pair):
 # embedded pair's tests take 30 to 170 s each), handed out before the rest, so no worker is left with a
 # long one at the end.
 SHARED_UNITS = {"test_vllm_cli": "test_vllm"}
-FIRST = ("test_smoke_embedded", "test_llama_cpp", "test_grammar", "test_vllm", "test_eval_code", "test_lm_eval")
+FIRST = (
+    "test_smoke_embedded",
+    "test_tp",
+    "test_llama_cpp",
+    "test_grammar",
+    "test_vllm",
+    "test_eval_code",
+    "test_lm_eval",
+)
 
 
 def unit_of(item) -> tuple[str, str]:
