@@ -117,7 +117,7 @@ def test_greedy_speculation_on_the_embedded_pair_equals_plain_greedy_or_parts_at
     if out[4] == out[0]:
         return
     i = next(j for j, (a, b) in enumerate(zip(out[0], out[4])) if a != b)
-    runner = spec.engine.verifier
+    runner = spec.engine.slots[0].verifier
     runner.reset()
     logits = runner.forward(ids + out[0][:i], keep=1)[0].float()
     top = logits.topk(2)
@@ -154,7 +154,7 @@ def test_greedy_edit_with_the_default_long_free_drafts_equals_plain_greedy_or_pa
     if a == b:
         return
     i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-    runner = spec.engine.verifier
+    runner = spec.engine.slots[0].verifier
     runner.reset()
     top = runner.forward(ids + a[:i], keep=1)[0].float().topk(2)
     assert {a[i], b[i]} == set(top.indices.tolist()), (i, top)
