@@ -263,10 +263,13 @@ def pytest_configure(config):
     """Each worker its own share of the cores (gw0 the first, gw1 the second, ...), for torch's
     threads, llama.cpp's (its default is the affinity mask) and the subprocesses it starts: two
     workers each running a thread per core spin against each other (OpenMP and ggml wait busily),
-    slower than one worker alone."""
+    slower than one worker alone. ``CACTUS_TESTS_CPUS`` keeps the whole set, for a subprocess that
+    must run as the README's commands run (test_smoke_embedded: the user's cost and plan caches are
+    keyed by thread count, so a pinned run would measure everything again)."""
     workers, worker = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), os.environ.get("PYTEST_XDIST_WORKER")
     if workers > 1 and worker and hasattr(os, "sched_setaffinity"):
         cpus, i = sorted(os.sched_getaffinity(0)), int(worker.removeprefix("gw"))
+        os.environ["CACTUS_TESTS_CPUS"] = ",".join(map(str, cpus))
         mine = set(cpus[i::workers]) or {cpus[i % len(cpus)]}
         os.sched_setaffinity(0, mine)
         torch.set_num_threads(len(mine))

@@ -39,9 +39,19 @@ def test_the_default_profile_needs_only_the_demo_extra():
     assert all(m.extra == "demo" for m in pair)
 
 
-def generate(*extra: str) -> dict:
+def unpinned() -> None:
+    """In the subprocess: every core the suite started with (conftest pins each xdist worker to its
+    share), as the README's main command ran, so the caches it keyed by thread count apply."""
+    cpus = os.environ.get("CACTUS_TESTS_CPUS")
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+
+
+def generate(*extra: str, readme: bool = True) -> dict:
     """The README's main command (``cactus generate``, the default profile) in a subprocess, offline,
-    in the user's cache (the README's own command shares it), with ``extra`` options: its JSON."""
+    in the user's cache (the README's own command shares it), with ``extra`` options: its JSON.
+    ``readme``: on every core, as the README's command runs (its caches apply); else on this
+    worker's share (a run that shares no cache with the README's)."""
     missing = [m.name for m in default_pair() if not embedded.is_installed(m)]
     if missing:
         if os.environ.get("CI"):
@@ -59,6 +69,7 @@ def generate(*extra: str) -> dict:
         text=True,
         env=env,
         timeout=1800,
+        preexec_fn=unpinned if readme else None,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout)
@@ -83,7 +94,7 @@ def test_main_command_on_the_embedded_pair():
 def test_the_torch_backend_on_the_embedded_pair():
     """The same pair on torch: converted to safetensors, quantized as quantize: auto measures (the
     slowest test of the suite: 3 minutes on a busy 2-core machine the first time; its own unit under xdist)."""
-    doc = generate("--backend", "torch", "-k", "4", "--max-tokens", "16")
+    doc = generate("--backend", "torch", "-k", "4", "--max-tokens", "16", readme=False)
     assert doc["settings"]["backend_resolved"] == "torch" and doc["stats"]["num_accepted_tokens"] > 0
     assert doc["settings"]["dtype_resolved"] == "bfloat16"  # quantize: auto = int8 or w8a8, bfloat16 activations
     reason = doc["settings"]["dtype_reason"]  # measured on this machine, and said
