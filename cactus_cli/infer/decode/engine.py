@@ -15,6 +15,7 @@ and never names a concrete drafter or runner (factories do).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Iterator
 
@@ -26,6 +27,7 @@ from cactus_cli.core.events import MODEL, StepEvent
 from cactus_cli.core.verify import verify_rows
 from cactus_cli.infer.backends.registry import backend_of
 from cactus_cli.infer.decode.batch import Batch
+from cactus_cli.infer.decode.context import EngineContext
 from cactus_cli.infer.decode.grammar import Grammars
 from cactus_cli.infer.decode.slot import GenerationParams, Run, Slot, Timing
 from cactus_cli.infer.draft import KINDS, Free, free_drafting, make_drafter, propose_all
@@ -52,14 +54,37 @@ class SpeculativeEngine:
         if free is not None and free.state is None:  # (its state made once: every slot's drafter shares it)
             free = free_drafting(free.kind, free.options, pair.tokenizer, pair.vocab_size)
         self.free = free
-        self.eos = eos_ids(pair)
+        eos = frozenset(eos_ids(pair))
         limits = [pair.verifier.context_length] + ([pair.draft.context_length] if pair.draft else [])
-        self.context_length = min(limits)
+        self.context = EngineContext(  # what each run reads of the engine (the same whatever _build makes)
+            eos=eos,
+            context_length=min(limits),
+            vocab_size=pair.vocab_size,
+            device=pair.verifier.device,
+            dtype=pair.verifier.dtype,
+            grammars=Grammars(pair.tokenizer, pair.vocab_size, sorted(eos)),  # (JSON output; built when asked)
+        )
         self.sequences = sequences
-        self.grammars = Grammars(pair.tokenizer, pair.vocab_size, sorted(self.eos))  # (JSON output; built when asked)
         self.compile_note: str | None = None  # why a compiled engine runs eagerly, if it does
         self.report: Callable[[str], None] | None = None  # progress lines (a compile during generate)
         self._build(compiled)
+
+    @property
+    def eos(self) -> frozenset[int]:
+        return self.context.eos
+
+    @eos.setter
+    def eos(self, ids) -> None:
+        """Other end tokens for the runs started from now on (tests make a chosen token the end)."""
+        self.context = dataclasses.replace(self.context, eos=frozenset(ids))
+
+    @property
+    def context_length(self) -> int:
+        return self.context.context_length
+
+    @property
+    def grammars(self) -> Grammars:
+        return self.context.grammars
 
     def _build(self, compiled: bool) -> None:
         """Runners, slots (each with its drafter and -k auto state) and the cost store; called
@@ -276,7 +301,7 @@ class SpeculativeEngine:
         # (an answer without a cap grows an eager cache as it goes; a static one is sized once)
         ahead = params.max_tokens if self.compiled else min(params.max_tokens, RESERVE_AHEAD)
         self.prepare(len(prompt_ids) + ahead + 1, self.step_widths(params.num_draft_tokens), self.report, False, slot)
-        return Run(self, self.slots[slot], list(prompt_ids), params, self.policy(params, slot))
+        return Run(self.context, self.slots[slot], list(prompt_ids), params, self.policy(params, slot))
 
     def policy(self, params: GenerationParams, slot: int = 0) -> KPolicy:
         if not params.learn:

@@ -23,6 +23,7 @@ from cactus_cli.core.events import MODEL, StepEvent
 from cactus_cli.core.exact import meter
 from cactus_cli.core.sampling import SamplingParams, biased, probs_from_logits, sample_among, top_probs
 from cactus_cli.core.verify import Row, Verdict, greedy_verify
+from cactus_cli.infer.decode.context import EngineContext
 from cactus_cli.infer.decode.grammar import GRAMMAR, MAX_FORCED, Grammar, mask_logits, mask_probs
 from cactus_cli.infer.draft import Drafter, Proposal
 from cactus_cli.infer.kpolicy.costs import Step
@@ -44,9 +45,8 @@ class GenerationParams:
     ignore_eos: bool = False
     seed: int = 0
     measure: bool = False  # the divergence meter: realized KL/TV per position, verifier log-likelihood
-    learn: bool = (
-        True  # teach the cost store this run's step costs and a drafter's history this sequence (a warm-up does not)
-    )
+    # learn: teach the cost store this run's step costs and a drafter's history this sequence (a warm-up does not)
+    learn: bool = True
     memory: str = ""  # which history a drafter with memory reads and extends (bench: one per configuration)
     logprobs: int | None = None  # each emitted token's log-probability under the verifier, and this many alternatives
     grammar: Grammar | None = None  # what the output must match (grammar.py: JSON output), or anything
@@ -155,15 +155,15 @@ class Timing:
 class Run:
     """One generation in a slot; the engine steps it (choose k, draft, verify, commit)."""
 
-    def __init__(self, engine: Any, slot: Slot, prompt: list[int], params: GenerationParams, policy: KPolicy):
-        """``engine``: the SpeculativeEngine stepping it (its pair, eos ids and context length)."""
-        self.e = engine
+    def __init__(self, ctx: EngineContext, slot: Slot, prompt: list[int], params: GenerationParams, policy: KPolicy):
+        """``ctx``: what it reads of the engine stepping it (end tokens, context length, vocabulary, grammars)."""
+        self.ctx = ctx
         self.slot = slot
         self.prompt = prompt
         self.params = params
         self.policy = policy
         self.sp = params.sampling
-        self.vdev = engine.pair.verifier.device
+        self.vdev = ctx.device
         self.vgen = torch.Generator(device=self.vdev).manual_seed(params.seed)
         self.drafter = slot.drafter if params.num_draft_tokens > 0 else None
         self.draft_runner = self.drafter.runner if self.drafter is not None else None
@@ -184,7 +184,7 @@ class Run:
         self.k = 0  # this step's choice, and where its drafts come from
         self.source: str | None = None
         self.confidence: list[float] | None = None
-        self.constraint = engine.grammars.constraint(params.grammar) if params.grammar is not None else None
+        self.constraint = ctx.grammars.constraint(params.grammar) if params.grammar is not None else None
         self.allowed: torch.Tensor | None = None  # [k+1, V] this step's grammar masks
         self.begin()
 
@@ -266,11 +266,11 @@ class Run:
     def want(self) -> Want | None:
         """What this run's next step could draft (None: a plain step, at no drafting cost), and
         where from; the drafter's own estimate of each token, if it has one, is kept for commit."""
-        e, params, drafter = self.e, self.params, self.drafter
+        params, drafter = self.params, self.drafter
         self.k, self.source, self.confidence = 0, None, None
         if drafter is None:
             return None
-        room = e.context_length - len(self.tokens)  # positions left for new tokens
+        room = self.ctx.context_length - len(self.tokens)  # positions left for new tokens
         k = max(0, min(params.num_draft_tokens, room - 1, params.max_tokens - self.produced - 1))
         peek = drafter.peek(self.tokens) if k else None
         if peek is None:
@@ -282,14 +282,14 @@ class Run:
     def forced(self) -> Proposal | None:
         """With a grammar that forces the next tokens: those tokens as this step's drafts (source
         ``grammar``, drafted at no cost, each with probability 1), instead of asking the drafter."""
-        room = min(self.e.context_length - len(self.tokens), self.params.max_tokens - self.produced) - 1
+        room = min(self.ctx.context_length - len(self.tokens), self.params.max_tokens - self.produced) - 1
         ahead = self.constraint.forced()[: max(0, min(room, MAX_FORCED))]
         if not ahead:
             return None
         tokens = torch.tensor(ahead, dtype=torch.int64, device=self.vdev)
         probs = None
         if not self.sp.greedy:
-            probs = torch.zeros(len(ahead), self.e.pair.vocab_size, device=self.vdev)
+            probs = torch.zeros(len(ahead), self.ctx.vocab_size, device=self.vdev)
             probs[torch.arange(len(ahead), device=self.vdev), tokens] = 1.0
         return Proposal(tokens, probs, GRAMMAR, 0)
 
@@ -341,7 +341,7 @@ class Run:
         if read.nan_logits:
             raise ModelError(
                 f"the verifier returned NaN logits (numerical overflow in "
-                f"{str(self.e.pair.verifier.dtype).removeprefix('torch.')}?); try --dtype float32"
+                f"{str(self.ctx.dtype).removeprefix('torch.')}?); try --dtype float32"
             )
         if read.nonfinite_probs:
             raise ModelError(
@@ -356,7 +356,7 @@ class Run:
         caches rewind to the verified sequence; the sequence grows; the emitted tokens are cut at
         EOS or max_tokens, and so are the accepted ones counted (a draft past the cut was
         verified, never output)."""
-        e, m, new, k, source = self.e, v.accepted, v.new, self.k, self.source if self.k else None
+        m, new, k, source = v.accepted, v.new, self.k, self.source if self.k else None
         self.last = v.next_input  # stays on the device for the next step's input
         step = Step(
             self.akey, k, m, timing.draft_seconds, timing.verify_seconds, fed, source or MODEL, self.confidence, timed
@@ -372,7 +372,7 @@ class Run:
         if self.constraint is not None:
             self.constraint.advance(emitted)
         logprobs = token_logprobs(v.logits, emitted, self.params.logprobs) if self.params.logprobs is not None else ()
-        if finish is None and len(self.tokens) >= e.context_length:
+        if finish is None and len(self.tokens) >= self.ctx.context_length:
             finish = "context"
         n = len(emitted)
         ev = StepEvent(
@@ -425,7 +425,7 @@ class Run:
         for token in new:
             emitted.append(token)
             self.produced += 1
-            if token in self.e.eos and not self.params.ignore_eos:
+            if token in self.ctx.eos and not self.params.ignore_eos:
                 return emitted, "eos"
             if self.produced >= self.params.max_tokens:
                 return emitted, "length"
