@@ -20,7 +20,16 @@ import torch
 
 from cactus_cli.core.errors import ConfigError
 from cactus_cli.infer.backends.torch.group import check_tp
-from tests.helpers import cactus_run, ctrl_c_as_in_a_terminal, decoding, listening_addresses, tiny_args, wait_for
+from tests.helpers import (
+    cactus_run,
+    ctrl_c_as_in_a_terminal,
+    decoding,
+    invoke,
+    listening_addresses,
+    one_line_error,
+    tiny_args,
+    wait_for,
+)
 
 
 def cactus(tiny, *args, **kwargs) -> subprocess.CompletedProcess:
@@ -44,21 +53,17 @@ def cactus(tiny, *args, **kwargs) -> subprocess.CompletedProcess:
 
 
 def text(tiny, tp, *args) -> str:
-    r = cactus(
-        tiny,
-        "generate",
-        "the cat sat on the mat and then",
-        "--tp",
-        str(tp),
-        "-n",
-        "24",
-        "--json",
-        "--dtype",
-        "float32",
-        *args,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    doc = json.loads(r.stdout)
+    """The generated text; --tp 1 in this process (a subprocess is 6 s of imports), a group in its own."""
+    argv = ("generate", "the cat sat on the mat and then", "--tp", str(tp), "-n", "24", "--json", "--dtype", "float32")
+    if tp == 1:
+        pair = ["--verifier", tiny["verifier"], "--draft", tiny["draft_close"], "--device", "cpu", "--compile", "off"]
+        r = invoke(*argv, *args, *pair)
+        assert r.exit_code == 0, r.output[-2000:]
+        doc = json.loads(r.stdout)
+    else:
+        r = cactus(tiny, *argv, *args)
+        assert r.returncode == 0, r.stderr[-2000:]
+        doc = json.loads(r.stdout)
     assert doc["settings"]["dtype_resolved"] == "float32"
     return doc["text"]
 
@@ -76,15 +81,16 @@ def test_tp2_seeded_sampling_gives_the_same_text(tiny):
 
 
 def test_bad_n_is_one_line(tiny):
-    r = cactus(tiny, "generate", "hi", "--tp", "3")
-    assert r.returncode == 2
-    assert r.stderr.strip() == (
+    """Refused before any rank starts (in-process: a subprocess per case was 6 s of imports each)."""
+    pair = ["--verifier", tiny["verifier"], "--draft", tiny["draft_close"], "--device", "cpu", "--compile", "off"]
+    r = invoke("generate", "hi", "--tp", "3", *pair)
+    assert r.exit_code == 2 and r.output.strip() == (
         "error: --tp 3: the verifier has 4 attention heads and 2 key/value heads; N must divide both (e.g. --tp 2)"
-    )
-    r = cactus(tiny, "generate", "hi", "--tp", "2", "--dtype", "bfloat16")
-    assert r.returncode == 2 and "gloo in float32" in r.stderr
-    r = cactus(tiny, "bench", "--tp", "2", "--compare-hf")
-    assert r.returncode == 2 and "--compare-hf" in r.stderr and "--tp" in r.stderr
+    ), r.output
+    one_line_error(invoke("generate", "hi", "--tp", "2", "--dtype", "bfloat16", *pair), "gloo in float32")
+    r = invoke("bench", "--tp", "2", "--compare-hf", *pair)
+    one_line_error(r, "--compare-hf")
+    assert "--tp" in r.output.strip().splitlines()[-1]
 
 
 def test_check_tp_names_the_problem(monkeypatch):
