@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator, Protocol, Sequence
 
 from cactus_cli.core.events import StepEvent
 from cactus_cli.infer.decode.slot import Run, Slot
 from cactus_cli.infer.decode.text import TextStream
 from cactus_cli.infer.kpolicy.costs import CostModel
+from cactus_cli.infer.kpolicy.store import CostStore
+from cactus_cli.infer.load.sources import ModelPair
 
 STEP_SECONDS = 0.8  # a step that feeds a joining prompt takes about this long: the running streams' longest gap
 MIN_CHUNK, MAX_CHUNK = 16, 512  # prompt tokens a step feeds (512: llama.cpp's batch; a GPU reaches it)
@@ -38,6 +40,26 @@ def first_chunk(costs: CostModel) -> int:
     return max(MIN_CHUNK, min(MAX_CHUNK, int(STEP_SECONDS / per_token)))
 
 
+# a run still prefilling, and the next tokens of its prompt for its verifier and for its draft model
+Chunk = tuple[Run, list[int], list[int]]
+
+
+class Engine(Protocol):
+    """What a batch drives: engine.py's SpeculativeEngine (which imports this module, so it is
+    named here by what the batch uses of it, and nothing more)."""
+
+    pair: ModelPair  # (its tokenizer: each run's text stream)
+    costs: CostStore  # (its verify curve: the first prefill chunk)
+
+    def admit(self, run: Run, reuse: bool, donor: Slot | None = None) -> None: ...
+
+    def prefill(self, run: Run, reuse: bool, donor: Slot | None = None) -> None: ...
+
+    def step(self, runs: list[Run], chunks: Sequence[Chunk] = ()) -> list[StepEvent | Exception]: ...
+
+    def finish(self, run: Run, learn: bool = True) -> None: ...
+
+
 @dataclass(eq=False)
 class Entry:
     run: Run
@@ -49,7 +71,7 @@ class Entry:
 
 
 class Batch:
-    def __init__(self, engine: Any, chunk: int | None = None):
+    def __init__(self, engine: Engine, chunk: int | None = None):
         """``engine``: the SpeculativeEngine whose slots the runs hold (its prefill, step, finish).
         ``chunk``: prompt tokens a step feeds beside the decoding runs (None: sized from the
         verifier's measured cost per width, then from each step's time, toward STEP_SECONDS)."""

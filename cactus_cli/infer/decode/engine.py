@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ from cactus_cli.core.errors import ContextLimitError
 from cactus_cli.core.events import MODEL, StepEvent
 from cactus_cli.core.verify import verify_rows
 from cactus_cli.infer.backends.registry import backend_of
-from cactus_cli.infer.decode.batch import Batch
+from cactus_cli.infer.decode.batch import Batch, Chunk
 from cactus_cli.infer.decode.context import EngineContext
 from cactus_cli.infer.decode.grammar import Grammars
 from cactus_cli.infer.decode.slot import GenerationParams, Run, Slot, Timing
@@ -336,7 +336,7 @@ class SpeculativeEngine:
             self.costs.save()  # what this run learned about step costs, for the next run
 
     @torch.inference_mode()
-    def step(self, runs: list[Run], chunks: list[Chunk] = ()) -> list[StepEvent | Exception]:
+    def step(self, runs: list[Run], chunks: Sequence[Chunk] = ()) -> list[StepEvent | Exception]:
         """One round for every run: choose k together, draft, one verifier call, each run's rule,
         one host read, commit. ``chunks``: prompt chunks of runs still prefilling (batch.py), fed
         to the verifier in the same call (no logits read), and to a draft model that reads the
@@ -384,7 +384,7 @@ class SpeculativeEngine:
             out.append(run.commit(verified, proposal.fed if proposal is not None else 0, timing, alone))
         return out
 
-    def _verify(self, runs: list[Run], proposals: list, chunks: list[Chunk] = ()) -> tuple[list, float]:
+    def _verify(self, runs: list[Run], proposals: list, chunks: Sequence[Chunk] = ()) -> tuple[list, float]:
         """One verifier call over every run's row (its last token and its drafts) and every
         prompt chunk, each run's rule over its own row, and ONE host read of every verdict; and
         the seconds the call took."""
@@ -421,6 +421,4 @@ class SpeculativeEngine:
         return out, forward
 
 
-# a run still prefilling, and the next tokens of its prompt for its verifier and for its draft model
-Chunk = tuple[Run, list[int], list[int]]
 RESERVE_AHEAD = 2048  # tokens of room made ahead of a prompt at most; an answer that runs longer grows the caches
