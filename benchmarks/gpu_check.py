@@ -286,7 +286,7 @@ def main() -> None:
         detail = "no recompiles"
         if device.type == "cuda":
             mem0 = torch.cuda.memory_allocated(device)
-            v = engine.verifier
+            v = engine.slots[0].verifier  # (a compiled engine holds one slot)
             cap0 = v.capacity
             per_token = runners.kv_bytes_per_token(pair.verifier.model.config, dtype)
             v.reserve(cap0 * 4, ())

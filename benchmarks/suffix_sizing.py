@@ -41,9 +41,10 @@ def main() -> None:
     for r in rows:
         e = SpeculativeEngine(pair, Free(NGRAM if r == "ngram" else SUFFIX))
         if r == "pos":  # the drafter offers no estimate: -k auto sizes it by its per-position rates
-            e.drafter.peek = lambda seq, peek=e.drafter.peek: (p := peek(seq)) and Peek(p.source)
+            drafter = e.slots[0].drafter  # (the engine's one slot)
+            drafter.peek = lambda seq, peek=drafter.peek: (p := peek(seq)) and Peek(p.source)
         if r == "long":  # sized by the estimates, paths followed down to 0.05 and up to 16 tokens
-            e.drafter.min_prob = 0.05
+            e.slots[0].drafter.min_prob = 0.05
         engines[r] = e
     tasks = runtime.encode_prompts(engines[rows[0]], load_tasks(None, args.limit), settings.chat_template)
     base = runtime.generation_params(settings)

@@ -151,7 +151,8 @@ def test_interrupt_inside_a_step_drops_the_caches_and_recovers(tiny):
     ids = pair.tokenizer("the cat sat")["input_ids"]
     engine = SpeculativeEngine(pair)
     expected = [t for ev in engine.generate(ids, params) for t in ev.emitted]
-    real, calls = engine.verifier.forward, []
+    slot = engine.slots[0]
+    real, calls = slot.verifier.forward, []
 
     def flaky(*args, **kwargs):
         calls.append(1)
@@ -159,12 +160,12 @@ def test_interrupt_inside_a_step_drops_the_caches_and_recovers(tiny):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    engine.verifier.forward = flaky
+    slot.verifier.forward = flaky
     with pytest.raises(KeyboardInterrupt):
         for _ in engine.generate(ids, params, reuse_cache=True):
             pass
-    assert engine.tokens == [] and engine.verifier.cache is None  # rolled back to a clean state
-    engine.verifier.forward = real
+    assert slot.tokens == [] and slot.verifier.cache is None  # rolled back to a clean state
+    slot.verifier.forward = real
     assert [t for ev in engine.generate(ids, params, reuse_cache=True) for t in ev.emitted] == expected
 
 

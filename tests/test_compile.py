@@ -91,7 +91,7 @@ def test_rewound_cache_gives_the_logits_of_a_fresh_prefill(close_pair, compiled)
     # a 5-token verify step, then a rejection at every position j: rewind to the prompt + j
     # drafts, feed a correction token through the compiled (padded) step, and compare with a
     # fresh full pass over the same sequence
-    v = compiled.verifier
+    v = compiled.slots[0].verifier
     assert isinstance(v, CompiledLM) and 5 in v.widths
     ids = prompt_ids(close_pair)
     drafts, correction = [10, 11, 12, 13], 20
@@ -153,7 +153,8 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_line(close_pair, monkey
     engine = SpeculativeEngine(close_pair, compiled=True)
     lines = []
     engine.prepare(64, {5}, lines.append)
-    assert not engine.compiled and isinstance(engine.verifier, CachedLM) and not isinstance(engine.verifier, CompiledLM)
+    v = engine.slots[0].verifier
+    assert not engine.compiled and isinstance(v, CachedLM) and not isinstance(v, CompiledLM)
     assert (
         engine.compile_note
         == "compiling failed (RuntimeError: InductorError: no working C++ compiler); running eagerly"

@@ -106,16 +106,17 @@ def test_greedy_across_vocabularies_equals_the_verifier(cross, method, k):
         sampling=GREEDY, num_draft_tokens=8 if k == "auto" else k, adaptive_k=k == "auto", max_tokens=n, ignore_eos=True
     )
     tokens, emitted, drafted = [], 0, 0
-    drafter = engine.drafter
+    slot = engine.slots[0]
+    drafter = slot.drafter
     for ev in engine.generate(ids, params):
         tokens += ev.emitted
         emitted += len(ev.emitted)
         drafted += ev.num_drafted
         assert engine.cache_lengths()["verifier"] == len(ids) + emitted - 1
         # the draft's cache holds a prefix of the verified text in its own tokens, nothing else
-        drafter._sync(engine.tokens)
+        drafter._sync(slot.tokens)
         assert drafter.cached == drafter.target[: len(drafter.cached)]
-        assert engine.draft_runner.cache_len == len(drafter.cached)
+        assert slot.draft_runner.cache_len == len(drafter.cached)
     assert tokens == hf_greedy(pair, ids, n)
     assert drafted > 0
 
@@ -172,7 +173,7 @@ def test_cactus_across_vocabularies_stays_within_its_budget(cross):
 def test_string_drafts_stop_at_eos_and_skip_what_they_cannot_spell(cross):
     pair = cross["string"]
     engine = SpeculativeEngine(pair)
-    d = engine.drafter
+    d = engine.slots[0].drafter
     seq = pair.tokenizer("the cat sat")["input_ids"]
     d.start(seq, [])
     dt = pair.cross.tokenizer
@@ -199,14 +200,14 @@ def test_string_drafts_write_the_drafts_most_likely_text_at_any_temperature(cros
     hot = SamplingParams(temperature=2.0, top_k=0, top_p=1.0)
     proposals = []
     for sp, seed in ((GREEDY, 0), (hot, 1), (hot, 2), (hot, 3)):
-        d = SpeculativeEngine(pair).drafter
+        d = SpeculativeEngine(pair).slots[0].drafter
         d.start(seq, [])
         proposals.append(d.propose(seq, 4, sp, torch.Generator().manual_seed(seed)).tokens.tolist())
     assert proposals[0] and all(p == proposals[0] for p in proposals)
     # intersection samples from its (restricted) distribution: p is the draft's, at the run's temperature
     drawn = set()
     for seed in range(8):
-        d = SpeculativeEngine(cross["intersection"]).drafter
+        d = SpeculativeEngine(cross["intersection"]).slots[0].drafter
         d.start(seq, [])
         drawn.add(tuple(d.propose(seq, 4, hot, torch.Generator().manual_seed(seed)).tokens.tolist()))
     assert len(drawn) > 1

@@ -171,13 +171,14 @@ def test_sampling_takes_no_branch_on_device_values(monkeypatch):
 
 def test_nan_logits_still_end_the_run_with_one_line(pair, monkeypatch):
     engine = SpeculativeEngine(pair)
-    real = engine.verifier.forward
+    verifier = engine.slots[0].verifier
+    real = verifier.forward
 
     def nan_forward(ids, keep):
         out = real(ids, keep)
-        return out if keep == 1 and engine.verifier.cache_len < 12 else out * float("nan")
+        return out if keep == 1 and verifier.cache_len < 12 else out * float("nan")
 
-    monkeypatch.setattr(engine.verifier, "forward", nan_forward)
+    monkeypatch.setattr(verifier, "forward", nan_forward)
     params = GenerationParams(sampling=SamplingParams(temperature=0.0), num_draft_tokens=2, max_tokens=8)
     with pytest.raises(ModelError, match="NaN logits"):
         list(engine.generate(prompt_ids(pair), params))
@@ -331,5 +332,5 @@ def test_compiled_cuda_greedy_equals_eager_and_crops_outside_inference_mode(tiny
     engine.prepare(64, {5})
     assert engine.compiled, engine.compile_note
     assert [t for ev in engine.generate(ids, params) for t in ev.emitted] == eager
-    engine.verifier.crop(3)  # outside inference mode, on inference counters
+    engine.slots[0].verifier.crop(3)  # outside inference mode, on inference counters
     engine.reset()

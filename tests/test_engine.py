@@ -112,14 +112,14 @@ def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs
     index = {c: i for i, c in enumerate(cells)}
     engine = SpeculativeEngine(pair)
     if adaptive:
-        real_settle, calls = engine.auto_k.settle, itertools.count()
+        real_settle, calls = engine.slots[0].auto_k.settle, itertools.count()
         script = itertools.cycle([0, 1, 2, 2, 0, 1])
 
         def settle(want, k):
             k = real_settle(want, k)
             return min(next(script), want.k_max) if next(calls) % 3 else k
 
-        monkeypatch.setattr(engine.auto_k, "settle", settle)
+        monkeypatch.setattr(engine.slots[0].auto_k, "settle", settle)
     samples, ks = [], set()
     for seed in range(1500):
         params = GenerationParams(
@@ -290,7 +290,7 @@ def test_non_finite_probabilities_are_an_error_not_garbage(tiny):
 def test_a_plain_step_says_it_drafted_from_nowhere(pairs, monkeypatch):
     # -k auto choosing k = 0: a plain step, whose draft_source is None (core/events.py)
     engine = SpeculativeEngine(pairs["close"])
-    monkeypatch.setattr(engine.auto_k, "settle", lambda want, k: 0)
+    monkeypatch.setattr(engine.slots[0].auto_k, "settle", lambda want, k: 0)
     params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=True, max_tokens=12, ignore_eos=True)
     _, stats, events = run(engine, prompt_ids(pairs["close"]), params)
     assert {ev.num_drafted for ev in events} == {0}
@@ -312,7 +312,7 @@ def test_tokens_past_a_stop_inside_a_verified_block_are_neither_counted_nor_reme
     assert stats.finish_reason == "stop" and len(tokens) <= cut_at + 1
     assert stats.num_accepted_tokens == sum(len(ev.accepted) for ev in events) <= stats.num_output_tokens
     assert all(len(ev.accepted) <= len(ev.emitted) for ev in events)
-    history = engine.drafter.primary.histories[""]
+    history = engine.slots[0].drafter.primary.histories[""]
     remembered = list(history.tree.docs[history.last])
     assert remembered == ids + tokens  # what was output, not the rest of the block the verifier kept
 
@@ -331,5 +331,5 @@ def test_a_later_generation_takes_the_caches_and_the_earlier_one_stops_with_an_e
     with pytest.raises(RuntimeError, match="taken by a later one"):
         next(first)
     assert second == hf_greedy(pair, ids[:-2], 24)
-    assert engine.owner is None  # (no generation holds the caches once it ends)
+    assert engine.slots[0].owner is None  # (no generation holds the caches once it ends)
     assert run(engine, ids, params)[0] == hf_greedy(pair, ids, 24)

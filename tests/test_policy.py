@@ -411,7 +411,7 @@ def test_catch_up_after_plain_steps_keeps_caches_exact(close_pair, monkeypatch):
     pair = close_pair
     engine = SpeculativeEngine(pair)
     script = iter([2, 0, 0, 0, 3, 0, 1, 4, 0, 0, 2] * 10)
-    monkeypatch.setattr(engine.auto_k, "settle", lambda want, k: min(next(script), want.k_max))
+    monkeypatch.setattr(engine.slots[0].auto_k, "settle", lambda want, k: min(next(script), want.k_max))
     ids = prompt_ids(pair)
     n = 40
     params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=True, max_tokens=n, ignore_eos=True)
@@ -437,10 +437,10 @@ def test_a_new_prompt_starts_the_catch_up_count_over(close_pair, monkeypatch):
     seen = []
 
     def plain(want, k):
-        seen.append(engine.auto_k.behind)
+        seen.append(engine.slots[0].auto_k.behind)
         return 0
 
-    monkeypatch.setattr(engine.auto_k, "settle", plain)
+    monkeypatch.setattr(engine.slots[0].auto_k, "settle", plain)
     params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=True, max_tokens=5, ignore_eos=True)
     for _ in range(2):
         list(engine.generate(prompt_ids(close_pair), params))

@@ -110,7 +110,7 @@ def reference_runs(tiny, monkeypatch) -> dict[str, list[list[int]]]:
         for w in range(1, 18):
             store.costs.verify[w] = deque([0.010 + 0.004 * w])
         store.costs.draft["model"] = deque([0.006])
-        engine.costs, engine.auto_k = store, AdaptiveK(store)
+        engine.costs, engine.slots[0].auto_k = store, AdaptiveK(store)
         return engine
 
     auto = dataclasses.replace(

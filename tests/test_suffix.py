@@ -147,7 +147,7 @@ def fixed_costs(engine, verify):
         for width, seconds in verify.items():
             engine.costs.costs.add_verify(width, seconds)
     engine.costs.costs.add_verify = lambda width, seconds: None
-    engine.auto_k = AdaptiveK(engine.costs)
+    engine.slots[0].auto_k = AdaptiveK(engine.costs)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +197,7 @@ def test_histories_are_kept_apart_per_memory_and_out_of_warm_ups(pairs):
     base = GenerationParams(sampling=GREEDY, num_draft_tokens=4, max_tokens=24, ignore_eos=True)
     run(engine, ids, GenerationParams(**{**base.__dict__, "learn": False}))  # a warm-up: remembered nowhere
     run(engine, ids, GenerationParams(**{**base.__dict__, "memory": "row A"}))
-    histories = engine.drafter.histories
+    histories = engine.slots[0].drafter.histories
     assert histories[""].tokens == 0 and histories["row A"].tokens == len(ids) + 24
     _, stats_b, _ = run(engine, ids, GenerationParams(**{**base.__dict__, "memory": "row B"}))
     _, stats_a, _ = run(engine, ids, GenerationParams(**{**base.__dict__, "memory": "row A"}))

@@ -145,12 +145,12 @@ def prepare(
     ks = k_values if k_values is not None else [settings.num_draft_tokens]
     report = reporter.task if reporter is not None else None
     widths = {w for k in ks for w in engine.step_widths(settings.max_draft_tokens if k == "auto" else int(k))}
-    if engine.drafter is not None and k_values is not None:
+    if engine.has_drafter and k_values is not None:
         widths.add(1)  # bench and calibrate also time the verifier alone
     engine.prepare(prompt_tokens + settings.max_tokens + 1, widths, report, slot=slot)
     if engine.compile_note and reporter is not None:
         reporter.warn(engine.compile_note)
-    if probe and engine.drafter is not None and "auto" in ks and engine.costs.needs_probe(engine.cost_source):
+    if probe and engine.has_drafter and "auto" in ks and engine.costs.needs_probe(engine.cost_source):
         if reporter is not None:
             again = engine.costs.costs.knows(engine.cost_source)  # (known, but provisional)
             reporter.task(

@@ -72,7 +72,7 @@ class Session:
 
     @property
     def has_drafter(self) -> bool:
-        return self.engine.drafter is not None
+        return self.engine.has_drafter
 
     def encode(
         self, prompt: str | list[dict[str, Any]] | list[int], tools: list | None = None, **render: Any
@@ -134,7 +134,7 @@ class Session:
         caches (scoring, temperature 1, no filtering); the caches are dropped afterwards."""
         self.engine.reset()
         try:
-            return self.engine.verifier.forward(ids, keep=keep).float().clone()  # (llama.cpp: a view of its buffer)
+            return self.engine.score(ids, keep)
         finally:
             self.engine.reset()
 

@@ -401,7 +401,7 @@ def _one_hf(
 def warm_up(engine: SpeculativeEngine, ids: list[int], base: GenerationParams, k: int) -> None:
     """One short run through every code path before anything is timed (its slow first timings
     teach the cost store nothing: ``learn=False``)."""
-    for kk in {0, k} if engine.drafter is not None else {0}:
+    for kk in {0, k} if engine.has_drafter else {0}:
         params = GenerationParams(
             sampling=base.sampling, rule=LOSSLESS, num_draft_tokens=kk, max_tokens=8, seed=0, learn=False
         )

@@ -105,6 +105,8 @@ class SpeculativeEngine:
                 n,
             )
         self.costs = CostStore.read(cost_key(pair, compiled), tuple(KINDS))  # what a step costs here
+        # the models' runners, the verifier's first: each the one its backend made (sequence 0), not a slot's view
+        self.runners: list[Runner] = [verifier] + ([draft] if draft is not None else [])
         self.slots = [
             Slot(
                 i,
@@ -122,48 +124,19 @@ class SpeculativeEngine:
             for i in range(n)
         ]
 
-    # -- slot 0, what a single generation uses (and tests read) --------------------------------
-
-    @property
-    def verifier(self) -> Runner:
-        return self.slots[0].verifier
-
-    @property
-    def drafter(self):
-        return self.slots[0].drafter
-
-    @property
-    def draft_runner(self) -> Runner | None:
-        return self.slots[0].draft_runner
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.slots[0].tokens
-
-    @property
-    def auto_k(self) -> AdaptiveK:
-        return self.slots[0].auto_k
-
-    @auto_k.setter
-    def auto_k(self, policy: AdaptiveK) -> None:
-        self.slots[0].auto_k = policy
-
-    @property
-    def owner(self) -> Run | None:
-        return self.slots[0].owner
-
     def cache_lengths(self, slot: int = 0) -> dict[str, int]:
         """For tests and diagnostics (Slot.cache_lengths)."""
         return self.slots[slot].cache_lengths()
 
     @property
-    def runners(self) -> list[Runner]:
-        return [self.verifier] + ([self.draft_runner] if self.draft_runner is not None else [])
+    def has_drafter(self) -> bool:
+        """Whether a run can draft at all: a draft model, or drafting without one (every slot has its drafter then)."""
+        return self.pair.draft is not None or self.free is not None
 
     def step_widths(self, k: int) -> tuple[int, ...]:
         """The verifier's step width for draft length k (k_max with -k auto): every step of such a
         run, k = 0 and shorter lookups included, is padded to it when compiled."""
-        return (k + 1,) if k > 0 and self.drafter is not None else (1,)
+        return (k + 1,) if k > 0 and self.has_drafter else (1,)
 
     def prepare(
         self,
@@ -188,9 +161,9 @@ class SpeculativeEngine:
         if len(widths) > MAX_GRAPHS:
             widths = sorted({1 << (w - 1).bit_length() for w in widths})
         try:
-            self.verifier.reserve(tokens, tuple(widths), report, exact)
-            if self.draft_runner is not None:
-                self.draft_runner.reserve(tokens, DRAFT_WIDTHS, report, exact)
+            s.verifier.reserve(tokens, tuple(widths), report, exact)
+            if s.draft_runner is not None:
+                s.draft_runner.reserve(tokens, DRAFT_WIDTHS, report, exact)
         except CompileUnavailable as err:
             self.compile_note = f"compiling failed ({err}); running eagerly"
             if report is not None:
@@ -209,13 +182,24 @@ class SpeculativeEngine:
     @property
     def cost_source(self) -> str:
         """Whose draft costs a choice of k mostly rests on: the draft model's, else the free drafter's."""
-        return MODEL if self.draft_runner is not None or self.free is None else self.free.kind
+        return MODEL if self.pair.draft is not None or self.free is None else self.free.kind
 
     def reset(self) -> None:
         """Forget every slot's caches (the next generate prefills from scratch; a drafter rebuilds the rest
         of its state when it starts the next sequence)."""
         for slot in self.slots:
             slot.reset()
+
+    def score(self, ids: list[int], keep: int, slot: int = 0) -> torch.Tensor:
+        """The verifier's logits [keep, V] (float32, a copy) for the last ``keep`` positions of ``ids``,
+        read in ``slot`` from empty caches (scoring: temperature 1, nothing filtered); the slot
+        forgets them afterwards."""
+        s = self.slots[slot]
+        s.reset()
+        try:
+            return s.verifier.forward(ids, keep=keep).float().clone()  # (llama.cpp: a view of its buffer)
+        finally:
+            s.reset()
 
     def probe_costs(self, k_max: int, length: int = 128) -> bool:
         """Seed the cost store with a short timing probe over a synthetic ``length``-token context
@@ -226,8 +210,9 @@ class SpeculativeEngine:
             return False
         ids = [(7 + 31 * i) % self.pair.vocab_size for i in range(length + k_max + 1)]
         self.prepare(length + k_max + 2, self.step_widths(k_max))  # compiled: every width pads to k_max + 1
-        self.slots[0].reset()  # (slot 0's sequences; the other slots keep what they cache)
-        v, d = self.verifier, self.draft_runner
+        probed = self.slots[0]  # (it times slot 0's sequences; the other slots keep what they cache)
+        probed.reset()
+        v, d = probed.verifier, probed.draft_runner
         with torch.inference_mode():
             v.forward(ids[:length], keep=1)
 
@@ -260,7 +245,7 @@ class SpeculativeEngine:
                 else:
                     timed()
             finally:
-                self.slots[0].reset()
+                probed.reset()
         self.costs.probed(conditions.finish())
         return True
 
@@ -402,7 +387,8 @@ class SpeculativeEngine:
             rows.append((slot.verifier, torch.cat([run.last, d]), run.k + 1))
         rows += [(run.slot.verifier, ids, 0) for run, ids, _ in chunks if ids]
         t0 = time.perf_counter()
-        logits = self.verifier.forward_rows(rows) if len(rows) > 1 else [runs[0].slot.verifier.forward(*rows[0][1:])]
+        first = rows[0][0]  # (any sequence's runner calls its model for every row)
+        logits = first.forward_rows(rows) if len(rows) > 1 else [first.forward(*rows[0][1:])]
         forward = time.perf_counter() - t0
         logits = logits[: len(runs)]
         decided = [run.decide(lg, pr, d) for run, lg, pr, d in zip(runs, logits, proposals, drafts)]
