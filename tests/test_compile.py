@@ -201,13 +201,43 @@ def test_several_slots_run_eagerly_where_compiling_was_chosen(tiny):
     them, and says why (it used to get one slot, and serve stepped one request at a time)."""
     from cactus_cli.app.session import Session
 
+    class Lines:  # (a reporter: what the user sees)
+        def __init__(self):
+            self.warned = []
+
+        def task(self, description, total=None):
+            return lambda n: None
+
+        def warn(self, message):
+            self.warned.append(message)
+
     pair = dict(verifier=tiny["verifier"], draft=tiny["draft_close"], device="cpu", dtype="float32", compile="on")
-    session = Session.load(sequences=4, **pair)
+    said = Lines()
+    session = Session.load(sequences=4, reporter=said, **pair)
+    why = "--compile on: compiled steps hold one sequence, so the 4 slots run eagerly"
     assert len(session.engine.slots) == 4 and not session.engine.compiled
-    assert session.engine.pair.plan.compile_reason == (
-        "--compile on: compiled steps hold one sequence, so the 4 slots run eagerly"
-    )
+    assert session.engine.pair.plan.compile_reason == why
+    assert why in said.warned  # (a warning, not an error: serve --compile on --parallel 4 serves, eagerly)
     assert Session.load(sequences=1, **pair).engine.compiled  # (one sequence: compiled, as asked)
+
+
+def test_compile_is_off_for_several_sequences_whoever_asks(close_pair, monkeypatch):
+    """The plan decides, once, for every caller: several slots run eagerly, with why."""
+    monkeypatch.setattr(plan_mod, "compile_problem", lambda device: None)  # (a compiler here or not)
+    assert plan_mod.with_compile(close_pair.plan, "on", sequences=1).compiled
+    several = plan_mod.with_compile(close_pair.plan, "on", sequences=4)
+    assert (several.compiled, several.compile_reason) == (
+        False,
+        "--compile on: compiled steps hold one sequence, so the 4 slots run eagerly",
+    )
+    assert plan_mod.choose_compile(several) == (several.compiled, several.compile_reason)
+    off = plan_mod.with_compile(close_pair.plan, "off", sequences=4)
+    assert (off.compiled, off.compile_reason) == (False, "off (as asked)")  # (its own reason comes first)
+
+
+def test_the_engine_refuses_a_compiled_engine_of_several_sequences(close_pair):
+    with pytest.raises(ValueError, match="compiled steps hold one sequence, not 3"):
+        SpeculativeEngine(close_pair, compiled=True, sequences=3)
 
 
 # --------------------------------------------------------------------------- the CLI

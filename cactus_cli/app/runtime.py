@@ -64,7 +64,7 @@ def load_engine(
         import torch
 
         torch.set_num_threads(settings.threads)  # (llama.cpp takes them at load)
-    request = load_request(settings, compile=compile_mode, quantize=quantize, backend=backend)
+    request = load_request(settings, compile=compile_mode, quantize=quantize, backend=backend, sequences=sequences)
     if pair is None and settings.tp > 1 and group.is_follower():
         follower.serve(plan_load(request).tp_load)
         raise SystemExit(0)
@@ -72,13 +72,9 @@ def load_engine(
         if pair is None:
             pair = load_plan(plan_load(request, reporter), reporter)
         plan = pair.plan
-        if compile_mode is not None and compile_mode != plan.request.compile:  # (bench: the same pair, compiled too)
-            plan = with_compile(plan, compile_mode)
-            pair = dataclasses.replace(pair, plan=plan)
-        if plan.compiled and sequences > 1:  # (a compiled runner holds one sequence: the slots would be one)
-            asked = "--compile on" if plan.request.compile == "on" else "compile auto"
-            why = f"{asked}: compiled steps hold one sequence, so the {sequences} slots run eagerly"
-            plan = dataclasses.replace(plan, compiled=False, compile_reason=why)
+        mode = compile_mode if compile_mode is not None else plan.request.compile
+        if (mode, sequences) != (plan.request.compile, plan.request.sequences):  # (bench: a pair loaded once)
+            plan = with_compile(plan, mode, sequences)  # (compiled too, or in an engine of several slots)
             pair = dataclasses.replace(pair, plan=plan)
         if plan.request.compile == "on" and not plan.compiled and reporter is not None:
             reporter.warn(plan.compile_reason)

@@ -49,7 +49,13 @@ class SpeculativeEngine:
         """``free`` drafts without a model (draft/__init__.KINDS: prompt lookup, the suffix trees), with the pair's draft model
         (if any) for when they have nothing. ``compiled``: static caches and compiled steps
         (backends/torch/compiled.py; one sequence). ``sequences``: the slots, each a sequence in every
-        model's KV cache (runs in different slots step together)."""
+        model's KV cache (runs in different slots step together); a compiled engine holds one
+        (the load plan decides: plan.choose_compile)."""
+        if compiled and sequences > 1:
+            raise ValueError(
+                f"compiled steps hold one sequence, not {sequences}: "
+                "build a compiled engine with sequences=1, or an eager one (compiled=False) for several slots"
+            )
         self.pair = pair
         if free is not None and free.state is None:  # (its state made once: every slot's drafter shares it)
             free = free_drafting(free.kind, free.options, pair.tokenizer, pair.vocab_size)
@@ -92,7 +98,7 @@ class SpeculativeEngine:
         pair = self.pair
         self.compiled = compiled
         backend = backend_of(pair.verifier.backend)
-        n = 1 if compiled else self.sequences
+        n = self.sequences
         verifier = backend.runner(pair.verifier, pair.vocab_size, compiled, self.context_length, "verifier", n)
         draft = None
         if pair.draft is not None:  # (a draft with its own tokenizer runs eagerly: its token count differs)

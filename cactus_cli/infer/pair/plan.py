@@ -40,6 +40,7 @@ class LoadRequest:
     backend: str = "auto"
     threads: int | None = None
     compile: str = "auto"
+    sequences: int = 1  # the engine's slots (serve, bench --concurrency): compiled steps hold one
     quality_texts: tuple[str, ...] = ()  # what a requantized verifier's quality is measured on
     tokenizer_files: Source | None = None  # (set by plan_load: --tokenizer's files, for the backends)
 
@@ -146,11 +147,13 @@ def plan_load(request: LoadRequest, reporter=None) -> LoadPlan:
     return with_compile(plan)
 
 
-def with_compile(plan: LoadPlan, mode: str | None = None) -> LoadPlan:
+def with_compile(plan: LoadPlan, mode: str | None = None, sequences: int | None = None) -> LoadPlan:
     """``plan`` with its compile choice made (``mode``, when given, replaces the request's
-    ``--compile``: bench times one pair eager and compiled)."""
-    if mode is not None:
-        plan = dataclasses.replace(plan, request=dataclasses.replace(plan.request, compile=mode))
+    ``--compile``: bench times one pair eager and compiled; ``sequences``, its slots: a pair
+    loaded once runs in engines of several)."""
+    asked = {name: v for name, v in (("compile", mode), ("sequences", sequences)) if v is not None}
+    if asked:
+        plan = dataclasses.replace(plan, request=dataclasses.replace(plan.request, **asked))
     compiled, why = choose_compile(plan)
     return dataclasses.replace(plan, compiled=compiled, compile_reason=why)
 
@@ -178,7 +181,18 @@ def choose_compile(plan: LoadPlan) -> tuple[bool, str]:
     """``--compile`` to on/off, with why. auto: on for CUDA; on a CPU only where earlier runs of
     this pair measured the compiled verifier faster (compiling there costs a minute and pays only
     when a forward is overhead-bound); never where the backend does not compile or under --tp
-    (``on`` there: off, said)."""
+    (``on`` there: off, said); and never for several sequences (a compiled runner's static cache
+    and graphs hold one: the slots run eagerly, all of them, said)."""
+    compiled, why = _compile_choice(plan)
+    n = plan.request.sequences
+    if compiled and n > 1:
+        asked = "--compile on" if plan.request.compile == "on" else "compile auto"
+        return False, f"{asked}: compiled steps hold one sequence, so the {n} slots run eagerly"
+    return compiled, why
+
+
+def _compile_choice(plan: LoadPlan) -> tuple[bool, str]:
+    """``--compile`` to on/off for one sequence, with why."""
     mode = plan.request.compile
     if mode == "off":
         return False, "off (as asked)"
