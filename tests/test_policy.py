@@ -7,6 +7,10 @@ import json
 import math
 import os
 import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -611,3 +615,28 @@ def test_a_credible_drop_where_kernels_change_is_kept_noise_is_pooled():
         small.add_verify(2, 0.100)
         small.add_verify(3, 0.095)
     assert small.t_v(2) == small.t_v(3)
+
+
+def test_the_engine_save_after_each_run_is_put_off_then_done_by_the_next_reader_or_at_exit(isolated_home):
+    """A server's short runs write the store at most once a SAVE_EVERY (each write is an fsync and a
+    rename on the engine's thread): the first write is at once, a later one within the interval is
+    put off, and done when this process reads the key again or exits, so nothing learned is lost."""
+    key = {"pair": "put-off"}
+    store = CostStore.read(key)
+    store.observe(Step("greedy", 0, 0, 0.0, 0.1))
+    store.save(every=60)
+    assert CostStore(store.path).costs.t_v(1) == pytest.approx(0.1)  # the first write: at once
+    store.observe(Step("greedy", 0, 0, 0.0, 0.5))
+    store.save(every=60)
+    assert CostStore(store.path).costs.t_v(1) == pytest.approx(0.1)  # put off ...
+    assert CostStore.read(key).costs.t_v(1) == pytest.approx(statistics.median([0.1, 0.5]))  # ... done for a reader
+    code = (
+        "from cactus_cli.infer.kpolicy.costs import Step\n"
+        "from cactus_cli.infer.kpolicy.store import CostStore\n"
+        "s = CostStore.read({'pair': 'at-exit'})\n"
+        "s.observe(Step('greedy', 0, 0, 0.0, 0.1)); s.save(every=60)\n"
+        "s.observe(Step('greedy', 0, 0, 0.0, 0.5)); s.save(every=60)\n"
+        "print(s.path)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert CostStore(Path(out.stdout.strip())).costs.t_v(1) == pytest.approx(0.3)  # written at exit

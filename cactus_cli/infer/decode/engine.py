@@ -33,7 +33,7 @@ from cactus_cli.infer.decode.slot import GenerationParams, Run, Slot, Timing
 from cactus_cli.infer.draft import KINDS, Free, free_drafting, make_drafter, propose_all
 from cactus_cli.infer.kpolicy.costs import probe, probe_widths
 from cactus_cli.infer.kpolicy.policy import AdaptiveK, FixedK, KPolicy, acceptance_key, allocate
-from cactus_cli.infer.kpolicy.store import CostStore
+from cactus_cli.infer.kpolicy.store import SAVE_EVERY, CostStore
 from cactus_cli.infer.pair.keys import cost_key
 from cactus_cli.infer.runner import MAX_STEP_WIDTH, CompileUnavailable, Runner, sync
 
@@ -324,7 +324,9 @@ class SpeculativeEngine:
             if run.drafter is not None and run.prefilled:  # (one ended mid-prefill never started its drafter)
                 run.drafter.finish(run.output() if learn else [])
         if run.params.learn:
-            self.costs.save()  # what this run learned about step costs, for the next run
+            self.costs.save(
+                every=SAVE_EVERY
+            )  # what this run learned, for the next run (a server's: at most once a second)
 
     @torch.inference_mode()
     def step(self, runs: list[Run], chunks: Sequence[Chunk] = ()) -> list[StepEvent | Exception]:

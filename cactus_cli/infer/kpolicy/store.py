@@ -11,10 +11,12 @@ cache they beat persistently is marked provisional the same way."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import statistics
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,8 @@ from cactus_cli.infer.kpolicy.rates import Acceptance, Calibration
 
 SCHEMA = 3
 _PROBED: set[str] = set()  # the stores this process probed (a provisional probe is taken again once per start)
+SAVE_EVERY = 1.0  # seconds: the engine saves after every run; a server's many short runs write at most this often
+_UNSAVED: weakref.WeakSet[CostStore] = weakref.WeakSet()  # stores whose last save was put off, written at exit
 
 
 def valid_counts(acc: Any, tested: Any) -> bool:
@@ -54,6 +58,7 @@ class CostStore:
         self.acceptance: dict[str, Acceptance] = {}
         self.calibrations: dict[str, Calibration] = {}  # (akey, source, run or fresh) -> acceptance by estimate
         self.dirty = False
+        self.saved_at = -math.inf  # (time.monotonic) of the last write
         self.notes: list[str] = []  # what loading the cache had to drop, for the user (one line)
         self.conditions: dict[str, Any] | None = None  # the probe's (Conditions.finish); None: not recorded
         self.watch: Watch | None = None  # this run's verifies against the cached curve
@@ -97,8 +102,12 @@ class CostStore:
 
     @classmethod
     def read(cls, key: dict[str, Any], kinds: tuple[str, ...] = ()) -> CostStore:
-        """The store cached for ``key`` (empty when there is none)."""
-        return cls(cache_path(key), key, kinds)
+        """The store cached for ``key`` (empty when there is none), with what this process's
+        earlier stores of that key put off writing."""
+        path = cache_path(key)
+        for store in [s for s in _UNSAVED if s.path == path]:
+            store.save()
+        return cls(path, key, kinds)
 
     def _load(self, path: Path) -> None:
         """Read the cache file, keeping only valid entries; invalid ones are dropped, said once,
@@ -186,10 +195,15 @@ class CostStore:
                 }
         return out
 
-    def save(self) -> None:
+    def save(self, every: float = 0.0) -> None:
         """Atomically write the timings and acceptance estimates (best effort: a read-only cache
-        folder only costs the next run its head start)."""
+        folder only costs the next run its head start). ``every``: put the write off while the last
+        one is younger than this (seconds; the engine's save after each run, SAVE_EVERY): the store
+        is then written by the next save or, at the latest, when the process exits."""
         if self.path is None or not self.dirty:
+            return
+        if time.monotonic() - self.saved_at < every:
+            _UNSAVED.add(self)
             return
         if file_stamp(self.path) != self.stamp:
             self._changed_under()
@@ -206,7 +220,8 @@ class CostStore:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(self.path, json.dumps(doc, indent=1))
-            self.dirty, self.stamp = False, file_stamp(self.path)
+            self.dirty, self.stamp, self.saved_at = False, file_stamp(self.path), time.monotonic()
+            _UNSAVED.discard(self)
         except OSError:
             pass
 
@@ -231,3 +246,10 @@ def file_stamp(path: Path | None) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return (st.st_ino, st.st_mtime_ns, st.st_size) if st is not None else None
+
+
+@atexit.register
+def _save_put_off() -> None:
+    """The writes ``save(every=...)`` put off (a killed process loses at most SAVE_EVERY of them)."""
+    for store in list(_UNSAVED):
+        store.save()
