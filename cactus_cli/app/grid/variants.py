@@ -89,7 +89,7 @@ def load_engines(
         engines[0][1].pair.tokenizer, encoded, settings.max_tokens
     )  # (a multi-turn question's last turn)
     for _, e in engines:  # every slot's room now: a context grown mid-row replays every cached sequence
-        for slot in range(1 if e.compiled else len(e.slots)):
+        for slot in range(len(e.slots)):  # (a compiled engine has one)
             runtime.prepare(e, settings, reporter, longest, ks, slot=slot, probe=slot == 0)
     ready: dict[tuple[str, str, bool, str, str], SpeculativeEngine] = {}
     for (draft, cross), e in engines:

@@ -107,8 +107,7 @@ def serve(
         if parallel is None:
             parallel, why = choose_parallel(engine.costs.costs, len(engine.slots))
         else:
-            why = "--parallel as given" if len(engine.slots) >= parallel else "a compiled engine steps one sequence"
-            parallel = min(parallel, len(engine.slots))
+            why = "--parallel as given"  # (the engine was loaded with at least this many slots)
         check_parallel(parallel, engine.kv_bytes_per_token(), available_memory())
         cap = shared.flags.get("max_tokens", ...)  # (the profile's max_tokens is the CLI's default, not a cap)
         cap = None if cap is ... else cap
