@@ -14,6 +14,7 @@ from cactus_cli.core.sampling import SamplingParams, probs_from_logits
 from cactus_cli.core.stats import SpecStats
 from cactus_cli.infer.backends.torch.compiled import compile_problem
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
+from cactus_cli.infer.kpolicy.policy import AdaptiveK
 from cactus_cli.infer.pair.loader import load_pair
 from tests.stats_helpers import assert_matches, exact_two_tokens
 
@@ -112,14 +113,14 @@ def test_sps_end_to_end_reproduces_the_verifier_distribution_of_two_tokens(pairs
     index = {c: i for i, c in enumerate(cells)}
     engine = SpeculativeEngine(pair)
     if adaptive:
-        real_settle, calls = engine.slots[0].auto_k.settle, itertools.count()
+        real_settle, calls = AdaptiveK.settle, itertools.count()
         script = itertools.cycle([0, 1, 2, 2, 0, 1])
 
-        def settle(want, k):
-            k = real_settle(want, k)
+        def settle(self, want, k):
+            k = real_settle(self, want, k)
             return min(next(script), want.k_max) if next(calls) % 3 else k
 
-        monkeypatch.setattr(engine.slots[0].auto_k, "settle", settle)
+        monkeypatch.setattr(AdaptiveK, "settle", settle)
     samples, ks = [], set()
     for seed in range(1500):
         params = GenerationParams(
@@ -290,7 +291,7 @@ def test_non_finite_probabilities_are_an_error_not_garbage(tiny):
 def test_a_plain_step_says_it_drafted_from_nowhere(pairs, monkeypatch):
     # -k auto choosing k = 0: a plain step, whose draft_source is None (core/events.py)
     engine = SpeculativeEngine(pairs["close"])
-    monkeypatch.setattr(engine.slots[0].auto_k, "settle", lambda want, k: 0)
+    monkeypatch.setattr(AdaptiveK, "settle", lambda self, want, k: 0)
     params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=True, max_tokens=12, ignore_eos=True)
     _, stats, events = run(engine, prompt_ids(pairs["close"]), params)
     assert {ev.num_drafted for ev in events} == {0}

@@ -3,6 +3,7 @@ statistics and cache, the engine's catch-up after k = 0 steps, the probe, and th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from cactus_cli.infer.kpolicy.policy import (
     EXPLORE_BUDGET,
     MAX_BACKOFF,
     AdaptiveK,
+    FixedK,
     Overhead,
 )
 from cactus_cli.infer.kpolicy.rates import Acceptance, Calibration, expected_tokens
@@ -415,7 +417,7 @@ def test_catch_up_after_plain_steps_keeps_caches_exact(close_pair, monkeypatch):
     pair = close_pair
     engine = SpeculativeEngine(pair)
     script = iter([2, 0, 0, 0, 3, 0, 1, 4, 0, 0, 2] * 10)
-    monkeypatch.setattr(engine.slots[0].auto_k, "settle", lambda want, k: min(next(script), want.k_max))
+    monkeypatch.setattr(AdaptiveK, "settle", lambda self, want, k: min(next(script), want.k_max))
     ids = prompt_ids(pair)
     n = 40
     params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=True, max_tokens=n, ignore_eos=True)
@@ -436,15 +438,15 @@ def test_catch_up_after_plain_steps_keeps_caches_exact(close_pair, monkeypatch):
 
 def test_a_new_prompt_starts_the_catch_up_count_over(close_pair, monkeypatch):
     # The prefill brings the draft level with the prompt, so the steps a previous prompt spent
-    # plain are no catch-up for this one (the policy itself spans runs).
+    # plain are no catch-up for this one (each run has its own policy; the slot's draft cache spans runs).
     engine = SpeculativeEngine(close_pair)
     seen = []
 
-    def plain(want, k):
-        seen.append(engine.slots[0].auto_k.behind)
+    def plain(self, want, k):
+        seen.append(self.behind)
         return 0
 
-    monkeypatch.setattr(engine.slots[0].auto_k, "settle", plain)
+    monkeypatch.setattr(AdaptiveK, "settle", plain)
     params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=True, max_tokens=5, ignore_eos=True)
     for _ in range(2):
         list(engine.generate(prompt_ids(close_pair), params))
@@ -640,3 +642,17 @@ def test_the_engine_save_after_each_run_is_put_off_then_done_by_the_next_reader_
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert CostStore(Path(out.stdout.strip())).costs.t_v(1) == pytest.approx(0.3)  # written at exit
+
+
+def test_each_run_has_its_own_k_policy_over_what_the_machine_learned(close_pair):
+    """A request's -k auto state is its own (a new request probes at the base spacing, not at the
+    last request's back-off on that slot); the store and the catch-up overheads are shared."""
+    engine = SpeculativeEngine(close_pair)
+    params = GenerationParams(sampling=GREEDY, num_draft_tokens=4, adaptive_k=True, max_tokens=4)
+    first = engine.policy(params)
+    first.backoff, first.plain_steps, first.run = 8, 5, True
+    first.overheads["model"] = Overhead()
+    second = engine.policy(params)
+    assert second is not first and (second.backoff, second.plain_steps, second.run) == (1, 0, False)
+    assert second.store is engine.costs and second.overheads["model"] is first.overheads["model"]
+    assert isinstance(engine.policy(dataclasses.replace(params, adaptive_k=False)), FixedK)

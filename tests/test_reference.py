@@ -20,7 +20,6 @@ from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
 from cactus_cli.infer.kpolicy import policy
 from cactus_cli.infer.kpolicy.costs import CostModel
-from cactus_cli.infer.kpolicy.policy import AdaptiveK
 from cactus_cli.infer.kpolicy.store import CostStore
 from cactus_cli.infer.pair.loader import load_pair
 
@@ -110,7 +109,7 @@ def reference_runs(tiny, monkeypatch) -> dict[str, list[list[int]]]:
         for w in range(1, 18):
             store.costs.verify[w] = deque([0.010 + 0.004 * w])
         store.costs.draft["model"] = deque([0.006])
-        engine.costs, engine.slots[0].auto_k = store, AdaptiveK(store)
+        engine.costs = store  # (each run's -k auto reads it)
         return engine
 
     auto = dataclasses.replace(

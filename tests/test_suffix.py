@@ -21,7 +21,6 @@ from cactus_cli.infer.draft import Free
 from cactus_cli.infer.draft.suffix import SUFFIX, SuffixDrafter
 from cactus_cli.infer.draft.suffix_tree import History, SuffixTree, follow
 from cactus_cli.infer.kpolicy.costs import WINDOW
-from cactus_cli.infer.kpolicy.policy import AdaptiveK
 from cactus_cli.infer.kpolicy.store import CostStore
 from cactus_cli.infer.pair.loader import load_pair
 from tests.helpers import assert_one_line_error, pair_args
@@ -147,7 +146,6 @@ def fixed_costs(engine, verify):
         for width, seconds in verify.items():
             engine.costs.costs.add_verify(width, seconds)
     engine.costs.costs.add_verify = lambda width, seconds: None
-    engine.slots[0].auto_k = AdaptiveK(engine.costs)
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from cactus_cli.infer.decode.grammar import Grammars
 from cactus_cli.infer.decode.slot import GenerationParams, Run, Slot, Timing
 from cactus_cli.infer.draft import KINDS, Free, free_drafting, make_drafter, propose_all
 from cactus_cli.infer.kpolicy.costs import probe, probe_widths
-from cactus_cli.infer.kpolicy.policy import AdaptiveK, FixedK, KPolicy, acceptance_key, allocate
+from cactus_cli.infer.kpolicy.policy import AdaptiveK, FixedK, KPolicy, Learned, acceptance_key, allocate
 from cactus_cli.infer.kpolicy.store import SAVE_EVERY, CostStore
 from cactus_cli.infer.pair.keys import cost_key
 from cactus_cli.infer.runner import MAX_STEP_WIDTH, CompileUnavailable, Runner, sync
@@ -93,8 +93,9 @@ class SpeculativeEngine:
         return self.context.grammars
 
     def _build(self, compiled: bool) -> None:
-        """Runners, slots (each with its drafter and -k auto state) and the cost store; called
-        again if compiling turns out not to work."""
+        """Runners, slots (each with its caches and drafter), the cost store and what -k auto
+        learns beside it (each run's own policy shares both); called again if compiling turns out
+        not to work."""
         pair = self.pair
         self.compiled = compiled
         backend = backend_of(pair.verifier.backend)
@@ -111,6 +112,7 @@ class SpeculativeEngine:
                 n,
             )
         self.costs = CostStore.read(cost_key(pair, compiled), tuple(KINDS))  # what a step costs here
+        self.learned = Learned()  # the catch-up overheads and width re-timing, shared by the runs' -k auto
         # the models' runners, the verifier's first: each the one its backend made (sequence 0), not a slot's view
         self.runners: list[Runner] = [verifier] + ([draft] if draft is not None else [])
         self.slots = [
@@ -125,7 +127,6 @@ class SpeculativeEngine:
                     pair.cross,
                     pair.tokenizer,
                 ),
-                AdaptiveK(self.costs),  # -k auto (its exploration spans the slot's runs)
             )
             for i in range(n)
         ]
@@ -292,12 +293,13 @@ class SpeculativeEngine:
         # (an answer without a cap grows an eager cache as it goes; a static one is sized once)
         ahead = params.max_tokens if self.compiled else min(params.max_tokens, RESERVE_AHEAD)
         self.prepare(len(prompt_ids) + ahead + 1, self.step_widths(params.num_draft_tokens), self.report, False, slot)
-        return Run(self.context, self.slots[slot], list(prompt_ids), params, self.policy(params, slot))
+        return Run(self.context, self.slots[slot], list(prompt_ids), params, self.policy(params))
 
-    def policy(self, params: GenerationParams, slot: int = 0) -> KPolicy:
+    def policy(self, params: GenerationParams) -> KPolicy:
+        """A run's own k policy over the engine's store and ``learned`` (a warm-up's learns nothing)."""
         if not params.learn:
             return FixedK(None) if not params.adaptive_k else AdaptiveK(CostStore(kinds=tuple(KINDS)))
-        return self.slots[slot].auto_k if params.adaptive_k else FixedK(self.costs)
+        return AdaptiveK(self.costs, self.learned) if params.adaptive_k else FixedK(self.costs)
 
     def admit(self, run: Run, reuse: bool, donor: Slot | None = None) -> None:
         """The run takes its slot's caches (a run there not finished loses them), keeping what

@@ -1,8 +1,8 @@
 """A slot: one sequence's whole state, as llama-server's ``server_slot`` holds it. ``Slot`` is what
 lasts between generations: its sequence in each model's KV cache (``verifier``, and the draft
-model's through its own ``drafter``), what those caches hold (``tokens``), its -k auto policy (its
-exploration spans its runs). ``Run`` is one generation in a slot: its parameters (rule, rule
-parameters, k, sampling, stop, max tokens), its generators, its counters and its clock.
+model's through its own ``drafter``), what those caches hold (``tokens``). ``Run`` is one generation in a
+slot: its parameters (rule, rule parameters, k, sampling, stop, max tokens), its generators, its
+k policy (its own: kpolicy/policy.py says what it shares), its counters and its clock.
 
 The engine (engine.py) steps a set of runs together: every run's k, then every draft, then one
 verifier call over every run's row, then each run's ``decide`` (its rule over its own ragged
@@ -27,7 +27,7 @@ from cactus_cli.infer.decode.context import EngineContext
 from cactus_cli.infer.decode.grammar import GRAMMAR, MAX_FORCED, Grammar, mask_logits, mask_probs
 from cactus_cli.infer.draft import Drafter, Proposal
 from cactus_cli.infer.kpolicy.costs import Step
-from cactus_cli.infer.kpolicy.policy import AdaptiveK, KPolicy, Want, acceptance_key
+from cactus_cli.infer.kpolicy.policy import KPolicy, Want, acceptance_key
 from cactus_cli.infer.runner import Runner, cached_prefix, common_prefix, sync, to_device
 
 
@@ -53,14 +53,13 @@ class GenerationParams:
 
 
 class Slot:
-    """One sequence of the engine: its runners, its drafter and its -k auto state, what its
-    caches hold, and the run that holds them now (``owner``)."""
+    """One sequence of the engine: its runners, its drafter, what its caches hold, and the run
+    that holds them now (``owner``)."""
 
-    def __init__(self, index: int, verifier: Runner, drafter: Drafter | None, auto_k: AdaptiveK):
+    def __init__(self, index: int, verifier: Runner, drafter: Drafter | None):
         self.index = index
         self.verifier = verifier
         self.drafter = drafter
-        self.auto_k = auto_k
         self.tokens: list[int] = []  # what the caches hold: the verifier's holds tokens[: cache_len]
         self.owner: Run | None = None  # the generation whose caches these are, while it runs
         self.used = 0.0  # when a run last started here (a new request takes the least recently used free slot)

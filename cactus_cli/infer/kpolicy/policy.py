@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cactus_cli.core.events import MODEL
@@ -192,31 +192,51 @@ class FixedK:
         pass
 
 
-class AdaptiveK(FixedK):
-    """``-k auto``: asked before each step what it could draft and at what rates (``want``), told
-    the step's k (``settle``, which explores around it); the store learns what it cost."""
+@dataclass
+class Learned:
+    """What ``-k auto`` learns about the pair on this machine besides the store's timings and
+    acceptance, shared by every request's policy (the engine holds one): what a drafting step costs
+    beyond k t_d after the draft fell behind (``overheads``, per drafter: a property of the draft
+    and the machine) and how far apart wider widths are timed again (``up_backoff``: whether a wider
+    verify pays is the machine's cost curve, not the text's)."""
 
-    def __init__(self, store: CostStore | None = None):
+    overheads: dict[str, Overhead] = field(default_factory=dict)  # source -> a drafting step's cost beyond k t_d
+    up_backoff: int = 1  # the spacing's multiplier for re-timing widths: doubled while wider steps do not win
+
+
+class AdaptiveK(FixedK):
+    """``-k auto`` for one request: asked before each step what it could draft and at what rates
+    (``want``), told the step's k (``settle``, which explores around it); the store learns what it
+    cost. Its own state is the request's: its step counters, the spacing of its k = 1 probes (whether
+    drafting pays depends on the text, so a new request probes at the base spacing, not at the last
+    request's back-off), whether its text is being copied, how far its draft is behind. What holds
+    for the machine is shared: the store (timings, acceptance, calibration, saved across starts) and
+    ``learned`` (the engine's ``Learned``, kept while it runs)."""
+
+    def __init__(self, store: CostStore | None = None, learned: Learned | None = None):
         super().__init__(store if store is not None else CostStore())
+        self.learned = learned if learned is not None else Learned()
         self.plain_steps = 0  # consecutive k = 0 steps (for the occasional k = 1 probe)
         self.draft_steps = 0  # consecutive k > 0 steps (for the occasional plain step)
         self.backoff = 1  # the probe spacing's multiplier: doubled by each probe after which k = 0 still wins
         self.probed = False  # the last step was a probe
         self.run = False  # the last step drafted and every draft was accepted: the text is being copied
-        self.overheads: dict[str, Overhead] = {}  # source -> a drafting step's cost beyond k t_d
         self.behind = (
             0  # tokens the draft has not read: the prompt's it deferred, plus one per plain step since it drafted
         )
         self.since_up = 0  # drafting steps since the last wider step (explore_up)
         self.up_from: int | None = None  # the k the last step widened (None: it did not)
-        self.up_backoff = 1  # the spacing's multiplier for re-timing widths: doubled while wider steps do not win
 
     @property
     def costs(self) -> CostModel:
         return self.store.costs
 
+    @property
+    def overheads(self) -> dict[str, Overhead]:
+        return self.learned.overheads
+
     def started(self, behind: int = 0) -> None:
-        self.behind = behind  # (the policy spans runs; the last prompt's plain steps are not this one's catch-up)
+        self.behind = behind  # (the draft cache's lag at the run's start: what it deferred of the prompt)
 
     def observe(self, step: Step) -> None:
         super().observe(step)
@@ -284,7 +304,8 @@ class AdaptiveK(FixedK):
         tried at once). Once every width up to the draft is timed, the next width above is timed
         again at least RETIME_EVERY steps apart, spaced twice as far each time it does not win."""
         if self.up_from is not None:  # the last step was wider: did its timing move the choice up?
-            self.up_backoff = 1 if k > self.up_from else min(2 * self.up_backoff, MAX_BACKOFF)
+            learned = self.learned
+            learned.up_backoff = 1 if k > self.up_from else min(2 * learned.up_backoff, MAX_BACKOFF)
             self.up_from = None
         if not self.costs.knows(want.source) or want.k_max <= k:
             return k
@@ -297,7 +318,7 @@ class AdaptiveK(FixedK):
         loss = max(1 - wider / now, 0.0) if now > 0 else 1.0
         every = max(1, math.ceil(loss / EXPLORE_BUDGET))
         if new is None:
-            every = max(every, RETIME_EVERY) * self.up_backoff
+            every = max(every, RETIME_EVERY) * self.learned.up_backoff
         self.since_up += 1
         if self.since_up < every:
             return k
