@@ -228,7 +228,9 @@ def llm(tiny_vllm_pair):
 # ---------------------------------------------------------------------- several workers (pytest-xdist)
 # The README's test command runs one worker per core (pyproject's addopts: -n auto --dist loadgroup).
 # A module is one unit of work, so its module fixtures are built once; the vLLM files are one unit (one
-# engine start); each test of FIRST[0] runs alone. FIRST: slow units (pytest --durations on 2 cores; the
+# engine start); each test of FIRST[0] runs alone, but those that run on every core as the README's command
+# does (fixture readme_cores) run one after another in one unit, so they spin against at most one pinned
+# worker, never against each other. FIRST: slow units (pytest --durations on 2 cores; the
 # embedded pair's tests take 30 to 170 s each), handed out before the rest, so no worker is left with a
 # long one at the end.
 SHARED_UNITS = {"test_vllm_cli": "test_vllm"}
@@ -247,7 +249,9 @@ def unit_of(item) -> tuple[str, str]:
     """(the unit a test runs in, the module that names it)."""
     module = item.module.__name__.rpartition(".")[2]
     module = SHARED_UNITS.get(module, module)
-    return (item.nodeid if module == FIRST[0] else module), module
+    if module != FIRST[0]:
+        return module, module
+    return (module + "[every core]" if "readme_cores" in item.fixturenames else item.nodeid), module
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from cactus_cli.app.config.parsing import parse_draft
 from cactus_cli.app.config.profile_files import load_profile
@@ -39,12 +40,36 @@ def test_the_default_profile_needs_only_the_demo_extra():
     assert all(m.extra == "demo" for m in pair)
 
 
-def unpinned() -> None:
-    """In the subprocess: every core the suite started with (conftest pins each xdist worker to its
-    share), as the README's main command ran, so the caches it keyed by thread count apply."""
+def suite_cpus() -> set[int] | None:
+    """Every core the suite started with (conftest pins each xdist worker to its share; None: not
+    pinned): the README's main command ran on them, and its caches (plan, costs) are keyed by thread
+    count, so a run on a worker's share would measure everything again."""
     cpus = os.environ.get("CACTUS_TESTS_CPUS")
-    if cpus:
-        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    return {int(c) for c in cpus.split(",")} if cpus else None
+
+
+def unpinned() -> None:
+    """In the subprocess: every core, as the README's main command ran."""
+    if suite_cpus():
+        os.sched_setaffinity(0, suite_cpus())
+
+
+@pytest.fixture
+def readme_cores():
+    """This worker on every core (and torch's threads with it) while a test loads the default pair
+    in-process, as the README's command does; its own share again after."""
+    cpus = suite_cpus()
+    if not cpus:
+        yield
+        return
+    mine, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
+        torch.set_num_threads(threads)
 
 
 def generate(*extra: str, readme: bool = True) -> dict:
@@ -75,7 +100,7 @@ def generate(*extra: str, readme: bool = True) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_main_command_on_the_embedded_pair():
+def test_main_command_on_the_embedded_pair(readme_cores):
     doc = generate()  # the README's main command, as is: on llama.cpp (the demo extra installs it)
     stats = doc["stats"]
     assert doc["text"].strip()
@@ -109,7 +134,9 @@ NEAR_TIE = 1.0  # logits: how far a one-row step and a verify block moved a posi
 @pytest.mark.parametrize(
     "prompt", ["Write a Python function that checks whether a number is prime."]
 )  # (one prompt: the edit test below covers long drafts; each prompt costs ~17 s of the suite)
-def test_greedy_speculation_on_the_embedded_pair_equals_plain_greedy_or_parts_at_a_near_tie(prompt, monkeypatch):
+def test_greedy_speculation_on_the_embedded_pair_equals_plain_greedy_or_parts_at_a_near_tie(
+    prompt, monkeypatch, readme_cores
+):
     """64 greedy tokens with the 0.5B draft at k = 4 against the verifier alone, on llama.cpp. Where
     the two part, ggml's batched kernels rounded a near-tie differently (Q4_K quantizes activations
     per 256 values; a verify block and a one-row step differ by up to ~0.7 in a logit): at the first
@@ -136,7 +163,9 @@ def test_greedy_speculation_on_the_embedded_pair_equals_plain_greedy_or_parts_at
     assert float(top.values[0] - top.values[1]) < NEAR_TIE, (i, top)
 
 
-def test_greedy_edit_with_the_default_long_free_drafts_equals_plain_greedy_or_parts_at_a_near_tie(monkeypatch):
+def test_greedy_edit_with_the_default_long_free_drafts_equals_plain_greedy_or_parts_at_a_near_tie(
+    monkeypatch, readme_cores
+):
     """The default profile's free drafter (the suffix trees) at a fixed k of 24 on an edit from the
     built-in set, where drafts run long and the verify blocks are wide, against the verifier alone:
     equal, or parting only where the verifier's top two are a near-tie. (Not -k auto: how long it
