@@ -283,3 +283,21 @@ def join_in_chunks(engine, running: list[int], joining: list[int], params: Gener
             if entry is second and steps_to_first is None:
                 steps_to_first = step - joined
     return [got[id(first)], got[id(second)]], steps_to_first
+
+
+def test_a_request_goes_waiting_prefilling_decoding_done(close):
+    """A request's state as the batch moves it: its prompt prefilled whole while nothing decodes,
+    a joining one read chunk by chunk beside it, each done at its end."""
+    engine = SpeculativeEngine(close, sequences=2)
+    batch = Batch(engine, chunk=4)
+    params = GenerationParams(sampling=GREEDY, num_draft_tokens=2, max_tokens=12, ignore_eos=True)
+    first = batch.add(engine.start(ids(close, PROMPTS[0]), params, slot=0))
+    assert first.state == "waiting"
+    batch.step()
+    assert first.state == "decoding"  # (alone: prefilled whole, then its first step)
+    joining = batch.add(engine.start(ids(close, PROMPTS[3]), params, slot=1))
+    batch.step()
+    assert joining.state == "prefilling" and first.state == "decoding"  # (a 4-token chunk of its 17 words read)
+    while len(batch):
+        batch.step()
+    assert first.state == joining.state == "done"

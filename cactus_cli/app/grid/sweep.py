@@ -247,19 +247,19 @@ def run_concurrent(
                 i, (prompt, ids) = waiting.pop(0)
                 used = {q.slot for q in live.values()}
                 slot = next(s for s in range(len(engine.slots)) if s not in used)
-                entry = batch.add(engine.start(ids, _params(cfg, base, i, prompt.stop), slot=slot))
-                live[entry] = _Asked(prompt, i, slot)
-            for entry, ev in batch.step():
+                req = batch.add(engine.start(ids, _params(cfg, base, i, prompt.stop), slot=slot))
+                live[req] = _Asked(prompt, i, slot)
+            for req, ev in batch.step():
                 if isinstance(ev, BaseException):
                     raise ev
-                q = live[entry]
+                q = live[req]
                 q.turn.update(ev)
                 q.text.append(ev.text)
                 if q.first is None and ev.emitted:
                     q.first = time.perf_counter() - t0
-                if not entry.done:
+                if not req.done:
                     continue
-                del live[entry]
+                del live[req]
                 first_ttft = q.stats.time_to_first_token if q.answers else q.turn.time_to_first_token
                 q.stats.merge(q.turn)
                 q.stats.time_to_first_token = first_ttft
@@ -277,8 +277,8 @@ def run_concurrent(
                 result.add(q.prompt, q.stats)
                 on_run(cfg)
     finally:
-        for entry in list(live):
-            batch.cancel(entry)
+        for req in list(live):
+            batch.cancel(req)
         result.wall_seconds += time.perf_counter() - t0
 
 

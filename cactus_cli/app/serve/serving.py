@@ -31,9 +31,9 @@ from cactus_cli.app.session import Session
 from cactus_cli.core.acceptance import RULES
 from cactus_cli.core.errors import CactusError, ConfigError
 from cactus_cli.core.stats import SpecStats
-from cactus_cli.infer.decode.batch import Batch, Entry
-from cactus_cli.infer.decode.engine import GenerationParams
+from cactus_cli.infer.decode.batch import Batch
 from cactus_cli.infer.decode.grammar import Grammar
+from cactus_cli.infer.decode.request import GenerationParams, Request
 from cactus_cli.infer.kpolicy.costs import CostModel
 from cactus_cli.infer.runner import common_prefix
 
@@ -175,7 +175,7 @@ class Server:
         self.max_queue = max_queue
         self._admitting = threading.Lock()
         self.metrics = Metrics()
-        self.running: dict[Entry, Job] = {}
+        self.running: dict[Request, Job] = {}  # (each request's tag is its job too)
         self.stopping = threading.Event()
         self.log = log  # --log-requests: where the requests' text goes (None: nowhere)
         self.started = time.time()
@@ -309,9 +309,9 @@ class Server:
                 try:
                     self._step()
                 except Exception as err:  # noqa: BLE001 (never the worker's end: every running request gets it)
-                    for entry, job in list(self.running.items()):
-                        self.batch.cancel(entry)
-                        del self.running[entry]
+                    for req, job in list(self.running.items()):
+                        self.batch.cancel(req)
+                        del self.running[req]
                         self.metrics.requests["error"] += 1
                         self._send(job, err)
 
@@ -319,7 +319,7 @@ class Server:
         """``job`` joins the batch (prefilled at the next step) in the free slot holding the longest
         prefix of its prompt among those whose cache it shares at least SIMILAR of (an empty one
         does), else the least recently used free slot; a longer prefix another slot holds is adopted."""
-        busy = {entry.run.slot.index for entry in self.running}
+        busy = {run.slot.index for run in self.running}
         shared = {s.index: common_prefix(s.tokens[: s.verifier.cache_len], job.ids) for s in self.slots}
         free = [s for s in self.slots if s.index not in busy]
         similar = [s for s in free if shared[s.index] >= SIMILAR * s.verifier.cache_len]
@@ -343,24 +343,24 @@ class Server:
     def _step(self) -> None:
         """One step of every running request; each gets its event, its end or its error; then the
         requests whose client left (or every one, when stopping) end between steps."""
-        for entry, item in self.batch.step():
-            job = self.running[entry]
+        for req, item in self.batch.step():
+            job = self.running[req]
             if isinstance(item, BaseException):
-                del self.running[entry]
+                del self.running[req]
                 self.metrics.requests["error"] += 1
                 self._send(job, item)
                 continue
             job.stats.update(item)
             self._send(job, item)
             if item.finish_reason:
-                self._done(entry, FINISH.get(item.finish_reason, "stop"))
-        for entry, job in list(self.running.items()):
+                self._done(req, FINISH.get(item.finish_reason, "stop"))
+        for req, job in list(self.running.items()):
             if job.cancel.is_set() or self.stopping.is_set():
-                self.batch.cancel(entry)
-                self._done(entry, "abort")
+                self.batch.cancel(req)
+                self._done(req, "abort")
 
-    def _done(self, entry: Entry, reason: str) -> None:
-        job = self.running.pop(entry)
+    def _done(self, run: Request, reason: str) -> None:
+        job = self.running.pop(run)
         stats = dataclasses.replace(job.stats)
         self.metrics.add(stats, reason)
         if self.log is not None and job.label:

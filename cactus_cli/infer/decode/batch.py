@@ -1,5 +1,5 @@
-"""The one loop over generations: ``Batch`` holds the runs in flight, each in its own slot with
-its own text stream, and ``step`` moves them all one round (runs added since the last round are
+"""The one loop over generations: ``Batch`` holds the requests in flight (request.py), each in its own
+slot with its own text stream, and ``step`` moves them all one round (runs added since the last round are
 prefilled first, then the engine steps every run in one verifier call). ``generate`` is a batch
 of one; `cactus serve` keeps one batch and adds requests as they come (continuous batching);
 `bench --concurrency` adds several at once.
@@ -12,11 +12,11 @@ is counted as paused, so tokens per second are the engine's."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
 
 from cactus_cli.core.events import StepEvent
-from cactus_cli.infer.decode.slot import Run, Slot
+from cactus_cli.infer.decode.request import Request
+from cactus_cli.infer.decode.slot import Slot
 from cactus_cli.infer.decode.text import TextStream
 from cactus_cli.infer.kpolicy.costs import CostModel
 from cactus_cli.infer.kpolicy.store import CostStore
@@ -40,8 +40,8 @@ def first_chunk(costs: CostModel) -> int:
     return max(MIN_CHUNK, min(MAX_CHUNK, int(STEP_SECONDS / per_token)))
 
 
-# a run still prefilling, and the next tokens of its prompt for its verifier and for its draft model
-Chunk = tuple[Run, list[int], list[int]]
+# a request still prefilling, and the next tokens of its prompt for its verifier and for its draft model
+Chunk = tuple[Request, list[int], list[int]]
 
 
 class Engine(Protocol):
@@ -51,23 +51,13 @@ class Engine(Protocol):
     pair: ModelPair  # (its tokenizer: each run's text stream)
     costs: CostStore  # (its verify curve: the first prefill chunk)
 
-    def admit(self, run: Run, reuse: bool, donor: Slot | None = None) -> None: ...
+    def admit(self, run: Request, reuse: bool, donor: Slot | None = None) -> None: ...
 
-    def prefill(self, run: Run, reuse: bool, donor: Slot | None = None) -> None: ...
+    def prefill(self, run: Request, reuse: bool, donor: Slot | None = None) -> None: ...
 
-    def step(self, runs: list[Run], chunks: Sequence[Chunk] = ()) -> list[StepEvent | Exception]: ...
+    def step(self, runs: list[Request], chunks: Sequence[Chunk] = ()) -> list[StepEvent | Exception]: ...
 
-    def finish(self, run: Run, learn: bool = True) -> None: ...
-
-
-@dataclass(eq=False)
-class Entry:
-    run: Run
-    text: TextStream | None  # None: token events only (engine.steps)
-    reuse: bool
-    donor: Slot | None = None
-    done: bool = False
-    tag: object = field(default=None)  # the caller's (serve: the request)
+    def finish(self, run: Request, learn: bool = True) -> None: ...
 
 
 class Batch:
@@ -78,26 +68,27 @@ class Batch:
         self.engine = engine
         self.chunk = chunk if chunk is not None else first_chunk(engine.costs.costs)
         self.fixed = chunk is not None
-        self.entries: list[Entry] = []
+        self.runs: list[Request] = []  # in flight, in the order they joined
         self.idle_from: float | None = None
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.runs)
 
-    def add(self, run: Run, reuse: bool = False, text: bool = True, donor: Slot | None = None, tag=None) -> Entry:
-        """``run`` joins at the next step (prefilled then); ``donor``: a slot whose caches hold a
-        longer prefix of its prompt (adopted instead of prefilled)."""
-        stream = TextStream(self.engine.pair.tokenizer, run.params.stop, run.cut_output) if text else None
-        entry = Entry(run, stream, reuse, donor, tag=tag)
-        self.entries.append(entry)
-        return entry
+    def add(self, run: Request, reuse: bool = False, text: bool = True, donor: Slot | None = None, tag=None) -> Request:
+        """``run`` joins at the next step (prefilled then), with a text stream unless ``text`` is
+        False (token events only: engine.steps); ``donor``: a slot whose caches hold a longer prefix
+        of its prompt (adopted instead of prefilled); ``tag``: the caller's."""
+        run.text = TextStream(self.engine.pair.tokenizer, run.params.stop, run.cut_output) if text else None
+        run.reuse, run.donor, run.tag = reuse, donor, tag
+        self.runs.append(run)
+        return run
 
-    def cancel(self, entry: Entry) -> None:
-        """End ``entry`` between steps (its caches stay consistent); what it output is learned."""
-        if not entry.done:
-            self._end(entry)
+    def cancel(self, run: Request) -> None:
+        """End ``run`` between steps (its caches stay consistent); what it output is learned."""
+        if not run.done:
+            self._end(run)
 
-    def step(self) -> list[tuple[Entry, StepEvent | BaseException]]:
+    def step(self) -> list[tuple[Request, StepEvent | BaseException]]:
         """One round in three passes: schedule (the runs that joined take their slots; with runs
         decoding, a joining prompt gets a chunk, ``chunk`` tokens in all, so a long prompt no
         longer stalls the running streams for its whole prefill; with none, it is prefilled whole),
@@ -106,18 +97,18 @@ class Batch:
         the next step; ended runs leave the batch)."""
         now = time.perf_counter()
         if self.idle_from is not None:
-            for entry in self.entries:
-                if entry.run.admitted:
-                    entry.run.paused += now - self.idle_from
-        out: list[tuple[Entry, StepEvent | BaseException]] = []
+            for run in self.runs:
+                if run.admitted:
+                    run.paused += now - self.idle_from
+        out: list[tuple[Request, StepEvent | BaseException]] = []
         live, chunks = self._schedule(out)
         t0 = time.perf_counter()
         try:
-            results = self.engine.step([e.run for e in live], [(e.run, v, d) for e, v, d in chunks]) if live else []
+            results = self.engine.step(live, chunks) if live else []
         except Exception as err:  # noqa: BLE001 (the step's one model call failed: every run in it)
-            for entry in live + [e for e, _, _ in chunks]:
-                self._fail(entry, err)
-                out.append((entry, err))
+            for run in live + [e for e, _, _ in chunks]:
+                self._fail(run, err)
+                out.append((run, err))
             live, chunks, results = [], [], []
         except BaseException:
             self._abandon(live + [e for e, _, _ in chunks])
@@ -128,56 +119,54 @@ class Batch:
         self.idle_from = time.perf_counter()
         return out
 
-    def _schedule(self, out: list) -> tuple[list[Entry], list[tuple[Entry, list[int], list[int]]]]:
+    def _schedule(self, out: list) -> tuple[list[Request], list[Chunk]]:
         """The runs this step decodes, and the prompt chunks it feeds: (a run still prefilling, its
         verifier's next tokens, its draft model's). A run that fails here is its own error in ``out``."""
-        live = [e for e in self.entries if e.run.prefilled]
+        live = [e for e in self.runs if e.prefilled]
         chunked = bool(live)  # (streams are running: a joining prompt shares their steps)
         chunks, budget = [], self.chunk
-        for entry in [e for e in self.entries if not e.run.prefilled]:
-            run = entry.run
+        for run in [e for e in self.runs if not e.prefilled]:
             try:
                 if not chunked:
-                    self.engine.prefill(run, entry.reuse, entry.donor)
-                    live.append(entry)
+                    self.engine.prefill(run, run.reuse, run.donor)
+                    live.append(run)
                     continue
                 if not run.admitted:
-                    self.engine.admit(run, entry.reuse, entry.donor)
+                    self.engine.admit(run, run.reuse, run.donor)
                 if not run.pending and not run.draft_pending:  # (all of it cached already)
                     run.settle()
-                    live.append(entry)
+                    live.append(run)
                 elif budget > 0:
-                    chunks.append((entry, run.pending[:budget], run.draft_pending[:budget]))
+                    chunks.append((run, run.pending[:budget], run.draft_pending[:budget]))
                     budget -= max(len(chunks[-1][1]), len(chunks[-1][2]))
             except Exception as err:  # noqa: BLE001 (one run's failure is its own)
-                self._fail(entry, err)
-                out.append((entry, err))
+                self._fail(run, err)
+                out.append((run, err))
             except BaseException:
-                self._abandon(list(self.entries))
+                self._abandon(list(self.runs))
                 raise
         return live, chunks
 
-    def _commit(self, live: list[Entry], results: list, chunks: list, out: list) -> None:
+    def _commit(self, live: list[Request], results: list, chunks: list, out: list) -> None:
         """Each chunk's run moves on (settled once its prompt is read); each decoding run's event,
         with text, or its error, into ``out``."""
-        for entry, ids, draft in chunks:
-            run = entry.run
+        for run, ids, draft in chunks:
             run.pending, run.draft_pending = run.pending[len(ids) :], run.draft_pending[len(draft) :]
             if not run.pending and not run.draft_pending:
                 try:
                     run.settle()
                 except Exception as err:  # noqa: BLE001 (one run's failure is its own)
-                    self._fail(entry, err)
-                    out.append((entry, err))
-        for entry, result in zip(live, results):
+                    self._fail(run, err)
+                    out.append((run, err))
+        for run, result in zip(live, results):
             if isinstance(result, BaseException):
-                self._fail(entry, result)
-                out.append((entry, result))
+                self._fail(run, result)
+                out.append((run, result))
                 continue
-            event = entry.text.add_text(result) if entry.text is not None else result
-            out.append((entry, event))
+            event = run.text.add_text(result) if run.text is not None else result
+            out.append((run, event))
             if event.finish_reason:
-                self._end(entry)
+                self._end(run)
 
     def _resize(self, seconds: float) -> None:
         """The next step's prefill chunk, from this one's time: toward a step of STEP_SECONDS
@@ -185,35 +174,35 @@ class Batch:
         scale = min(2.0, max(0.5, STEP_SECONDS / max(seconds, 1e-6)))
         self.chunk = max(MIN_CHUNK, min(MAX_CHUNK, int(self.chunk * scale)))
 
-    def _end(self, entry: Entry) -> None:
-        entry.done = True
-        self.entries.remove(entry)
-        self.engine.finish(entry.run)
+    def _end(self, run: Request) -> None:
+        run.done = True
+        self.runs.remove(run)
+        self.engine.finish(run)
 
-    def _fail(self, entry: Entry, err: BaseException) -> None:
+    def _fail(self, run: Request, err: BaseException) -> None:
         """A run that failed mid-step: its caches may be half-updated, so its slot forgets them
         (the next run there prefills from scratch) and nothing is learned from it."""
-        entry.run.slot.reset()
-        entry.done = True
-        self.entries.remove(entry)
-        self.engine.finish(entry.run, learn=False)
+        run.slot.reset()
+        run.done = True
+        self.runs.remove(run)
+        self.engine.finish(run, learn=False)
 
-    def _abandon(self, entries: list[Entry]) -> None:
+    def _abandon(self, runs: list[Request]) -> None:
         """Interrupted (Ctrl-C, out of memory) inside a step: drop every affected slot's caches."""
-        for entry in entries:
-            if not entry.done:
-                self._fail(entry, KeyboardInterrupt())
+        for run in runs:
+            if not run.done:
+                self._fail(run, KeyboardInterrupt())
 
-    def events(self, entry: Entry) -> Iterator[StepEvent]:
-        """``entry``'s events until it ends, stepping this batch (a batch of one: ``generate``).
+    def events(self, run: Request) -> Iterator[StepEvent]:
+        """``run``'s events until it ends, stepping this batch (a batch of one: ``generate``).
         Closing the iterator between events cancels the run with its caches consistent."""
         try:
-            while not entry.done:
+            while not run.done:
                 for got, result in self.step():
-                    if got is not entry:
+                    if got is not run:
                         continue
                     if isinstance(result, BaseException):
                         raise result
                     yield result
         finally:
-            self.cancel(entry)
+            self.cancel(run)

@@ -1,5 +1,5 @@
 """What a run reads of its engine: a small frozen context, made once by the engine and handed to
-each run (slot.py's ``Run``), so a run never reaches into the engine, its pair or its slots."""
+each request (request.py's ``Request``), so a request never reaches into the engine, its pair or its slots."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """The speculative decoding engine: one generator of StepEvents that every command consumes.
 
-The engine holds the models (one runner per model, each holding one sequence per slot) and its
-slots (slot.py: one sequence's whole state). ``step`` is one round for a set of runs, each in its
-own slot: choose every run's k together (policy.allocate: the whole step's expected tokens per
+The engine holds the models (one runner per model, each holding one sequence per slot), its
+slots (slot.py: one sequence's caches) and what every request reads of it (context.py). A request
+(request.py: one generation's own state, waiting, prefilling, decoding, done) borrows a slot.
+``step`` is one round for a set of requests ("runs" below), each in its own slot: choose every run's k together (policy.allocate: the whole step's expected tokens per
 second under the measured cost of its width), draft for all of them (the draft model steps every
 run's row in one call per position), verify (ONE verifier call over every run's row, then each
 run's rule over its own ragged drafts, read back in the step's one host sync; nothing is
@@ -29,7 +30,8 @@ from cactus_cli.infer.backends.registry import backend_of
 from cactus_cli.infer.decode.batch import Batch, Chunk
 from cactus_cli.infer.decode.context import EngineContext
 from cactus_cli.infer.decode.grammar import Grammars
-from cactus_cli.infer.decode.slot import GenerationParams, Run, Slot, Timing
+from cactus_cli.infer.decode.request import GenerationParams, Request, Timing
+from cactus_cli.infer.decode.slot import Slot
 from cactus_cli.infer.draft import KINDS, Free, free_drafting, make_drafter, propose_all
 from cactus_cli.infer.kpolicy.costs import probe, probe_widths
 from cactus_cli.infer.kpolicy.policy import AdaptiveK, FixedK, KPolicy, Learned, acceptance_key, allocate
@@ -280,7 +282,7 @@ class SpeculativeEngine:
         batch = Batch(self)
         return batch.events(batch.add(self.start(prompt_ids, params), reuse_cache, text=False))
 
-    def start(self, prompt_ids: list[int], params: GenerationParams, slot: int = 0) -> Run:
+    def start(self, prompt_ids: list[int], params: GenerationParams, slot: int = 0) -> Request:
         """Check the prompt, size the slot's caches, and make the run: one generation's state
         (it takes the slot's caches when it is prefilled)."""
         if not prompt_ids:
@@ -293,7 +295,7 @@ class SpeculativeEngine:
         # (an answer without a cap grows an eager cache as it goes; a static one is sized once)
         ahead = params.max_tokens if self.compiled else min(params.max_tokens, RESERVE_AHEAD)
         self.prepare(len(prompt_ids) + ahead + 1, self.step_widths(params.num_draft_tokens), self.report, False, slot)
-        return Run(self.context, self.slots[slot], list(prompt_ids), params, self.policy(params))
+        return Request(self.context, self.slots[slot], list(prompt_ids), params, self.policy(params))
 
     def policy(self, params: GenerationParams) -> KPolicy:
         """A run's own k policy over the engine's store and ``learned`` (a warm-up's learns nothing)."""
@@ -301,7 +303,7 @@ class SpeculativeEngine:
             return FixedK(None) if not params.adaptive_k else AdaptiveK(CostStore(kinds=tuple(KINDS)))
         return AdaptiveK(self.costs, self.learned) if params.adaptive_k else FixedK(self.costs)
 
-    def admit(self, run: Run, reuse: bool, donor: Slot | None = None) -> None:
+    def admit(self, run: Request, reuse: bool, donor: Slot | None = None) -> None:
         """The run takes its slot's caches (a run there not finished loses them), keeping what
         they hold of its prompt; the rest is fed by ``prefill`` or chunk by chunk (batch.py)."""
         run.slot.owner = run
@@ -309,7 +311,7 @@ class SpeculativeEngine:
         run.begin()
         run.admit(reuse, donor)
 
-    def prefill(self, run: Run, reuse: bool, donor: Slot | None = None) -> None:
+    def prefill(self, run: Request, reuse: bool, donor: Slot | None = None) -> None:
         """``admit``, then the rest of the prompt in one call."""
         self.admit(run, reuse, donor)
         with torch.inference_mode():
@@ -319,7 +321,7 @@ class SpeculativeEngine:
             run.pending, run.draft_pending = [], []
             run.settle()
 
-    def finish(self, run: Run, learn: bool = True) -> None:
+    def finish(self, run: Request, learn: bool = True) -> None:
         """The run is done: its drafter learns what it output (unless it failed), the store is saved."""
         if run.slot.owner is run:
             run.slot.owner = None
@@ -331,7 +333,7 @@ class SpeculativeEngine:
             )  # what this run learned, for the next run (a server's: at most once a second)
 
     @torch.inference_mode()
-    def step(self, runs: list[Run], chunks: Sequence[Chunk] = ()) -> list[StepEvent | Exception]:
+    def step(self, runs: list[Request], chunks: Sequence[Chunk] = ()) -> list[StepEvent | Exception]:
         """One round for every run: choose k together, draft, one verifier call, each run's rule,
         one host read, commit. ``chunks``: prompt chunks of runs still prefilling (batch.py), fed
         to the verifier in the same call (no logits read), and to a draft model that reads the
@@ -379,7 +381,7 @@ class SpeculativeEngine:
             out.append(run.commit(verified, proposal.fed if proposal is not None else 0, timing, alone))
         return out
 
-    def _verify(self, runs: list[Run], proposals: list, chunks: Sequence[Chunk] = ()) -> tuple[list, float]:
+    def _verify(self, runs: list[Request], proposals: list, chunks: Sequence[Chunk] = ()) -> tuple[list, float]:
         """One verifier call over every run's row (its last token and its drafts) and every
         prompt chunk, each run's rule over its own row, and ONE host read of every verdict; and
         the seconds the call took."""
