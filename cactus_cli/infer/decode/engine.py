@@ -3,11 +3,12 @@
 The engine holds the models (one runner per model, each holding one sequence per slot), its
 slots (slot.py: one sequence's caches) and what every request reads of it (context.py). A request
 (request.py: one generation's own state, waiting, prefilling, decoding, done) borrows a slot.
-``step`` is one round for a set of requests ("runs" below), each in its own slot: choose every run's k together (policy.allocate: the whole step's expected tokens per
-second under the measured cost of its width), draft for all of them (the draft model steps every
-run's row in one call per position), verify (ONE verifier call over every run's row, then each
-run's rule over its own ragged drafts, read back in the step's one host sync; nothing is
-committed), commit (the policies learn, each slot's caches are cropped to what it accepted).
+``step`` is one round for a set of requests ("runs" below), each in its own slot: choose every
+run's k together (policy.allocate: the whole step's expected tokens per second under the measured
+cost of its width), draft for all of them (the draft model steps every run's row in one call per
+position), verify (ONE verifier call over every run's row, then each run's rule over its own
+ragged drafts, read back in the step's one host sync; nothing is committed), commit (the policies
+learn, each slot's caches are cropped to what it accepted).
 batch.py runs the loop: ``generate`` is a batch of one, `cactus serve` a batch that requests
 join and leave. The engine speaks tokens: text, stop strings and the rejected drafts as text are
 added by text.py's stream around it, outside the timed region. The engine never imports Rich
