@@ -16,7 +16,6 @@ import json
 import math
 import statistics
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from cactus_cli.infer.kpolicy.rates import Acceptance, Calibration
 SCHEMA = 3
 _PROBED: set[str] = set()  # the stores this process probed (a provisional probe is taken again once per start)
 SAVE_EVERY = 1.0  # seconds: the engine saves after every run; a server's many short runs write at most this often
-_UNSAVED: weakref.WeakSet[CostStore] = weakref.WeakSet()  # stores whose last save was put off, written at exit
+_UNSAVED: set[CostStore] = set()  # stores whose last save was put off (held, so none is lost before exit)
 
 
 def valid_counts(acc: Any, tested: Any) -> bool:
