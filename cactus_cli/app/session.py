@@ -132,11 +132,7 @@ class Session:
     def verifier_logits(self, ids: list[int], keep: int) -> Any:
         """The verifier's logits [keep, V] for the last ``keep`` positions of ``ids``, from empty
         caches (scoring, temperature 1, no filtering); the caches are dropped afterwards."""
-        self.engine.reset()
-        try:
-            return self.engine.score(ids, keep)
-        finally:
-            self.engine.reset()
+        return self.engine.score(ids, keep)
 
     def generate(
         self,

@@ -200,16 +200,15 @@ class SpeculativeEngine:
         for slot in self.slots:
             slot.reset()
 
-    def score(self, ids: list[int], keep: int, slot: int = 0) -> torch.Tensor:
+    def score(self, ids: list[int], keep: int) -> torch.Tensor:
         """The verifier's logits [keep, V] (float32, a copy) for the last ``keep`` positions of ``ids``,
-        read in ``slot`` from empty caches (scoring: temperature 1, nothing filtered); the slot
-        forgets them afterwards."""
-        s = self.slots[slot]
-        s.reset()
+        read in slot 0 from empty caches (scoring: temperature 1, nothing filtered); every slot's
+        caches are dropped before and after."""
+        self.reset()
         try:
-            return s.verifier.forward(ids, keep=keep).float().clone()  # (llama.cpp: a view of its buffer)
+            return self.slots[0].verifier.forward(ids, keep=keep).float().clone()  # (llama.cpp: a view of its buffer)
         finally:
-            s.reset()
+            self.reset()
 
     def probe_costs(self, k_max: int, length: int = 128) -> bool:
         """Seed the cost store with a short timing probe over a synthetic ``length``-token context
