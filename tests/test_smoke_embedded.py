@@ -50,8 +50,9 @@ def suite_cpus() -> set[int] | None:
 
 def unpinned() -> None:
     """In the subprocess: every core, as the README's main command ran."""
-    if suite_cpus():
-        os.sched_setaffinity(0, suite_cpus())
+    cpus = suite_cpus()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 @pytest.fixture

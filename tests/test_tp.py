@@ -32,23 +32,19 @@ from tests.helpers import (
 )
 
 
+def pair(tiny) -> list[str]:
+    """The tiny pair, on the CPU, eager (after a command's own flags, so its --dtype stands)."""
+    return ["--verifier", tiny["verifier"], "--draft", tiny["draft_close"], "--device", "cpu", "--compile", "off"]
+
+
 def cactus(tiny, *args, **kwargs) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "cactus_cli",
-        *args,
-        "--verifier",
-        tiny["verifier"],
-        "--draft",
-        tiny["draft_close"],
-        "--device",
-        "cpu",
-        "--compile",
-        "off",
-    ]
     return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"), **kwargs
+        [sys.executable, "-m", "cactus_cli", *args, *pair(tiny)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        **kwargs,
     )
 
 
@@ -56,14 +52,12 @@ def text(tiny, tp, *args) -> str:
     """The generated text; --tp 1 in this process (a subprocess is 6 s of imports), a group in its own."""
     argv = ("generate", "the cat sat on the mat and then", "--tp", str(tp), "-n", "24", "--json", "--dtype", "float32")
     if tp == 1:
-        pair = ["--verifier", tiny["verifier"], "--draft", tiny["draft_close"], "--device", "cpu", "--compile", "off"]
-        r = invoke(*argv, *args, *pair)
+        r = invoke(*argv, *args, *pair(tiny))
         assert r.exit_code == 0, r.output[-2000:]
-        doc = json.loads(r.stdout)
     else:
         r = cactus(tiny, *argv, *args)
         assert r.returncode == 0, r.stderr[-2000:]
-        doc = json.loads(r.stdout)
+    doc = json.loads(r.stdout)
     assert doc["settings"]["dtype_resolved"] == "float32"
     return doc["text"]
 
@@ -82,13 +76,12 @@ def test_tp2_seeded_sampling_gives_the_same_text(tiny):
 
 def test_bad_n_is_one_line(tiny):
     """Refused before any rank starts (in-process: a subprocess per case was 6 s of imports each)."""
-    pair = ["--verifier", tiny["verifier"], "--draft", tiny["draft_close"], "--device", "cpu", "--compile", "off"]
-    r = invoke("generate", "hi", "--tp", "3", *pair)
+    r = invoke("generate", "hi", "--tp", "3", *pair(tiny))
     assert r.exit_code == 2 and r.output.strip() == (
         "error: --tp 3: the verifier has 4 attention heads and 2 key/value heads; N must divide both (e.g. --tp 2)"
     ), r.output
-    one_line_error(invoke("generate", "hi", "--tp", "2", "--dtype", "bfloat16", *pair), "gloo in float32")
-    r = invoke("bench", "--tp", "2", "--compare-hf", *pair)
+    one_line_error(invoke("generate", "hi", "--tp", "2", "--dtype", "bfloat16", *pair(tiny)), "gloo in float32")
+    r = invoke("bench", "--tp", "2", "--compare-hf", *pair(tiny))
     one_line_error(r, "--compare-hf")
     assert "--tp" in r.output.strip().splitlines()[-1]
 
