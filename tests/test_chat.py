@@ -170,7 +170,7 @@ def test_interrupt_inside_a_step_drops_the_caches_and_recovers(tiny):
 
 
 def test_ctrl_c_during_a_reply_keeps_the_partial_reply(tiny, tmp_path, monkeypatch):
-    real = SpeculativeEngine.generate
+    real = SpeculativeEngine.events
     state = {"turn": 0}
 
     def interrupted_first_turn(self, *args, **kwargs):
@@ -180,7 +180,7 @@ def test_ctrl_c_during_a_reply_keeps_the_partial_reply(tiny, tmp_path, monkeypat
                 raise KeyboardInterrupt
             yield ev
 
-    monkeypatch.setattr(SpeculativeEngine, "generate", interrupted_first_turn)
+    monkeypatch.setattr(SpeculativeEngine, "events", interrupted_first_turn)
     js = tmp_path / "t.json"
     r = chat(tiny, f"the cat sat\nthe dog ran\n/save {js}\n")
     assert r.exit_code == 0, r.output

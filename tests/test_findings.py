@@ -264,9 +264,9 @@ def test_requests_that_free_slots_will_take_are_not_refused_as_a_full_queue(tiny
     server = Server(session, max_queue=1, parallel=4)
     ids = session.tokenizer("the cat")["input_ids"]
     for _ in range(5):
-        server.submit(server.job(ids, {"max_tokens": 2}, lambda item: None))
+        server.submit(server.request(ids, {"max_tokens": 2}, lambda item: None))
     with pytest.raises(Busy, match=r"the queue is full \(1 requests waiting\)"):
-        server.submit(server.job(ids, {"max_tokens": 2}, lambda item: None))
+        server.submit(server.request(ids, {"max_tokens": 2}, lambda item: None))
 
 
 def test_a_schema_too_large_for_the_grammar_parser_is_the_requests_error(tiny, monkeypatch):

@@ -506,7 +506,7 @@ def test_a_server_makes_every_slots_room_at_start_so_requests_never_replay_the_c
         for i in range(4):
             prompt = ids * (i + 1)  # (different lengths, the longest 4x the prompt)
             deliver = lambda item, e=done[i]: e.set() if isinstance(item, (Finished, Exception)) else None  # noqa: E731
-            server.submit(server.job(prompt, {"max_tokens": 24, "temperature": 0}, deliver))
+            server.submit(server.request(prompt, {"max_tokens": 24, "temperature": 0}, deliver))
         assert all(e.wait(120) for e in done)
         assert len(made) == started, made[started:]
     finally:

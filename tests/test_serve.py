@@ -673,7 +673,7 @@ def test_one_at_a_time_two_conversations_keep_their_own_cached_prefixes(batched)
                 box.append(item)
                 done.set()
 
-        server.submit(server.job(ids, {"max_tokens": 4, "temperature": 0}, deliver))
+        server.submit(server.request(ids, {"max_tokens": 4, "temperature": 0}, deliver))
         assert done.wait(120)
         assert isinstance(box[0], Finished), box[0]
         return box[0], len(ids)

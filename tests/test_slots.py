@@ -301,3 +301,22 @@ def test_a_request_goes_waiting_prefilling_decoding_done(close):
     while len(batch):
         batch.step()
     assert first.state == joining.state == "done"
+
+
+def test_a_request_waits_without_a_slot_until_the_engine_places_it(close):
+    """``engine.request`` makes a request with no slot (serve makes it in the handler, before a
+    slot is free); a batch refuses it until ``engine.place`` gives it one."""
+    engine = SpeculativeEngine(close, sequences=2)
+    params = GenerationParams(sampling=GREEDY, num_draft_tokens=2, max_tokens=4, ignore_eos=True)
+    req = engine.request(ids(close, PROMPTS[0]), params)
+    assert req.state == "waiting" and req.slot is None and req.tokens == []
+    batch = Batch(engine)
+    with pytest.raises(ValueError, match="engine.place"):
+        batch.add(req)
+    batch.add(engine.place(req, slot=1))
+    out = [ev for _, ev in batch.step()]
+    assert req.slot is engine.slots[1] and req.state == "decoding"
+    while len(batch):
+        out += [ev for _, ev in batch.step()]
+    assert req.stats.num_output_tokens == sum(len(ev.emitted) for ev in out) == 4  # (its own stats, as they came)
+

@@ -39,7 +39,7 @@ from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 class Session:
     settings: Settings
     engine: SpeculativeEngine
-    stats: SpecStats = field(default_factory=SpecStats)  # the last generation's
+    stats: SpecStats = field(default_factory=SpecStats)  # the last request's own (Request.stats)
 
     @classmethod
     def load(
@@ -143,14 +143,13 @@ class Session:
         **overrides: Any,
     ) -> Iterator[StepEvent]:
         """The engine's step events for ``prompt`` (``params`` as given, else the settings with
-        ``overrides``); ``stats`` counts them as they come."""
+        ``overrides``); ``stats`` is this request's, counted as they come."""
         settings = self.with_settings(**overrides)
         ids = self.encode(prompt)
         self.prepare(len(ids), settings=settings)
-        self.stats = SpecStats()
-        for event in self.engine.generate(ids, params or self.params(settings), reuse_cache):
-            self.stats.update(event)
-            yield event
+        run = self.engine.start(ids, params or self.params(settings))
+        self.stats = run.stats  # (the request's own, counted as its events come)
+        yield from self.engine.events(run, reuse_cache)
 
     def text(self, prompt: str | list[dict[str, str]] | list[int], **overrides: Any) -> str:
         """The whole completion as text."""

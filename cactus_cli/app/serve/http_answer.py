@@ -1,4 +1,4 @@
-"""How `cactus serve` answers (app/serve/http_api.py's routes hand each job here): the answer whole or
+"""How `cactus serve` answers (app/serve/http_api.py's routes hand each request here): the answer whole or
 streamed as server-sent events, its text with the tool calls it makes taken out (app/serve/tools.py), each
 token's log-probabilities, usage and what the speculation bought; errors in OpenAI's shape."""
 
@@ -12,9 +12,10 @@ from fastapi import Request
 from fastapi.responses import Response
 from fastapi.sse import format_sse_event
 
-from cactus_cli.app.serve.serving import Busy, Finished, Job, Server
+from cactus_cli.app.serve.serving import Busy, Finished, Server
 from cactus_cli.app.serve.tools import Calls
 from cactus_cli.core.errors import CactusError
+from cactus_cli.infer.decode.request import Request as GenRequest
 
 
 class ApiError(Exception):
@@ -165,9 +166,9 @@ async def _next(inbox: asyncio.Queue) -> Any:
 
 
 async def whole(
-    server: Server, job: Job, inbox: asyncio.Queue, head: dict, answer: Answer, n_prompt: int, request: Request
+    server: Server, req: GenRequest, inbox: asyncio.Queue, head: dict, answer: Answer, n_prompt: int, request: Request
 ):
-    """Wait for the whole answer; a client that leaves meanwhile cancels the job."""
+    """Wait for the whole answer; a client that leaves meanwhile cancels the request."""
     try:
         while True:
             try:
@@ -180,31 +181,37 @@ async def whole(
                 break
             answer.add(item)
             if answer.done:
-                job.cancel.set()  # (its one call is made: the rest is not needed)
+                req.cancel()  # (its one call is made: the rest is not needed)
     finally:
-        job.cancel.set()  # (a no-op once the job is done)
+        req.cancel()  # (a no-op once the request is done)
     answer.close()
     return {
         **head,
         "object": "chat.completion" if answer.chat else "text_completion",
         "choices": [answer.message(_reason(item, answer))],
         "usage": usage(n_prompt, item),
-        "speculative": server.speculative(job.settings, item.stats),
+        "speculative": server.speculative(req.params, item.stats),
     }
 
 
 def _reason(finished: Finished, answer: Answer) -> str:
     """finish_reason: ``tool_calls`` where the answer made calls (its end may be the cancel that
-    followed its one call), else the job's."""
+    followed its one call), else the request's."""
     return answer.finish_reason("stop" if answer.done else finished.finish_reason)
 
 
 async def stream(
-    server: Server, job: Job, inbox: asyncio.Queue, head: dict, answer: Answer, n_prompt: int, include_usage: bool
+    server: Server,
+    req: GenRequest,
+    inbox: asyncio.Queue,
+    head: dict,
+    answer: Answer,
+    n_prompt: int,
+    include_usage: bool,
 ):
     """One chunk per verification step's text (a tool call: one chunk when it is complete); the
     last carries the finish reason and what the speculation bought; ``data: [DONE]`` ends it. A
-    client that leaves cancels the job (Starlette cancels this generator, and ``finally`` says so
+    client that leaves cancels the request (Starlette cancels this generator, and ``finally`` says so
     to the worker)."""
     kind = "chat.completion.chunk" if answer.chat else "text_completion"
     first = True
@@ -223,7 +230,7 @@ async def stream(
                     first = False
                 end = answer.chunk("", [], [], _reason(item, answer), first)
                 last = {**head, "object": kind, "choices": [end]}
-                last["speculative"] = server.speculative(job.settings, item.stats)
+                last["speculative"] = server.speculative(req.params, item.stats)
                 yield format_sse_event(data_str=json.dumps(last))
                 if include_usage:  # (stream_options.include_usage: one more chunk, no choices)
                     tail = {**head, "object": kind, "choices": [], "usage": usage(n_prompt, item)}
@@ -231,11 +238,11 @@ async def stream(
                 break
             text, calls, entries = answer.add(item)
             if answer.done:
-                job.cancel.set()
+                req.cancel()
             if text or calls or entries:
                 chunk = {**head, "object": kind, "choices": [answer.chunk(text, calls, entries, None, first)]}
                 yield format_sse_event(data_str=json.dumps(chunk))
                 first = False
         yield format_sse_event(data_str="[DONE]")
     finally:
-        job.cancel.set()  # (a no-op once the job is done)
+        req.cancel()  # (a no-op once the request is done)

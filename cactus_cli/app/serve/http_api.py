@@ -30,7 +30,6 @@ from cactus_cli.app.serve.http_fields import (
     renamed,
     sampling_fields,
     with_headers,
-    with_sampling,
 )
 from cactus_cli.app.serve.http_guard import BodyGuard, json_problem
 from cactus_cli.app.serve.serving import Busy, FieldError, Server
@@ -361,15 +360,16 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
             raise ApiError(400, str(err), getattr(err, "param", None) or ("messages" if chat else "prompt")) from None
         label = json.dumps(prompt)[:2000] if server.log is not None else ""
         try:
-            job = server.job(
+            req = server.request(
                 ids,
                 body.overrides(),
                 lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item),
                 label,
                 logprobs,
                 grammar,
+                sampling,
             )
-            server.submit(job := with_sampling(job, sampling))
+            server.submit(req)
         except Busy as err:
             raise ApiError(503, str(err), None, "server_error") from None
         except CactusError as err:
@@ -380,11 +380,11 @@ def build_app(server: Server, api_key: str | None = None) -> FastAPI:
         headers = ignored_header(body, render)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = answer_stream(server, job, inbox, head, answer, len(ids), include_usage)
+            stream = answer_stream(server, req, inbox, head, answer, len(ids), include_usage)
             return StreamingResponse(
                 stream, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"}
             )
-        return with_headers(await whole(server, job, inbox, head, answer, len(ids), request), headers)
+        return with_headers(await whole(server, req, inbox, head, answer, len(ids), request), headers)
 
     return app
 

@@ -13,7 +13,6 @@ by name where honouring it is not possible yet (never a silent change of the ans
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import re
@@ -23,7 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cactus_cli.app.serve.http_answer import ApiError
-from cactus_cli.app.serve.serving import FieldError, Job
+from cactus_cli.app.serve.serving import FieldError
 
 log = logging.getLogger("cactus.serve")
 IGNORED = ("store", "metadata", "service_tier", "prediction", "cache_prompt", "reasoning_effort")
@@ -123,14 +122,6 @@ def sampling_fields(body: OtherFields, vocab_size: int) -> dict[str, Any]:
             pairs[int(key)] = float(value)
         out["logit_bias"] = tuple(sorted(pairs.items()))
     return out
-
-
-def with_sampling(job: Job, fields: dict[str, Any]) -> Job:
-    """A copy of ``job`` whose sampling also takes ``fields`` (sampling_fields)."""
-    if not fields:
-        return job
-    sampling = dataclasses.replace(job.params.sampling, **fields)
-    return dataclasses.replace(job, params=dataclasses.replace(job.params, sampling=sampling))
 
 
 def renamed(err: FieldError | ApiError, body: Any) -> tuple[str, str | None]:

@@ -2,10 +2,11 @@
 once by continuous batching (infer/decode/batch.py): a request joins the batch at the next step, in
 its own engine slot, and leaves when it is done; every step verifies every request's tokens and
 drafts in one verifier call. What exceeds ``parallel`` waits in a bounded queue, in arrival order.
-All of it runs on one worker thread. A request is a ``Job``: its token ids, its settings (the
-session's with the request's overrides, checked as flags are), and a ``deliver`` callback the
-worker hands each step event, then the end (``Finished``) or the error. A job whose client went
-away is cancelled between two steps, its slot free at once. Each slot's KV caches keep what its
+All of it runs on one worker thread. A request is the engine's ``Request`` (infer/decode/request.py),
+made by ``Server.request`` from its token ids and its overrides (over the session's settings,
+checked as flags are), with a ``deliver`` callback the worker hands each step event, then the end
+(``Finished``) or the error. A request whose client went away is cancelled between two steps, its
+slot free at once. Each slot's KV caches keep what its
 last request left, and a request takes the free slot holding the longest prefix of its prompt
 among those whose cache it mostly shares, else the least recently used one (a chat header in
 common does not overwrite another conversation), and adopts a longer prefix another slot holds,
@@ -58,21 +59,10 @@ class Busy(CactusError):
 
 @dataclass
 class Finished:
-    """The end of a job: its statistics and why it ended (OpenAI's finish_reason)."""
+    """The end of a request: its statistics and why it ended (OpenAI's finish_reason)."""
 
     stats: SpecStats
     finish_reason: str
-
-
-@dataclass
-class Job:
-    ids: list[int]
-    settings: Settings
-    params: GenerationParams
-    deliver: Callable[[Any], None]  # (from the worker thread) each StepEvent, then Finished or an exception
-    cancel: threading.Event = field(default_factory=threading.Event)
-    label: str = ""  # what --log-requests prints (the request's text); empty otherwise
-    stats: SpecStats = field(default_factory=SpecStats)  # this request's, as its events come
 
 
 @dataclass
@@ -171,11 +161,11 @@ class Server:
             for slot in self.slots:
                 engine.prepare(SLOT_TOKENS, engine.step_widths(k), slot=slot.index)
         # (the requests a slot will take at the next step wait here too: the bound is checked in submit)
-        self.queue: queue.Queue[Job | None] = queue.Queue()
+        self.queue: queue.Queue[Request | None] = queue.Queue()
         self.max_queue = max_queue
         self._admitting = threading.Lock()
         self.metrics = Metrics()
-        self.running: dict[Request, Job] = {}  # (each request's tag is its job too)
+        self.running: list[Request] = []  # in the batch, in the order they joined
         self.stopping = threading.Event()
         self.log = log  # --log-requests: where the requests' text goes (None: nowhere)
         self.started = time.time()
@@ -219,7 +209,7 @@ class Server:
             raise FieldError("num_draft_tokens", "num_draft_tokens has no effect without a draft (draft 'none')")
         return settings
 
-    def job(
+    def request(
         self,
         ids: list[int],
         overrides: dict[str, Any],
@@ -227,12 +217,15 @@ class Server:
         label: str = "",
         logprobs: int | None = None,
         grammar: Grammar | None = None,
-    ) -> Job:
-        """A job for ``ids``, its settings checked and its length too (a 400, before any queueing).
-        A request that names no max_tokens generates until the end of sequence or the context
-        window (as OpenAI's API and llama-server do), within the server's cap if it has one.
-        ``logprobs``: each token's log-probability and that many alternatives (None: none);
-        ``grammar``: what the answer must match (JSON output), or anything."""
+        sampling: dict[str, Any] | None = None,
+    ) -> Request:
+        """A request for ``ids``, its settings checked and its length too (a 400, before any
+        queueing). A request that names no max_tokens generates until the end of sequence or the
+        context window (as OpenAI's API and llama-server do), within the server's cap if it has one.
+        ``deliver``: where its events go (from the worker thread); ``label``: what --log-requests
+        prints; ``logprobs``: each token's log-probability and that many alternatives (None: none);
+        ``grammar``: what the answer must match (JSON output), or anything; ``sampling``:
+        SamplingParams fields other servers take (http_fields.sampling_fields)."""
         room = self.context_length - len(ids)
         if room <= 0:
             raise FieldError(
@@ -255,10 +248,16 @@ class Server:
                 f"max_tokens {settings.max_tokens} does not fit: the prompt is {len(ids)} tokens of a "
                 f"{self.context_length}-token context window, so at most {room} remain",
             )
-        params = dataclasses.replace(self.session.params(settings), logprobs=logprobs, grammar=grammar)
-        return Job(list(ids), settings, params, deliver, label=label)
+        params = self.session.params(settings)
+        params = dataclasses.replace(
+            params,
+            logprobs=logprobs,
+            grammar=grammar,
+            sampling=dataclasses.replace(params.sampling, **(sampling or {})),
+        )
+        return self.session.engine.request(ids, params, deliver, label)
 
-    def submit(self, job: Job) -> None:
+    def submit(self, req: Request) -> None:
         if self.stopping.is_set():
             self.metrics.rejected["stopping"] += 1
             raise Busy("the server is shutting down")
@@ -266,61 +265,61 @@ class Server:
             if self.queue.qsize() >= self.max_queue + max(0, self.parallel - len(self.running)):
                 self.metrics.rejected["queue full"] += 1
                 raise Busy(f"the queue is full ({self.max_queue} requests waiting); retry shortly")
-            self.queue.put_nowait(job)
+            self.queue.put_nowait(req)
 
     def stop(self) -> None:
-        """Take no more jobs; the running ones end after the current step (finish_reason abort), the
-        waiting ones end at once; the worker exits."""
+        """Take no more requests; the running ones end after the current step (finish_reason abort),
+        the waiting ones end at once; the worker exits."""
         self.stopping.set()
         while True:
             try:
-                job = self.queue.get_nowait()
+                req = self.queue.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
+            if req is not None:
                 self.metrics.rejected["stopping"] += 1
-                self._send(job, Busy("the server is shutting down"))
+                self._send(req, Busy("the server is shutting down"))
         self.queue.put(None)
 
     @staticmethod
-    def _send(job: Job, item: Any) -> None:
-        """Hand ``item`` to the job's client; one that cannot take it any more has gone (cancel)."""
+    def _send(req: Request, item: Any) -> None:
+        """Hand ``item`` to the request's client; one that cannot take it any more has gone (cancel)."""
         try:
-            job.deliver(item)
+            req.deliver(item)
         except Exception:  # noqa: BLE001 (a closed event loop, a dead client: never the worker's end)
-            job.cancel.set()
+            req.cancel()
 
     def _work(self) -> None:
         closing = False
         while not closing or self.running:
             while not closing and len(self.running) < self.parallel:
                 try:
-                    job = self.queue.get(block=not self.running)  # (idle: wait for one; busy: take what waits)
+                    req = self.queue.get(block=not self.running)  # (idle: wait for one; busy: take what waits)
                 except queue.Empty:
                     break
-                if job is None:
+                if req is None:
                     closing = True
                     break
-                if job.cancel.is_set() or self.stopping.is_set():  # its client left while it waited
-                    self._send(job, Finished(SpecStats(), "abort"))
+                if req.cancelled or self.stopping.is_set():  # its client left while it waited
+                    self._send(req, Finished(SpecStats(), "abort"))
                     continue
-                self._admit(job)
+                self._admit(req)
             if self.running:
                 try:
                     self._step()
                 except Exception as err:  # noqa: BLE001 (never the worker's end: every running request gets it)
-                    for req, job in list(self.running.items()):
+                    for req in list(self.running):
                         self.batch.cancel(req)
-                        del self.running[req]
+                        self.running.remove(req)
                         self.metrics.requests["error"] += 1
-                        self._send(job, err)
+                        self._send(req, err)
 
-    def _admit(self, job: Job) -> None:
-        """``job`` joins the batch (prefilled at the next step) in the free slot holding the longest
+    def _admit(self, req: Request) -> None:
+        """``req`` joins the batch (prefilled at the next step) in the free slot holding the longest
         prefix of its prompt among those whose cache it shares at least SIMILAR of (an empty one
         does), else the least recently used free slot; a longer prefix another slot holds is adopted."""
         busy = {run.slot.index for run in self.running}
-        shared = {s.index: common_prefix(s.tokens[: s.verifier.cache_len], job.ids) for s in self.slots}
+        shared = {s.index: common_prefix(s.tokens[: s.verifier.cache_len], req.prompt) for s in self.slots}
         free = [s for s in self.slots if s.index not in busy]
         similar = [s for s in free if shared[s.index] >= SIMILAR * s.verifier.cache_len]
         if similar:
@@ -329,54 +328,52 @@ class Server:
             slot = min(free, key=lambda s: s.used)
         donor = max(self.slots, key=lambda s: shared[s.index])
         donor = donor if shared[donor.index] >= shared[slot.index] + ADOPT_MIN else None
-        if self.log is not None and job.label:
-            self.log(f"request: {job.label!r}")
-        try:
-            self.session.prepare(len(job.ids), settings=job.settings, slot=slot.index, probe=not self.running)
-            run = self.session.engine.start(job.ids, job.params, slot=slot.index)
+        if self.log is not None and req.label:
+            self.log(f"request: {req.label!r}")
+        try:  # (the cost probe, where -k auto has nothing measured here, only while no other run holds caches)
+            self.session.engine.place(req, slot.index, probe=not self.running)
         except Exception as err:  # noqa: BLE001 (one request's failure is its answer, not the server's end)
             self.metrics.requests["error"] += 1
-            self._send(job, err)
+            self._send(req, err)
             return
-        self.running[self.batch.add(run, reuse=True, donor=donor, tag=job)] = job
+        self.running.append(self.batch.add(req, reuse=True, donor=donor))
 
     def _step(self) -> None:
         """One step of every running request; each gets its event, its end or its error; then the
         requests whose client left (or every one, when stopping) end between steps."""
         for req, item in self.batch.step():
-            job = self.running[req]
             if isinstance(item, BaseException):
-                del self.running[req]
+                self.running.remove(req)
                 self.metrics.requests["error"] += 1
-                self._send(job, item)
+                self._send(req, item)
                 continue
-            job.stats.update(item)
-            self._send(job, item)
+            self._send(req, item)
             if item.finish_reason:
                 self._done(req, FINISH.get(item.finish_reason, "stop"))
-        for req, job in list(self.running.items()):
-            if job.cancel.is_set() or self.stopping.is_set():
+        for req in list(self.running):
+            if req.cancelled or self.stopping.is_set():
                 self.batch.cancel(req)
                 self._done(req, "abort")
 
-    def _done(self, run: Request, reason: str) -> None:
-        job = self.running.pop(run)
-        stats = dataclasses.replace(job.stats)
+    def _done(self, req: Request, reason: str) -> None:
+        self.running.remove(req)
+        stats = dataclasses.replace(req.stats)
         self.metrics.add(stats, reason)
-        if self.log is not None and job.label:
+        if self.log is not None and req.label:
             self.log(f"answer ({reason}, {stats.num_output_tokens} tokens)")
-        self._send(job, Finished(stats, reason))
+        self._send(req, Finished(stats, reason))
 
-    def speculative(self, settings: Settings, stats: SpecStats) -> dict[str, Any]:
+    def speculative(self, params: GenerationParams, stats: SpecStats) -> dict[str, Any]:
         """What a response says about its speculation: the rule, its budget, the k policy and what
         the drafts bought."""
-        rule = RULES[settings.rule]
+        rule = RULES[params.rule]
+        drafts = params.num_draft_tokens > 0
         return {
-            "rule": settings.rule,
-            "params": settings.rule_kwargs(),
+            "rule": params.rule,
+            "params": dict(params.rule_kwargs),
             "lossless": rule.lossless,
-            "draft": settings.draft or "none",
-            "num_draft_tokens": settings.num_draft_tokens if settings.draft else 0,
+            "draft": self.session.settings.draft if drafts else "none",
+            "num_draft_tokens": ("auto" if params.adaptive_k else params.num_draft_tokens) if drafts else 0,
             "drafted": stats.num_draft_tokens,
             "accepted": stats.num_accepted_tokens,
             "verifier_forward_passes": stats.verifier_forward_passes,

@@ -51,9 +51,9 @@ class Engine(Protocol):
     pair: ModelPair  # (its tokenizer: each run's text stream)
     costs: CostStore  # (its verify curve: the first prefill chunk)
 
-    def admit(self, run: Request, reuse: bool, donor: Slot | None = None) -> None: ...
+    def admit(self, run: Request) -> None: ...
 
-    def prefill(self, run: Request, reuse: bool, donor: Slot | None = None) -> None: ...
+    def prefill(self, run: Request) -> None: ...
 
     def step(self, runs: list[Request], chunks: Sequence[Chunk] = ()) -> list[StepEvent | Exception]: ...
 
@@ -74,12 +74,15 @@ class Batch:
     def __len__(self) -> int:
         return len(self.runs)
 
-    def add(self, run: Request, reuse: bool = False, text: bool = True, donor: Slot | None = None, tag=None) -> Request:
-        """``run`` joins at the next step (prefilled then), with a text stream unless ``text`` is
-        False (token events only: engine.steps); ``donor``: a slot whose caches hold a longer prefix
-        of its prompt (adopted instead of prefilled); ``tag``: the caller's."""
+    def add(self, run: Request, reuse: bool = False, text: bool = True, donor: Slot | None = None) -> Request:
+        """``run`` (placed in its slot: engine.place) joins at the next step (prefilled then), with
+        a text stream unless ``text`` is False (token events only: engine.steps); ``reuse``: keep what
+        its slot's caches hold of its prompt; ``donor``: a slot whose caches hold a longer prefix of
+        it (adopted instead of prefilled)."""
+        if run.slot is None:
+            raise ValueError("a request joins a batch once it has a slot (engine.place)")
         run.text = TextStream(self.engine.pair.tokenizer, run.params.stop, run.cut_output) if text else None
-        run.reuse, run.donor, run.tag = reuse, donor, tag
+        run.reuse, run.donor = reuse, donor
         self.runs.append(run)
         return run
 
@@ -128,11 +131,11 @@ class Batch:
         for run in [e for e in self.runs if not e.prefilled]:
             try:
                 if not chunked:
-                    self.engine.prefill(run, run.reuse, run.donor)
+                    self.engine.prefill(run)
                     live.append(run)
                     continue
                 if not run.admitted:
-                    self.engine.admit(run, run.reuse, run.donor)
+                    self.engine.admit(run)
                 if not run.pending and not run.draft_pending:  # (all of it cached already)
                     run.settle()
                     live.append(run)
@@ -164,6 +167,7 @@ class Batch:
                 out.append((run, result))
                 continue
             event = run.text.add_text(result) if run.text is not None else result
+            run.stats.update(event)
             out.append((run, event))
             if event.finish_reason:
                 self._end(run)

@@ -31,8 +31,9 @@ from cactus_cli.infer.backends.registry import backend_of
 from cactus_cli.infer.decode.batch import Batch, Chunk
 from cactus_cli.infer.decode.context import EngineContext
 from cactus_cli.infer.decode.grammar import Grammars
-from cactus_cli.infer.decode.request import GenerationParams, Request, Timing
+from cactus_cli.infer.decode.request import GenerationParams, Request
 from cactus_cli.infer.decode.slot import Slot
+from cactus_cli.infer.decode.verdict import Timing
 from cactus_cli.infer.draft import KINDS, Free, free_drafting, make_drafter, propose_all
 from cactus_cli.infer.kpolicy.costs import probe, probe_widths
 from cactus_cli.infer.kpolicy.policy import AdaptiveK, FixedK, KPolicy, Learned, acceptance_key, allocate
@@ -274,17 +275,25 @@ class SpeculativeEngine:
         ``reuse_cache`` the KV caches keep the longest prefix the prompt shares with the previous
         sequence (chat turns), so only the new tokens are encoded. A generation started earlier
         and not finished loses the caches: its next step is an error, never a step on another's."""
-        batch = Batch(self)  # (its own: a generator the caller holds, stepped only when the caller asks)
-        return batch.events(batch.add(self.start(prompt_ids, params), reuse_cache))
+        return self.events(self.start(prompt_ids, params), reuse_cache)
 
     def steps(self, prompt_ids: list[int], params: GenerationParams, reuse_cache: bool = False) -> Iterator[StepEvent]:
         """Token events after ``prompt_ids`` (no text)."""
-        batch = Batch(self)
-        return batch.events(batch.add(self.start(prompt_ids, params), reuse_cache, text=False))
+        return self.events(self.start(prompt_ids, params), reuse_cache, text=False)
 
-    def start(self, prompt_ids: list[int], params: GenerationParams, slot: int = 0) -> Request:
-        """Check the prompt, size the slot's caches, and make the run: one generation's state
-        (it takes the slot's caches when it is prefilled)."""
+    def events(self, run: Request, reuse_cache: bool = False, text: bool = True) -> Iterator[StepEvent]:
+        """``run``'s events (placed already) in a batch of its own, stepped only when the caller asks."""
+        return (batch := Batch(self)).events(batch.add(run, reuse_cache, text))
+
+    def request(
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        deliver: Callable[[Any], None] | None = None,
+        label: str = "",
+    ) -> Request:
+        """A request for ``prompt_ids`` (waiting for a slot: ``place``), the prompt checked, with
+        its own k policy; ``deliver`` and ``label``: Request's."""
         if not prompt_ids:
             raise ContextLimitError("the prompt is empty after tokenization; give the model something to continue")
         if len(prompt_ids) >= self.context_length:
@@ -292,10 +301,28 @@ class SpeculativeEngine:
                 f"the prompt is {len(prompt_ids)} tokens but the context window is {self.context_length}; "
                 "shorten the prompt"
             )
+        return Request(self.context, prompt_ids, params, self.policy(params), deliver, label)
+
+    def place(self, run: Request, slot: int = 0, probe: bool = False) -> Request:
+        """``run`` will run in ``slot``: its caches are sized for it (a compiled engine compiles
+        what no compiled width covers) and, with ``probe``, a pair never timed here is timed for
+        its -k auto first (it drops ``slot``'s caches: only when no other run holds them)."""
+        params = run.params
+        if probe and params.adaptive_k and self.probe_due():
+            self.probe_costs(params.num_draft_tokens)
         # (an answer without a cap grows an eager cache as it goes; a static one is sized once)
         ahead = params.max_tokens if self.compiled else min(params.max_tokens, RESERVE_AHEAD)
-        self.prepare(len(prompt_ids) + ahead + 1, self.step_widths(params.num_draft_tokens), self.report, False, slot)
-        return Request(self.context, self.slots[slot], list(prompt_ids), params, self.policy(params))
+        tokens = len(run.prompt) + ahead + 1
+        self.prepare(tokens, self.step_widths(params.num_draft_tokens), self.report, False, slot)
+        run.place(self.slots[slot])
+        return run
+
+    def start(self, prompt_ids: list[int], params: GenerationParams, slot: int = 0) -> Request:
+        return self.place(self.request(prompt_ids, params), slot)  # (made, then placed in ``slot``)
+
+    def probe_due(self) -> bool:
+        """Whether -k auto has nothing (or only a provisional figure) measured here to go on."""
+        return self.has_drafter and self.costs.needs_probe(self.cost_source)
 
     def policy(self, params: GenerationParams) -> KPolicy:
         """A run's own k policy over the engine's store and ``learned`` (a warm-up's learns nothing)."""
@@ -303,17 +330,18 @@ class SpeculativeEngine:
             return FixedK(None) if not params.adaptive_k else AdaptiveK(CostStore(kinds=tuple(KINDS)))
         return AdaptiveK(self.costs, self.learned) if params.adaptive_k else FixedK(self.costs)
 
-    def admit(self, run: Request, reuse: bool, donor: Slot | None = None) -> None:
+    def admit(self, run: Request) -> None:
         """The run takes its slot's caches (a run there not finished loses them), keeping what
-        they hold of its prompt; the rest is fed by ``prefill`` or chunk by chunk (batch.py)."""
+        they hold of its prompt (``run.reuse``; or a ``run.donor``'s); the rest is fed by
+        ``prefill`` or chunk by chunk (batch.py)."""
         run.slot.owner = run
         run.slot.used = time.monotonic()
         run.begin()
-        run.admit(reuse, donor)
+        run.admit()
 
-    def prefill(self, run: Request, reuse: bool, donor: Slot | None = None) -> None:
+    def prefill(self, run: Request) -> None:
         """``admit``, then the rest of the prompt in one call."""
-        self.admit(run, reuse, donor)
+        self.admit(run)
         with torch.inference_mode():
             for runner, ids in ((run.slot.verifier, run.pending), (run.draft_runner, run.draft_pending)):
                 if ids:

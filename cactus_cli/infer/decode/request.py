@@ -1,9 +1,10 @@
 """A request: one sequence's generation, from waiting for a slot to done, and everything that is
 its own: its parameters (rule, rule parameters, k, sampling, stop, max tokens), its generators,
 its k policy (kpolicy/policy.py says what it shares with the machine), its grammar, its text
-stream (stop strings), its counters and clock, its cancel flag (``done``) and where its output goes
-(``tag``: the caller's). Its ``Slot`` (slot.py) lends it caches; the engine's ``EngineContext``
-is all it reads of the engine.
+stream (stop strings), its counters (``stats``) and clock, its cancel flag, and where its output
+goes (``deliver``: serve's client; None: the caller reads ``Batch.step``). The engine makes it
+(``engine.request``: every command's, serve's too) and places it in a ``Slot`` (slot.py), which
+lends it caches; the engine's ``EngineContext`` is all it reads of the engine.
 
 The engine (engine.py) steps a set of requests together: every request's k, then every draft,
 then one verifier call over every request's row, then each request's ``decide`` (its rule over its
@@ -14,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -23,11 +24,13 @@ from cactus_cli.core.errors import ModelError
 from cactus_cli.core.events import MODEL, StepEvent
 from cactus_cli.core.exact import meter
 from cactus_cli.core.sampling import SamplingParams, biased, probs_from_logits, sample_among, top_probs
+from cactus_cli.core.stats import SpecStats
 from cactus_cli.core.verify import Row, Verdict, greedy_verify
 from cactus_cli.infer.decode.context import EngineContext
 from cactus_cli.infer.decode.grammar import GRAMMAR, MAX_FORCED, Grammar, mask_logits, mask_probs
 from cactus_cli.infer.decode.slot import Slot
 from cactus_cli.infer.decode.text import TextStream
+from cactus_cli.infer.decode.verdict import Decision, HostRead, Timing, Verified, token_logprobs
 from cactus_cli.infer.draft import Proposal
 from cactus_cli.infer.kpolicy.costs import Step
 from cactus_cli.infer.kpolicy.policy import KPolicy, Want, acceptance_key
@@ -55,96 +58,37 @@ class GenerationParams:
     grammar: Grammar | None = None  # what the output must match (grammar.py: JSON output), or anything
 
 
-@dataclass
-class Verified:
-    """What the verifier decided about one run's proposal (nothing committed yet)."""
-
-    accepted: int  # m: drafts kept
-    new: list[int]  # the m accepted drafts and the correction or bonus token
-    drafts: list[int]
-    next_input: torch.Tensor  # [1] on the verifier's device: the next step's first input
-    p: torch.Tensor | None  # [1, k, V] draft probabilities (None when greedy)
-    q: torch.Tensor | None  # [1, k+1, V] verifier probabilities (None when greedy)
-    logits: torch.Tensor  # [k+1, V]
-
-
-@dataclass(frozen=True)
-class HostRead:
-    """One run's part of the step's one device-to-host copy, packed as one int64 vector:
-
-    [m, tokens[0..k], drafts[0..k-1], nan, nonfinite?]
-     1  k+1 (the m accepted, the extra, then -1s)  k  1   1 (sampling only)
-    """
-
-    accepted: int
-    tokens: list[int]  # [k+1]: the verdict's row
-    drafts: list[int]  # [k]
-    nan_logits: bool
-    nonfinite_probs: bool
-
-    @staticmethod
-    def pack(verdict: Verdict, drafts: torch.Tensor, flags: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([verdict.num_accepted[:1], verdict.tokens[0], drafts, torch.stack(flags).to(torch.int64)])
-
-    @classmethod
-    def read(cls, host: list[int], k: int) -> HostRead:
-        return cls(
-            host[0],
-            host[1 : k + 2],
-            host[k + 2 : 2 * k + 2],
-            bool(host[2 * k + 2]),
-            len(host) > 2 * k + 3 and bool(host[2 * k + 3]),
-        )
-
-
-@dataclass
-class Decision:
-    """One run's verdict in the making: its error flags and drafts, and the verdict (set by the
-    step's ``verify_rows`` where the run's rule decides: ``row``)."""
-
-    flags: list[torch.Tensor]
-    drafts: torch.Tensor  # [k]
-    logits: torch.Tensor  # [k+1, V]
-    verdict: Verdict | None
-    row: Row | None = None
-    p: torch.Tensor | None = None  # [1, k, V] (the meter's)
-    q: torch.Tensor | None = None  # [1, k+1, V]
-
-    def packed(self) -> torch.Tensor:
-        return HostRead.pack(self.verdict, self.drafts, self.flags)
-
-
-@dataclass(frozen=True)
-class Timing:
-    draft_seconds: float
-    verify_seconds: float
-    forward_seconds: float = 0.0  # of verify_seconds, the verifier's model call
-
-
 class Request:
-    """One generation in a slot; the engine steps it (choose k, draft, verify, commit)."""
+    """One generation; the engine places it in a slot and steps it (choose k, draft, verify, commit)."""
 
-    def __init__(self, ctx: EngineContext, slot: Slot, prompt: list[int], params: GenerationParams, policy: KPolicy):
-        """``ctx``: what it reads of the engine stepping it (end tokens, context length, vocabulary, grammars)."""
+    def __init__(
+        self,
+        ctx: EngineContext,
+        prompt: list[int],
+        params: GenerationParams,
+        policy: KPolicy,
+        deliver: Callable[[Any], None] | None = None,
+        label: str = "",
+    ):
+        """``ctx``: what it reads of the engine stepping it (end tokens, context length, vocabulary,
+        grammars); ``deliver``: where its events go (serve: from the worker thread, each event, then
+        the end or an error); ``label``: what a log names it by (serve --log-requests: its text)."""
         self.ctx = ctx
+        self.prompt = list(prompt)
+        self.params = params
+        self.policy = policy
+        self.deliver, self.label = deliver, label
+        self.stats = SpecStats()  # its own, as its events come (batch.py counts each one)
+        self.cancelled = False  # asked to end (its client left): it ends between steps
         self.text: TextStream | None = None  # its text and stop strings (batch.py; None: token events only)
         self.reuse, self.donor = False, None  # keep what its slot holds of its prompt; a slot to adopt it from
         self.done = False  # ended: finished, failed or cancelled
-        self.tag: Any = None  # the caller's (serve: the request's job)
-        self.slot = slot
-        self.prompt = prompt
-        self.params = params
-        self.policy = policy
+        self.slot: Slot | None = None  # placed by the engine when a slot is free (``place``)
         self.sp = params.sampling
         self.vdev = ctx.device
         self.vgen = torch.Generator(device=self.vdev).manual_seed(params.seed)
-        self.drafter = slot.drafter if params.num_draft_tokens > 0 else None
-        self.draft_runner = self.drafter.runner if self.drafter is not None else None
         self.akey = acceptance_key(params.rule, params.rule_kwargs, self.sp.temperature, self.sp.top_k, self.sp.top_p)
-        self.dgen = None
-        if self.drafter is not None:
-            ddev = self.draft_runner.lm.device if self.draft_runner is not None else self.vdev
-            self.dgen = self.vgen if ddev == self.vdev else torch.Generator(device=ddev).manual_seed(params.seed + 1)
+        self.drafter = self.draft_runner = self.dgen = None  # (its slot's: ``place``)
         self.produced = 0
         self.first = True
         self.admitted = self.prefilled = False  # admit: the slot's caches are its own; settle: they hold its prompt
@@ -159,18 +103,33 @@ class Request:
         self.confidence: list[float] | None = None
         self.constraint = ctx.grammars.constraint(params.grammar) if params.grammar is not None else None
         self.allowed: torch.Tensor | None = None  # [k+1, V] this step's grammar masks
+
+    def place(self, slot: Slot) -> None:
+        """The slot it will run in: its drafter (when it drafts) and the draft's generator."""
+        self.slot = slot
+        self.drafter = slot.drafter if self.params.num_draft_tokens > 0 else None
+        self.draft_runner = self.drafter.runner if self.drafter is not None else None
+        if self.drafter is not None:
+            ddev = self.draft_runner.lm.device if self.draft_runner is not None else self.vdev
+            self.dgen = (
+                self.vgen if ddev == self.vdev else torch.Generator(device=ddev).manual_seed(self.params.seed + 1)
+            )
         self.begin()
+
+    def cancel(self) -> None:
+        """End it between steps (from any thread: its client has gone, or it has what it needs)."""
+        self.cancelled = True
 
     @property
     def state(self) -> str:
-        """waiting (for its slot's caches), prefilling, decoding or done."""
+        """waiting (for a slot, or for its slot's caches), prefilling, decoding or done."""
         if self.done:
             return "done"
         return "decoding" if self.prefilled else "prefilling" if self.admitted else "waiting"
 
     @property
     def tokens(self) -> list[int]:
-        return self.slot.tokens
+        return self.slot.tokens if self.slot is not None else []
 
     def begin(self) -> None:
         """The clock and the pass counters start when the run is first stepped."""
@@ -190,13 +149,13 @@ class Request:
     def _draft_passes(self) -> int:
         return self.draft_runner.forward_passes if self.draft_runner is not None else 0
 
-    def admit(self, reuse: bool, donor: Slot | None = None) -> None:
-        """The run takes its slot's caches, keeping what they hold of the prompt, or what
+    def admit(self) -> None:
+        """The run takes its slot's caches, keeping what they hold of the prompt (``reuse``), or what
         ``donor`` (another slot whose caches hold a longer prefix of it) holds, adopted rather
         than computed again. What the verifier still has to read of the prompt minus its last
         token is ``pending``: fed whole (engine.prefill) or in chunks that share the steps of the runs
         already decoding (batch.py); then ``settle``."""
-        slot, prompt = self.slot, self.prompt
+        slot, prompt, reuse, donor = self.slot, self.prompt, self.reuse, self.donor
         previous = slot.tokens
         if donor is not None and reuse:
             shared = slot.verifier.adopt(
@@ -211,7 +170,7 @@ class Request:
         keep = cached_prefix(slot.verifier, prompt, previous, reuse)
         if self.drafter is not None and self.drafter.reads_prompt:  # (its model reads the prompt as the verifier does)
             self.draft_pending = prompt[cached_prefix(self.draft_runner, prompt, previous, reuse) : -1]
-        self.previous, self.reuse = previous, reuse
+        self.previous = previous
         self.reused_tokens = keep
         self.prefill_tokens = len(prompt) - 1 - keep
         self.pending = prompt[keep:-1]
@@ -410,21 +369,3 @@ class Request:
             if self.produced >= self.params.max_tokens:
                 return emitted, "length"
         return emitted, None
-
-
-def token_logprobs(logits: torch.Tensor, emitted: list[int], top: int) -> tuple:
-    """Each emitted token's log-probability under the verifier's raw distribution (its logits at
-    temperature 1, nothing truncated, as vLLM reports them), and the ``top`` most likely tokens
-    there: emitted token i was decided at row i of the verify block, drafted or not. One host
-    read, only when asked."""
-    n = len(emitted)
-    lp = torch.log_softmax(logits[:n].float(), -1)  # [n, V]
-    chosen = lp.gather(1, torch.tensor(emitted, device=lp.device).view(n, 1)).view(n).tolist()
-    if top:
-        values, ids = lp.topk(top, -1)  # (a grammar's mask may leave fewer than ``top``: the -inf ones are left out)
-        alts = [
-            tuple((t, x) for t, x in zip(i, v) if x != float("-inf")) for i, v in zip(ids.tolist(), values.tolist())
-        ]
-    else:
-        alts = [()] * n
-    return tuple(zip(chosen, alts))
