@@ -15,7 +15,7 @@ from cactus_cli.core.errors import ModelError
 from cactus_cli.core.exact import emitted_distribution
 from cactus_cli.core.sampling import SamplingParams
 from cactus_cli.core.verify import Row, verify, verify_rows
-from cactus_cli.infer.decode.batch import Batch
+from cactus_cli.infer.decode.batch import Batch, next_width
 from cactus_cli.infer.decode.engine import GenerationParams, SpeculativeEngine
 from cactus_cli.infer.draft import Free
 from cactus_cli.infer.kpolicy.costs import CostModel, best_k
@@ -320,3 +320,21 @@ def test_a_request_waits_without_a_slot_until_the_engine_places_it(close):
         out += [ev for _, ev in batch.step()]
     assert req.stats.num_output_tokens == sum(len(ev.emitted) for ev in out) == 4  # (its own stats, as they came)
 
+
+@pytest.mark.parametrize(
+    "width, seconds, block, expected",
+    [
+        (64, 0.4, 1, 128),  # torch: any width, toward STEP_SECONDS
+        (100, 0.8, 1, 100),
+        (64, 0.7, 64, 64),  # llama.cpp: 73 fit, in whole blocks of 64
+        (64, 0.3, 64, 128),
+        (40, 0.5, 64, 64),  # a step off the blocks grows into one
+        (64, 0.9, 64, 37),  # the blocks no longer fit: off them, OFF_BLOCK fewer (56 / 1.5)
+        (30, 0.9, 64, 26),  # off the blocks already: by time alone
+        (10, 0.1, 64, 20),  # at most double at once
+    ],
+)
+def test_a_chunked_step_is_sized_by_its_time_in_whole_blocks(width, seconds, block, expected):
+    """The next chunked step's width follows the last one's time toward STEP_SECONDS, in whole
+    blocks where it holds one (llama.cpp's CPU attention: 64 queries at a time on its fast path)."""
+    assert next_width(width, seconds, block) == expected

@@ -29,6 +29,7 @@ class Runner(Protocol):
     compiled: bool
     forward_passes: int  # model calls so far (prefills included)
     compile_seconds: float  # spent compiling (0 for an eager runner); excluded from tokens/s
+    step_block: int  # a step's tokens cost least per token in whole multiples of this many (1: any width)
 
     @property
     def cache_len(self) -> int:

@@ -23,21 +23,39 @@ from cactus_cli.infer.kpolicy.store import CostStore
 from cactus_cli.infer.load.sources import ModelPair
 
 STEP_SECONDS = 0.8  # a step that feeds a joining prompt takes about this long: the running streams' longest gap
-MIN_CHUNK, MAX_CHUNK = 16, 512  # prompt tokens a step feeds (512: llama.cpp's batch; a GPU reaches it)
+MIN_WIDTH, MAX_WIDTH = 16, 512  # tokens a chunked step holds in all (512: llama.cpp's batch; a GPU reaches it)
+CURVE_WIDTH = 64  # the verify width whose measured cost per token sizes the first chunked step
+# leaving whole blocks (llama.cpp: a step's width under 64), the tokens cost up to this much more each
+# (measured on the AVX-512 EPYC, the embedded verifier: 1.25x at 1,000 cached tokens, 1.41x at 2,600)
+OFF_BLOCK = 1.5
 
 
-CURVE_WIDTH = 64  # the verify width whose measured cost per token sizes the first chunk
-
-
-def first_chunk(costs: CostModel) -> int:
-    """The first chunk: what fits STEP_SECONDS at the measured verify curve's cost per token of
-    a CURVE_WIDTH-token verify (nothing measured: 4 MIN_CHUNK); each chunked step's own time then
-    corrects it (``Batch._resize``), so a curve timed on a busy machine costs a few steps, not a
-    stall."""
+def first_width(costs: CostModel, block: int) -> int:
+    """The first chunked step's width: what fits STEP_SECONDS at the measured verify curve's cost
+    per token of a CURVE_WIDTH-token verify (nothing measured: 4 MIN_WIDTH), in whole blocks
+    where it holds one; each chunked step's own time then corrects it (``next_width``), so a curve
+    timed on a busy machine costs a few steps, not a stall."""
     per_token = costs.t_v(CURVE_WIDTH) / CURVE_WIDTH
-    if per_token <= 0:
-        return 4 * MIN_CHUNK
-    return max(MIN_CHUNK, min(MAX_CHUNK, int(STEP_SECONDS / per_token)))
+    width = int(STEP_SECONDS / per_token) if per_token > 0 else 4 * MIN_WIDTH
+    return _blocks(max(MIN_WIDTH, min(MAX_WIDTH, width)), block)
+
+
+def next_width(width: int, seconds: float, block: int) -> int:
+    """The next chunked step's width (its decoding rows and its chunks), from this one's
+    ``width`` and time: toward a step of STEP_SECONDS (at most double or half at once, so one
+    stray step does not swing it), in whole ``block``s of the verifier's (engine.step_block)
+    where it holds one. A step that left whole blocks shrinks by OFF_BLOCK more: those tokens
+    cost more each, and a step must not overshoot the running streams' gap."""
+    scale = min(2.0, max(0.5, STEP_SECONDS / max(seconds, 1e-6)))
+    grown = max(MIN_WIDTH, min(MAX_WIDTH, int(width * scale)))
+    if block > 1 and width % block == 0 and grown < block:
+        grown = max(MIN_WIDTH, int(grown / OFF_BLOCK))
+    return _blocks(grown, block)
+
+
+def _blocks(width: int, block: int) -> int:
+    """``width`` in whole blocks where it holds one (a remainder would cost more than it carries)."""
+    return width // block * block if width >= block else width
 
 
 # a request still prefilling, and the next tokens of its prompt for its verifier and for its draft model
@@ -49,7 +67,8 @@ class Engine(Protocol):
     named here by what the batch uses of it, and nothing more)."""
 
     pair: ModelPair  # (its tokenizer: each run's text stream)
-    costs: CostStore  # (its verify curve: the first prefill chunk)
+    costs: CostStore  # (its verify curve: the first chunked step)
+    step_block: int  # (the widths its verifier steps fastest in multiples of)
 
     def admit(self, run: Request) -> None: ...
 
@@ -63,11 +82,12 @@ class Engine(Protocol):
 class Batch:
     def __init__(self, engine: Engine, chunk: int | None = None):
         """``engine``: the SpeculativeEngine whose slots the runs hold (its prefill, step, finish).
-        ``chunk``: prompt tokens a step feeds beside the decoding runs (None: sized from the
-        verifier's measured cost per width, then from each step's time, toward STEP_SECONDS)."""
+        ``chunk``: prompt tokens a step feeds beside the decoding runs (None: the step's width,
+        its decoding rows and chunks, sized from the verifier's measured cost per width, then from
+        each chunked step's time, toward STEP_SECONDS: ``next_width``)."""
         self.engine = engine
-        self.chunk = chunk if chunk is not None else first_chunk(engine.costs.costs)
-        self.fixed = chunk is not None
+        self.chunk = chunk
+        self.width: int | None = None  # (sized at the first chunked step)
         self.runs: list[Request] = []  # in flight, in the order they joined
         self.idle_from: float | None = None
 
@@ -116,8 +136,9 @@ class Batch:
         except BaseException:
             self._abandon(live + [e for e, _, _ in chunks])
             raise
-        if chunks and not self.fixed:
-            self._resize(time.perf_counter() - t0)
+        if chunks and self.chunk is None:
+            fed = sum(r.k + 1 for r in live) + sum(len(ids) for _, ids, _ in chunks)
+            self.width = next_width(fed, time.perf_counter() - t0, self.engine.step_block)
         self._commit(live, results, chunks, out)
         self.idle_from = time.perf_counter()
         return out
@@ -127,7 +148,12 @@ class Batch:
         verifier's next tokens, its draft model's). A run that fails here is its own error in ``out``."""
         live = [e for e in self.runs if e.prefilled]
         chunked = bool(live)  # (streams are running: a joining prompt shares their steps)
-        chunks, budget = [], self.chunk
+        chunks, budget = [], self.chunk or 0
+        if chunked and self.chunk is None:
+            if self.width is None:
+                self.width = first_width(self.engine.costs.costs, self.engine.step_block)
+            # (the decoding rows counted one token each: a run that drafts widens the step past its blocks)
+            budget = max(MIN_WIDTH, self.width - len(live))
         for run in [e for e in self.runs if not e.prefilled]:
             try:
                 if not chunked:
@@ -171,12 +197,6 @@ class Batch:
             out.append((run, event))
             if event.finish_reason:
                 self._end(run)
-
-    def _resize(self, seconds: float) -> None:
-        """The next step's prefill chunk, from this one's time: toward a step of STEP_SECONDS
-        (at most double or half at once, so one stray step does not swing it)."""
-        scale = min(2.0, max(0.5, STEP_SECONDS / max(seconds, 1e-6)))
-        self.chunk = max(MIN_CHUNK, min(MAX_CHUNK, int(self.chunk * scale)))
 
     def _end(self, run: Request) -> None:
         run.done = True

@@ -119,6 +119,7 @@ class SpeculativeEngine:
         self.learned = Learned()  # the catch-up overheads and width re-timing, shared by the runs' -k auto
         # the models' runners, the verifier's first: each the one its backend made (sequence 0), not a slot's view
         self.runners: list[Runner] = [verifier] + ([draft] if draft is not None else [])
+        self.step_block = verifier.step_block  # (its steps' widths cost least in multiples of it: batch.next_width)
         self.slots = [
             Slot(
                 i,
@@ -292,8 +293,7 @@ class SpeculativeEngine:
         deliver: Callable[[Any], None] | None = None,
         label: str = "",
     ) -> Request:
-        """A request for ``prompt_ids`` (waiting for a slot: ``place``), the prompt checked, with
-        its own k policy; ``deliver`` and ``label``: Request's."""
+        """A request for ``prompt_ids`` (waiting for a slot: ``place``), checked, with its own k policy."""
         if not prompt_ids:
             raise ContextLimitError("the prompt is empty after tokenization; give the model something to continue")
         if len(prompt_ids) >= self.context_length:

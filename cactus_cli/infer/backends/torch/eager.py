@@ -24,6 +24,7 @@ class CachedLM:
     (with ``CompiledLM``), so forward passes are counted here."""
 
     compiled = False
+    step_block = 1
 
     def __init__(self, lm: LoadedModel, vocab_size: int, sequences: int = 1):
         self.lm = lm

@@ -64,6 +64,7 @@ class ShardedRunner:
     """A ``Runner`` that announces each call to the followers, then makes it on ``inner``."""
 
     compiled = False  # (--compile does not combine with --tp yet)
+    step_block = 1
 
     def __init__(self, inner: Runner):
         self.inner = inner
