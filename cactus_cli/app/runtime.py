@@ -146,7 +146,7 @@ def prepare(
     engine.prepare(prompt_tokens + settings.max_tokens + 1, widths, report, slot=slot)
     if engine.compile_note and reporter is not None:
         reporter.warn(engine.compile_note)
-    if probe and engine.has_drafter and "auto" in ks and engine.costs.needs_probe(engine.cost_source):
+    if probe and "auto" in ks and engine.probe_due():
         if reporter is not None:
             again = engine.costs.costs.knows(engine.cost_source)  # (known, but provisional)
             reporter.task(
@@ -157,12 +157,15 @@ def prepare(
         engine.probe_costs(settings.max_draft_tokens)
 
 
-def generation_params(settings: Settings, ignore_eos: bool = False) -> GenerationParams:
-    """The engine's parameters for ``settings`` (copy with ``dataclasses.replace`` to vary them)."""
+def generation_params(
+    settings: Settings, ignore_eos: bool = False, given: dict[str, Any] | None = None
+) -> GenerationParams:
+    """The engine's parameters for ``settings`` (copy with ``dataclasses.replace`` to vary them);
+    ``given``: what a request set of them (a rule parameter its rule does not take is an error)."""
     return GenerationParams(
         sampling=SamplingParams(float(settings.temperature), int(settings.top_k), float(settings.top_p)),
         rule=settings.rule,
-        rule_kwargs=settings.rule_kwargs(),
+        rule_kwargs=settings.rule_kwargs(given),
         num_draft_tokens=draft_limit(settings) if settings.draft else 0,
         adaptive_k=settings.num_draft_tokens == "auto",
         max_tokens=settings.max_tokens,

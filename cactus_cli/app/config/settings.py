@@ -30,6 +30,14 @@ CROSS_VOCAB = ("auto", "string", "intersection")
 _LISTS = " (a comma list is for bench and eval, to compare several in one run)"
 
 
+class InertParam(ConfigError):
+    """A rule parameter a request gave that its rule does not take (``param``: which; a 400)."""
+
+    def __init__(self, param: str, rule: str, rules: list[str]):
+        super().__init__(f"{param} has no effect with rule {rule!r}; use rule {' or '.join(rules)}")
+        self.param = param
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything a run needs besides the prompt. Field defaults are the built-in defaults."""
@@ -68,11 +76,17 @@ class Settings:
     stop: list[str] = field(default_factory=list)
     calibration: dict[str, Any] | None = None  # written by `cactus calibrate`
 
-    def rule_kwargs(self) -> dict[str, Any]:
-        """The validated parameters of ``self.rule`` (the others' are kept, for another rule)."""
+    def rule_kwargs(self, given: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The validated parameters of ``self.rule`` (the others' are kept, for another rule).
+        ``given``: the keys a request gave (Settings keys): a rule parameter among them that the
+        rule does not take is an ``InertParam``, never a silent no-op."""
+        asked = gather_params(given).get("rule_params", {}) if given else {}
         spec = RULES.get(self.rule)
         if spec is None:
             raise ConfigError(f"unknown rule {self.rule!r}; choose one of: {', '.join(RULES)}")
+        for key in asked if isinstance(asked, dict) else {}:
+            if key not in spec.param_names():
+                raise InertParam(key, self.rule, [name for name, r in RULES.items() if key in r.param_names()])
         kwargs = {k: v for k, v in self.rule_params.items() if k in spec.param_names()}
         try:
             return resolve_params(self.rule, kwargs)

@@ -27,7 +27,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from cactus_cli.app.config.settings import Settings, build_settings, inert_rule_param
+from cactus_cli.app.config.settings import Settings, build_settings
+from cactus_cli.app.runtime import generation_params
 from cactus_cli.app.session import Session
 from cactus_cli.core.acceptance import RULES
 from cactus_cli.core.errors import CactusError, ConfigError
@@ -202,9 +203,6 @@ class Server:
             except ConfigError as err:
                 raise FieldError(key, str(err)) from None
         settings = build_settings(base, (overrides, "the request"))
-        if inert := inert_rule_param(settings.rule, overrides):  # (never a silent no-op)
-            key, rules = inert
-            raise FieldError(key, f"{key} has no effect with rule {settings.rule!r}; use rule {' or '.join(rules)}")
         if settings.draft is None and "num_draft_tokens" in overrides:
             raise FieldError("num_draft_tokens", "num_draft_tokens has no effect without a draft (draft 'none')")
         return settings
@@ -248,7 +246,7 @@ class Server:
                 f"max_tokens {settings.max_tokens} does not fit: the prompt is {len(ids)} tokens of a "
                 f"{self.context_length}-token context window, so at most {room} remain",
             )
-        params = self.session.params(settings)
+        params = generation_params(settings, given=overrides)  # (a rule parameter its rule does not take: a 400)
         params = dataclasses.replace(
             params,
             logprobs=logprobs,

@@ -301,7 +301,8 @@ class SpeculativeEngine:
                 f"the prompt is {len(prompt_ids)} tokens but the context window is {self.context_length}; "
                 "shorten the prompt"
             )
-        return Request(self.context, prompt_ids, params, self.policy(params), deliver, label)
+        policy = self.policy(params)
+        return Request(self.context, prompt_ids, params, policy, deliver, label)
 
     def place(self, run: Request, slot: int = 0, probe: bool = False) -> Request:
         """``run`` will run in ``slot``: its caches are sized for it (a compiled engine compiles
@@ -312,8 +313,7 @@ class SpeculativeEngine:
             self.probe_costs(params.num_draft_tokens)
         # (an answer without a cap grows an eager cache as it goes; a static one is sized once)
         ahead = params.max_tokens if self.compiled else min(params.max_tokens, RESERVE_AHEAD)
-        tokens = len(run.prompt) + ahead + 1
-        self.prepare(tokens, self.step_widths(params.num_draft_tokens), self.report, False, slot)
+        self.prepare(len(run.prompt) + ahead + 1, self.step_widths(params.num_draft_tokens), self.report, False, slot)
         run.place(self.slots[slot])
         return run
 
