@@ -338,3 +338,21 @@ def test_a_chunked_step_is_sized_by_its_time_in_whole_blocks(width, seconds, blo
     """The next chunked step's width follows the last one's time toward STEP_SECONDS, in whole
     blocks where it holds one (llama.cpp's CPU attention: 64 queries at a time on its fast path)."""
     assert next_width(width, seconds, block) == expected
+
+
+def test_a_prompts_short_last_chunk_leaves_the_step_width_as_it_was(close):
+    """A chunked step's time sizes the next one only when its chunks filled the width: a prompt's
+    last, shorter chunk reads as a cheap step and would swing the next joining prompt's chunks."""
+    engine = SpeculativeEngine(close, sequences=2)
+    params = GenerationParams(sampling=GREEDY, num_draft_tokens=2, max_tokens=60, ignore_eos=True)
+    short, long = ids(close, PROMPTS[1]), ids(close, " ".join(PROMPTS) + " and the bird sang")
+    for prompt, width, resized in ((short, len(short) + 8, False), (long, 16, True)):
+        batch = Batch(engine)
+        batch.add(engine.start(ids(close, PROMPTS[0]), params, slot=0))
+        batch.step()  # (alone: prefilled whole, then decoding)
+        batch.width = width
+        batch.add(engine.start(prompt, dataclasses.replace(params, max_tokens=2), slot=1))
+        batch.step()  # (a chunk of the joining prompt beside the decoding run)
+        assert (batch.width != width) == resized, (len(prompt), width, batch.width)
+        while len(batch):
+            batch.step()

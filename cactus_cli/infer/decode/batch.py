@@ -136,9 +136,10 @@ class Batch:
         except BaseException:
             self._abandon(live + [e for e, _, _ in chunks])
             raise
-        if chunks and self.chunk is None:
-            fed = sum(r.k + 1 for r in live) + sum(len(ids) for _, ids, _ in chunks)
-            self.width = next_width(fed, time.perf_counter() - t0, self.engine.step_block)
+        fed = sum(len(ids) for _, ids, _ in chunks)
+        if chunks and self.chunk is None and fed >= self.width - len(live):  # (a prompt's short last chunk: no)
+            rows = sum(r.k + 1 for r in live)
+            self.width = next_width(rows + fed, time.perf_counter() - t0, self.engine.step_block)
         self._commit(live, results, chunks, out)
         self.idle_from = time.perf_counter()
         return out
