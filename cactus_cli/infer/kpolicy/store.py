@@ -104,7 +104,7 @@ class CostStore:
         """The store cached for ``key`` (empty when there is none), with what this process's
         earlier stores of that key put off writing."""
         path = cache_path(key)
-        for store in [s for s in _UNSAVED if s.path == path]:
+        for store in [s for s in list(_UNSAVED) if s.path == path]:  # (a copy: a serve worker may add to it meanwhile)
             store.save()
         return cls(path, key, kinds)
 
